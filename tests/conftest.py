@@ -1,0 +1,50 @@
+"""Shared fixtures: the bundled SmolLM2 model (loaded once, float32) and a tiny random-weight model
+for pure logic tests and compilation (compiling the 30-layer model takes about a minute here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from checkpoint import load_checkpoint  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+TINY_ARGS = dict(n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128, vocab_size=256,
+                 rope_base=10000.0, context_length=1024)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: end-to-end tests of a minute or more (run by default)")
+
+
+@pytest.fixture(scope="session")
+def bundled_session():
+    torch.manual_seed(0)
+    return load_checkpoint(None, "cpu", torch.float32)
+
+
+@pytest.fixture
+def bundled(bundled_session):
+    """(model, tokenizer) for the bundled SmolLM2-135M-Instruct in float32, with no caches attached."""
+    bundled_session[0].remove_caches()
+    return bundled_session
+
+
+def make_tiny_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**{**TINY_ARGS, **overrides}))
+    for p in model.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.2)  # sharp attention, so cache differences show in logits
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def tiny_model() -> Transformer:
+    return make_tiny_model()

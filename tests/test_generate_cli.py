@@ -1,0 +1,73 @@
+"""generate.py end to end on the bundled model, and bad input: one line on stderr, non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def run_generate(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *flags], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    assert fragment in lines[0], lines[0]
+
+
+def test_generate_end_to_end_writes_stats(tmp_path):
+    stats_path = tmp_path / "stats.json"
+    proc = run_generate("--prompt", "What is the capital of France?", "--max_new_tokens", "8",
+                        "--stats_json", str(stats_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout  # float32 greedy answer of SmolLM2-135M-Instruct
+    assert "---- statistics ----" in proc.stdout
+    stats = json.loads(stats_path.read_text())
+    for key in ["prompt_tokens", "generated_tokens", "prefill_tokens_per_second", "decode_tokens_per_second",
+                "total_seconds", "cache_bytes", "compression_ratio", "config", "cache_spec", "model"]:
+        assert key in stats, key
+    assert stats["generated_tokens"] <= 8 and stats["compression_ratio"] == 0.0
+    assert stats["cache_bytes"] > 0 and len(stats["cache_spec"]) == stats["model"]["n_layer"] == 30
+    # An existing stats file is never overwritten silently.
+    again = run_generate("--prompt", "Hi", "--max_new_tokens", "2", "--stats_json", str(stats_path))
+    assert_one_line_error(again, "--overwrite")
+    assert json.loads(stats_path.read_text()) == stats
+
+
+@pytest.fixture(scope="module")
+def long_prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "long.txt"
+    path.write_text("token " * 9000)
+    return path
+
+
+BAD_INPUTS = {
+    "unknown strategy": (["--prompt", "Hi", "--cache_strategy", "nonsense"], "unknown cache strategy"),
+    "missing checkpoint": (["--prompt", "Hi", "--checkpoint_path", "/nonexistent/model.gguf"], "not found"),
+    "empty prompt": (["--prompt", "   "], "empty"),
+    "missing prompt file": (["--prompt", "/nonexistent/prompt.txt"], "not found"),
+    "bad dtype": (["--prompt", "Hi", "--dtype", "float8"], "dtype"),
+    "bad device": (["--prompt", "Hi", "--device", "tpu"], "device"),
+    "unknown flag": (["--prompt", "Hi", "--no_such_flag"], "unrecognized"),
+    "zero budget": (["--prompt", "Hi", "--max_cache_length", "0"], "positive"),
+    "zero new tokens": (["--prompt", "Hi", "--max_new_tokens", "0"], "max_new_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_one_line(case):
+    flags, fragment = BAD_INPUTS[case]
+    assert_one_line_error(run_generate(*flags), fragment)
+
+
+def test_prompt_longer_than_context(long_prompt_file):
+    assert_one_line_error(run_generate("--prompt", str(long_prompt_file), "--no-chat"), "context")

@@ -1,0 +1,155 @@
+"""Tokenizers built offline from what a checkpoint carries: the GGUF vocab and merges, or a Hugging Face
+`tokenizer.json`. Chat templates (Jinja, as shipped with the checkpoint) are rendered in a sandbox."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from errors import UserError
+
+# llama.cpp's names for the pre-tokenizer of GPT-2-style byte-level BPE vocabularies. "smollm" splits
+# every digit on its own before the GPT-2 regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM).
+_DIGIT_SPLITTING_PRE = {"smollm"}
+_GPT2_REGEX_PRE = {"gpt2", "default", "smollm", "refact", "starcoder", "codeshell", "jais"}
+_GGUF_TOKEN_TYPE_CONTROL = 3
+_GGUF_TOKEN_TYPE_USER_DEFINED = 4
+
+
+class Tokenizer:
+    """Text <-> ids, special tokens, and the checkpoint's chat template."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        bos_id: int | None,
+        eos_ids: list[int],
+        chat_template: str | None,
+        add_bos: bool,
+    ) -> None:
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it (e.g. from a chat template) map to their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def special_token_ids(self) -> list[int]:
+        return sorted(t for t in self.backend.get_added_tokens_decoder() if t is not None)
+
+    def apply_chat_template(self, user_message: str) -> str:
+        if not self.chat_template:
+            raise UserError("this checkpoint has no chat template; pass --no-chat")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
+        text = template.render(
+            messages=[{"role": "user", "content": user_message}],
+            add_generation_prompt=True,
+            bos_token=bos,
+            eos_token=eos,
+        )
+        # A template that writes the BOS token itself must not get a second one from encode().
+        if self.add_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]
+        return text
+
+
+def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool) -> HFTokenizer:
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UserError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2-style byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _GPT2_REGEX_PRE:
+        raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(sorted(_GPT2_REGEX_PRE))})")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE)
+    token_types = meta.get("tokenizer.ggml.token_type", [])
+    special = [
+        tokens[i]
+        for i, t in enumerate(token_types)
+        if t in (_GGUF_TOKEN_TYPE_CONTROL, _GGUF_TOKEN_TYPE_USER_DEFINED)
+    ]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = [int(eos)] if eos is not None else []
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos_ids:
+        eos_ids.append(int(eot))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return Tokenizer(
+        backend,
+        bos_id=int(bos) if bos is not None else None,
+        eos_ids=eos_ids,
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def tokenizer_from_hf_dir(directory: Path, config: dict) -> Tokenizer:
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no tokenizer.json")
+    backend = HFTokenizer.from_file(str(path))
+    tok_config_path = directory / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+
+    def token_id(entry: object) -> int | None:
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        return backend.token_to_id(entry) if isinstance(entry, str) else None
+
+    eos = config.get("eos_token_id")
+    gen_path = directory / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids and token_id(tok_config.get("eos_token")) is not None:
+        eos_ids = [token_id(tok_config["eos_token"])]
+    bos = config.get("bos_token_id")
+    if bos is None:
+        bos = token_id(tok_config.get("bos_token"))
+    # Llama-style tokenizer.json files add BOS themselves through their post-processor.
+    adds_bos = bos is not None and bos in backend.encode("a", add_special_tokens=True).ids
+    if adds_bos:
+        backend.post_processor = None
+    chat_template = tok_config.get("chat_template")
+    template_file = directory / "chat_template.jinja"
+    if chat_template is None and template_file.is_file():
+        chat_template = template_file.read_text()
+    if isinstance(chat_template, list):  # list of named templates: take the default one
+        chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), None)
+    return Tokenizer(backend, bos_id=bos, eos_ids=eos_ids, chat_template=chat_template, add_bos=adds_bos)
