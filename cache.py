@@ -1,20 +1,20 @@
-"""The KV cache contract (DESIGN.md §4) and the registry of eviction strategies.
+"""The KV cache contract (DESIGN.md §4), the strategy registry, and the eviction strategies.
 
 One `KVCache` per attention layer. Every tensor is a registered buffer of fixed shape, so a compiled
 decode step never recompiles:
 
-- `k_cache`, `v_cache`: [B, n_kv_heads, L, head_dim], L = this layer's budget. Keys are stored after
-  RoPE at their original absolute position; eviction leaves gaps and nothing is re-rotated.
+- `k_cache`, `v_cache`: [B, n_kv_heads, L, head_dim], L = this layer's budget (with `--cache_bits`,
+  packed integer codes plus per-token scales and zero points instead; see `keys()` / `values()`).
+  Keys are stored after RoPE at their original position; eviction leaves gaps, nothing is re-rotated.
 - `pos`: original position held in each slot, -1 when empty: [B, n_kv_heads or 1, L] (per head only
   for head-specific strategies, which evict different tokens in different heads).
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
 - `inserted`: tokens that went through this cache, per head [B, n_kv_heads].
 
-A strategy is a small subclass: it scores tokens (`token_scores`, the lowest is evicted first) or
-overrides how a slot is chosen, and lists the hyper-parameters it reads in `hyperparameters`
-(their flags, defaults and help live in one place: cache_spec.py). Slots are chosen with tensor ops
-only (fill the next empty slot, else evict the argmin score), so there are no host syncs or
-data-dependent shapes in the decode step.
+A strategy is a small subclass: it scores tokens (`token_scores`; the lowest unprotected token is
+evicted) or overrides how a slot is chosen, and lists the hyper-parameters it reads (their flags,
+defaults and help live in one place: cache_spec.py). Slots are chosen with tensor ops only (the next
+empty slot, else the argmin score), so the decode step has no host syncs or data-dependent shapes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from errors import UserError
+from quantization_utils import dequantize, quantize
 
 
 class KVCache(nn.Module):
@@ -33,10 +34,12 @@ class KVCache(nn.Module):
     hyperparameters: ClassVar[tuple[str, ...]] = ()
     # Evicts different tokens in different KV heads (then `pos` is per head).
     head_specific: ClassVar[bool] = False
-    # Wants the decode-time attention probabilities (per KV head) through `update_state`.
+    # Wants each decode step's attention probabilities through `update_state`.
     needs_attention: ClassVar[bool] = False
-    # Global (sink) tokens and the recent window are never evicted (when the strategy reads them).
-    protects_global_and_recent: ClassVar[bool] = True
+    # Wants the token ids (prompt and each decoded token) through `observe_tokens`.
+    needs_token_ids: ClassVar[bool] = False
+    # Wants the tokenizer's special/punctuation masks (cache_hybrid.token_classes) through `configure`.
+    needs_token_classes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -46,131 +49,216 @@ class KVCache(nn.Module):
         max_cache_length: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        cache_bits: int = 16,
+        capacity_needed: int | None = None,
         **hyperparameters: object,
     ) -> None:
         super().__init__()
+        # prompt + new tokens: a budget at least this large never evicts (and skips scoring).
+        self.capacity_needed = capacity_needed if capacity_needed is not None else 1 << 62
         unknown = set(hyperparameters) - set(self.hyperparameters)
         if unknown:
             raise TypeError(f"{self.name} does not read hyper-parameters {sorted(unknown)}")
         self.max_cache_length = max_cache_length
         self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.cache_bits = cache_bits
         self.global_tokens = int(hyperparameters.get("global_tokens", 0))
         self.recent_window = int(hyperparameters.get("recent_window", 0))
         self.hparams = dict(hyperparameters)
         B, H, L, D = batch_size, n_kv_heads, max_cache_length, head_dim
+        kw = dict(device=device)
+        if cache_bits == 16:
+            self.register_buffer("k_cache", torch.zeros(B, H, L, D, dtype=dtype, **kw))
+            self.register_buffer("v_cache", torch.zeros(B, H, L, D, dtype=dtype, **kw))
+        else:
+            packed_width = D * cache_bits // 8
+            for name in ("k", "v"):
+                self.register_buffer(f"{name}_codes", torch.zeros(B, H, L, packed_width, dtype=torch.uint8, **kw))
+                # Scales and zero points in the cache dtype (rounded up there by quantize: see its bound).
+                self.register_buffer(f"{name}_scale", torch.zeros(B, H, L, 1, dtype=dtype, **kw))
+                self.register_buffer(f"{name}_zero", torch.zeros(B, H, L, 1, dtype=dtype, **kw))
         pos_heads = H if self.head_specific else 1
-        self.register_buffer("k_cache", torch.zeros(B, H, L, D, dtype=dtype, device=device))
-        self.register_buffer("v_cache", torch.zeros(B, H, L, D, dtype=dtype, device=device))
-        self.register_buffer("pos", torch.full((B, pos_heads, L), -1, dtype=torch.long, device=device))
-        self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, device=device))
-        self.register_buffer("inserted", torch.zeros(B, H, dtype=torch.long, device=device))
+        self.register_buffer("pos", torch.full((B, pos_heads, L), -1, dtype=torch.long, **kw))
+        self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, **kw))
+        self.register_buffer("inserted", torch.zeros(B, H, dtype=torch.long, **kw))
 
-    # ---- the contract used by model.Attention -------------------------------------------------------
+    # ---- storage: dense, or quantized per token (only the written slots are (re)quantized) ------------
+
+    def keys(self) -> Tensor:
+        if self.cache_bits == 16:
+            return self.k_cache
+        return dequantize(self.k_codes, self.k_scale, self.k_zero, self.cache_bits, self.dtype)
+
+    def values(self) -> Tensor:
+        if self.cache_bits == 16:
+            return self.v_cache
+        return dequantize(self.v_codes, self.v_scale, self.v_zero, self.cache_bits, self.dtype)
+
+    def _store(self, head_slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [B, H, n, D] into slots head_slot [B, H, n]."""
+        if self.cache_bits == 16:
+            index = head_slot[..., None].expand(*head_slot.shape, self.head_dim)
+            self.k_cache.scatter_(2, index, k.to(self.dtype))
+            self.v_cache.scatter_(2, index, v.to(self.dtype))
+            return
+        for name, x in (("k", k), ("v", v)):
+            codes, scale, zero = quantize(x, self.cache_bits)
+            for suffix, src in (("codes", codes), ("scale", scale), ("zero", zero)):
+                buf = getattr(self, f"{name}_{suffix}")
+                buf.scatter_(2, head_slot[..., None].expand(*head_slot.shape, buf.shape[-1]), src.to(buf.dtype))
+
+    # ---- the contract used by model.Attention ------------------------------------------------------------
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        """Store the prompt's keys/values (positions `input_pos`, starting at 0) into an empty cache.
-
-        k, v: [B, n_kv, T, D] after RoPE; q: [B, n_head, T, D], for strategies whose prompt compression
-        or initial scores need the prompt's attention.
-        """
-        B, H, T, D = k.shape
+        """Store the prompt (positions `input_pos` from 0; k, v [B, n_kv, T, D] after RoPE) in the empty
+        cache, compressing it when it exceeds the budget. q [B, n_head, T, D] is there for compressors
+        and initial scores that need the prompt's attention."""
+        B, H, T, _ = k.shape
         if T > self.max_cache_length:
-            keep = self.select_prompt_tokens(input_pos, k, v, q)  # [B, pos_heads, L]
+            keep = self.select_prompt_tokens(input_pos, k, v, q)  # [B, pos_heads, L], sorted
         else:
             keep = torch.arange(T, device=k.device).view(1, 1, T).expand(B, self.pos.shape[1], T)
         n = keep.shape[-1]
-        idx = keep.expand(B, H, n)
-        self.k_cache[:, :, :n] = k.gather(2, idx[..., None].expand(B, H, n, D))
-        self.v_cache[:, :, :n] = v.gather(2, idx[..., None].expand(B, H, n, D))
+        head_keep = keep.expand(B, H, n)
+        gather = head_keep[..., None].expand(B, H, n, k.shape[-1])
+        slots = torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n)
+        self._store(slots, k.gather(2, gather), v.gather(2, gather))
         self.pos[:, :, :n] = input_pos[keep]
         self.mask[:, :, 0, :n] = True
         self.inserted.fill_(T)
         self.after_prefill(keep, input_pos, k, q)
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Insert one decoded token (input_pos: [1]; k, v: [B, n_kv, 1, D]); return (k, v, mask) to attend over."""
+        """Insert one token (input_pos [1]; k, v [B, n_kv, 1, D]); return (keys, values, mask) to attend over."""
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
-        B, H, _, D = k.shape
+        B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
-        self.k_cache.scatter_(2, head_slot[..., None, None].expand(B, H, 1, D), k)
-        self.v_cache.scatter_(2, head_slot[..., None, None].expand(B, H, 1, D), v)
+        self._store(head_slot[..., None], k, v)
         self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, slot.shape[1], 1))
         self.mask.scatter_(3, head_slot[..., None, None], True)
         self.inserted += 1
         self.after_insert(slot, input_pos, k)
-        return self.k_cache, self.v_cache, self.mask
+        return self.keys(), self.values(), self.mask
 
-    def update_state(self, attn: Tensor) -> None:
-        """Attention probabilities of the current step, [B, n_kv, L] (averaged over each KV group)."""
+    def update_state(self, probs: Tensor) -> None:
+        """This step's attention probabilities over the slots, [B, n_kv, rep, L] (rep query heads per KV head)."""
+
+    def observe_tokens(self, token_ids: Tensor) -> None:
+        """Token ids [B, T] entering the model (the prompt, then one per step), for needs_token_ids caches."""
 
     def reset(self) -> None:
-        self.k_cache.zero_()
-        self.v_cache.zero_()
-        self.pos.fill_(-1)
-        self.mask.zero_()
-        self.inserted.zero_()
+        for name, buf in self.named_buffers():
+            buf.fill_(-1) if name == "pos" else buf.zero_()
 
-    # ---- what a strategy overrides ------------------------------------------------------------------
+    # ---- what a strategy overrides -------------------------------------------------------------------------
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         """Importance of every slot, [B, pos_heads, L]; the lowest unprotected one is evicted."""
         raise NotImplementedError
 
     def select_prompt_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
-        """Indices of the prompt tokens to keep when the prompt exceeds the budget: [B, pos_heads, L]."""
-        raise UserError(
-            f"the prompt ({k.shape[2]} tokens) exceeds this layer's {self.name} cache "
-            f"({self.max_cache_length} tokens) and no prompt compression is configured"
-        )
+        """Prompt tokens kept when the prompt exceeds the budget: sorted indices [B, pos_heads, L]."""
+        from prompt_compression import compress_prompt
+
+        return compress_prompt(self, input_pos, k, q)
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        """Hook: initialise per-token state for the kept prompt tokens (slots 0..n-1)."""
+        """Hook: initialise per-token state of the kept prompt tokens (slots 0..n-1)."""
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        """Hook: initialise per-token state of the slot that just received a token."""
+        """Hook: initialise per-token state of the slot [B, pos_heads] that just received a token."""
+
+    # Settings from cache_spec.build_caches (see `configure`).
+    layer_idx: int = 0
+    prompt_compression: str = "full"  # name in prompt_compression.PROMPT_COMPRESSORS
+    snapkv_window: int = 32  # SnapKV observation window (last prompt queries)
+    snapkv_kernel: int = 7  # SnapKV pooling kernel
+
+    def configure(self, **settings: object) -> None:
+        """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""
+        for key, value in settings.items():
+            if not hasattr(type(self), key):
+                raise TypeError(f"unknown cache setting {key!r}")
+            setattr(self, key, value)
+
+    def budget(self) -> int:
+        """The token budget this layer was given (what statistics report)."""
+        return self.max_cache_length
 
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
         filled = self.inserted[:, : self.pos.shape[1]]
         if self.max_cache_length >= self.capacity_needed:
-            return filled  # never full: skip scoring (the full cache, or a budget above the sequence)
+            return filled  # never full (the full cache, or a budget above the sequence): skip scoring
         scores = self.token_scores(input_pos).masked_fill(self.protected(input_pos), float("inf"))
         return torch.where(filled < self.max_cache_length, filled, scores.argmin(dim=-1))
 
     def protected(self, input_pos: Tensor) -> Tensor:
-        """Slots that must not be evicted: global (sink) tokens and the recent window, [B, pos_heads, L].
+        """Slots never evicted: global (sink) tokens and the recent window, [B, pos_heads, L].
 
-        The recent window counts the token being inserted, so after the insert exactly the
-        `recent_window` most recent positions are held.
+        The window counts the token being inserted, so after the insert exactly the `recent_window`
+        most recent positions are held.
         """
-        if not self.protects_global_and_recent:
-            return torch.zeros_like(self.pos, dtype=torch.bool)
         return (self.pos < self.global_tokens) | (self.pos > input_pos - self.recent_window)
 
-    # Set by cache_spec.build_caches: prompt + new tokens; a budget at least this large never evicts.
-    capacity_needed: int = 1 << 62
-
-    # ---- statistics ---------------------------------------------------------------------------------
+    # ---- statistics ----------------------------------------------------------------------------------------
 
     def held_tokens(self) -> Tensor:
         """Tokens held per head, [B, n_kv]."""
         return self.mask.sum(dim=(-1, -2))
 
-    def bits_per_value(self) -> int:
-        return 16
-
     def compression_ratio_per_head(self) -> Tensor:
         """1 − (held × bits/16) / seen per head (DESIGN.md §6), [B, n_kv]; 0 for a head that saw nothing."""
         seen = self.inserted.clamp(min=1).double()
-        ratio = 1.0 - self.held_tokens().double() * (self.bits_per_value() / 16.0) / seen
+        ratio = 1.0 - self.held_tokens().double() * (self.cache_bits / 16.0) / seen
         return torch.where(self.inserted > 0, ratio, torch.zeros_like(ratio))
 
     def nbytes(self) -> int:
-        """Physical bytes of every buffer this cache holds (K/V, positions, masks, scores, scales)."""
+        """Physical bytes of every buffer this cache holds (K/V or codes, scales, positions, masks, scores)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    def extra_statistics(self) -> dict[str, Tensor]:
+        """Strategy-specific statistics (e.g. attention loss), each [n_kv] or a scalar tensor."""
+        return {}
 
-# ---- registry --------------------------------------------------------------------------------------
+
+def grouped_mean(probs: Tensor) -> Tensor:
+    """[B, n_kv, rep, L] -> [B, n_kv, L]: one attention distribution per KV head (GQA)."""
+    return probs.mean(dim=2)
+
+
+def prompt_attention(q: Tensor, k: Tensor, rows: Tensor) -> Tensor:
+    """Causal attention of the prompt queries at `rows` over all prompt keys, averaged over the query
+    heads of each KV group (GQA): [B, n_kv, len(rows), T], float32."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    qc = q[:, :, rows].reshape(B, n_kv, H // n_kv, len(rows), D)
+    scores = (qc @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
+    scores = scores.masked_fill(torch.arange(T, device=q.device) > rows[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).mean(dim=2)
+
+
+def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256) -> Tensor:
+    """Attention each prompt key receives from all prompt queries, summed: [B, n_kv, T].
+
+    With `count_above_uniform`, the number of queries that gave the key at least uniform attention
+    (1 / number of keys the query sees) instead. Computed in query chunks: memory stays O(chunk × T)
+    instead of O(T²), since explicit attention over a long prompt at once is too expensive.
+    """
+    B, _, T, _ = q.shape
+    received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
+    for start in range(0, T, chunk):
+        rows = torch.arange(start, min(start + chunk, T), device=q.device)
+        attn = prompt_attention(q, k, rows)
+        if count_above_uniform:
+            attn = (attn >= 1.0 / (rows[:, None] + 1)).float() * (torch.arange(T, device=q.device) <= rows[:, None])
+        received += attn.sum(dim=2)
+    return received
+
+
+# ---- registry ------------------------------------------------------------------------------------------
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {}
 
@@ -183,9 +271,17 @@ def register_strategy(cls: type[KVCache]) -> type[KVCache]:
 
 
 def get_strategy(name: str) -> type[KVCache]:
+    if name.startswith("debug_") and name not in CACHE_STRATEGIES:
+        from debug_cache import debug_strategy
+
+        return debug_strategy(name.removeprefix("debug_"))
     if name not in CACHE_STRATEGIES:
-        raise UserError(f"unknown cache strategy {name!r}; available: {', '.join(sorted(CACHE_STRATEGIES))}")
+        names = sorted(CACHE_STRATEGIES) + ["debug_<strategy>"]
+        raise UserError(f"unknown cache strategy {name!r}; available: {', '.join(names)}")
     return CACHE_STRATEGIES[name]
+
+
+# ---- strategies --------------------------------------------------------------------------------------
 
 
 @register_strategy
@@ -193,23 +289,163 @@ class FullCache(KVCache):
     """Keeps everything: the cache is sized to the whole sequence (prompt + max_new_tokens)."""
 
     name = "full"
-    protects_global_and_recent = False
+
+
+@register_strategy
+class RecentGlobalCache(KVCache):
+    """StreamingLLM (arXiv 2309.17453): attention sinks (the first `global_tokens`) + a sliding window."""
+
+    name = "recent_global"
+    hyperparameters = ("global_tokens",)
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        return self.pos.float()  # the oldest non-global token goes first
+
+
+@register_strategy
+class RandomCache(KVCache):
+    """Evicts a uniformly random unprotected token: the floor every scoring rule must beat.
+
+    Scores are a hash of (seed, layer, position, step) rather than torch.rand, so a run is reproducible
+    for a seed in eager and compiled mode alike and needs no generator state in the compiled graph.
+    """
+
+    name = "random"
+    hyperparameters = ("global_tokens", "recent_window", "seed")
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        return hashed_scores(self.pos, input_pos, self.random_seed())
+
+    def random_seed(self) -> int:
+        return int(self.hparams.get("seed", 0)) * 1_000_003 + self.layer_idx
+
+
+def hashed_scores(pos: Tensor, step: Tensor, seed: int) -> Tensor:
+    """Pseudo-random scores in [0, 2^32) from (position, step, seed): a murmur-style integer finaliser.
+
+    Deterministic for a seed, the same eager and compiled, and free of generator state in the graph.
+    """
+    x = (pos * 0x9E3779B1 + step * 0x85EBCA77 + seed) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 12)) * 0x297A2D39) & 0xFFFFFFFF
+    return (x ^ (x >> 15)).float()
+
+
+@register_strategy
+class KeepItOddCache(KVCache):
+    """A toy, to show how small a strategy is: evict even positions (oldest first), keep odd ones."""
+
+    name = "keep_it_odd"
+    hyperparameters = ("global_tokens", "recent_window")
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        return (self.pos % 2) * float(self.capacity_needed) + self.pos.float()
+
+
+@register_strategy
+class L2NormCache(KVCache):
+    """Keeps the keys with the lowest L2 norm, which draw the most attention (arXiv 2406.11430)."""
+
+    name = "l2"
+    hyperparameters = ("global_tokens", "recent_window")
+    head_specific = True
+
+    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
+        self.register_buffer("key_norm", torch.zeros(batch_size, n_kv_heads, self.max_cache_length))
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        return -self.key_norm  # the largest norm is evicted first
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        n = keep.shape[-1]
+        self.key_norm[:, :, :n] = k.float().norm(dim=-1).gather(2, keep)
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        self.key_norm.scatter_(2, slot[..., None], k.float().norm(dim=-1))
+
+
+@register_strategy
+class HeavyHitterCache(KVCache):
+    """H2O (arXiv 2306.14048) / ScissorHands: evict the token with the lowest average attention received
+    since it entered the cache. `history_window_size` W > 1 averages over the last W steps only;
+    `attn_thresholding` counts the steps where a token got at least uniform attention instead of summing.
+    The prompt's own causal attention seeds the history at prefill."""
+
+    name = "heavy_hitter"
+    hyperparameters = ("global_tokens", "recent_window", "history_window_size", "attn_thresholding")
+    head_specific = True
+    needs_attention = True
+
+    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
+        B, H, L = batch_size, n_kv_heads, self.max_cache_length
+        self.window = int(self.hparams.get("history_window_size", 1))
+        self.thresholding = bool(self.hparams.get("attn_thresholding", False))
+        self.register_buffer("attn_sum", torch.zeros(B, H, L))  # whole-history sum (window 1)
+        self.register_buffer("attn_steps", torch.zeros(B, H, L))  # steps each slot has been attended from
+        if self.window > 1:
+            self.register_buffer("attn_history", torch.zeros(B, H, L, self.window))
+            self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        if self.window > 1:
+            return self.attn_history.sum(-1) / self.attn_steps.clamp(min=1, max=self.window)
+        return self.attn_sum / self.attn_steps.clamp(min=1)
+
+    def update_state(self, probs: Tensor) -> None:
+        attn = grouped_mean(probs)
+        if self.thresholding:
+            uniform = 1.0 / self.held_tokens().clamp(min=1)[..., None]
+            attn = (attn >= uniform).float() * self.mask[:, :, 0]
+        self.attn_steps += self.mask[:, :, 0].float()
+        if self.window > 1:
+            column = (self.step % self.window).view(1, 1, 1, 1).expand(*attn.shape, 1)
+            self.attn_history.scatter_(3, column, attn[..., None])
+            self.step += 1
+        else:
+            self.attn_sum += attn
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        received = prompt_attention_received(q, k, count_above_uniform=self.thresholding)
+        T, n = k.shape[2], keep.shape[-1]
+        steps = (T - torch.arange(T, device=k.device)).float().expand_as(received)  # queries that saw the key
+        self.attn_sum[:, :, :n] = received.gather(2, keep)
+        self.attn_steps[:, :, :n] = steps.gather(2, keep)
+        if self.window > 1:  # seed with the average, as if the last W steps had looked like the prompt
+            average = (received / steps).gather(2, keep)
+            self.attn_history[:, :, :n] = average[..., None].expand(-1, -1, -1, self.window)
+            self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        index = slot[..., None]
+        self.attn_sum.scatter_(2, index, 0.0)
+        self.attn_steps.scatter_(2, index, 0.0)
+        if self.window > 1:
+            self.attn_history.scatter_(2, index[..., None].expand(*index.shape, self.window), 0.0)
 
 
 def cache_statistics(caches: list[KVCache]) -> dict:
     """Measured statistics over all layers (DESIGN.md §6): compression per layer/head and averaged,
-    physical bytes, tokens held and evicted."""
+    physical bytes, tokens held and evicted, and any strategy-specific statistics."""
     if not caches:
         return {"cache_bytes": 0, "compression_ratio": 0.0}
     per_head = [c.compression_ratio_per_head().mean(dim=0) for c in caches]  # [n_kv] per layer
     held = [c.held_tokens().float().mean(dim=0) for c in caches]
     seen = [c.inserted.float().mean(dim=0) for c in caches]
-    return {
+    stats = {
         "cache_bytes": sum(c.nbytes() for c in caches),
         "compression_ratio": round(float(torch.stack(per_head).mean()), 4),
         "compression_ratio_per_layer": [round(float(r.mean()), 4) for r in per_head],
         "compression_ratio_per_head": [[round(float(x), 4) for x in r] for r in per_head],
-        "tokens_held_per_layer": [round(float(h.mean()), 2) for h in held],
-        "evictions_per_layer": [round(float((s - h).mean()), 2) for s, h in zip(seen, held, strict=False)],
-        "cache_budget_per_layer": [c.max_cache_length for c in caches],
+        "tokens_held_per_head": [[round(float(x), 2) for x in h] for h in held],
+        "evictions_per_layer": [round(float((s - h).sum()), 2) for s, h in zip(seen, held, strict=True)],
+        "cache_budget_per_layer": [c.budget() for c in caches],
     }
+    extras = [c.extra_statistics() for c in caches]
+    for key in sorted({k for e in extras for k in e}):
+        per_layer = [e[key].double() for e in extras if key in e]
+        stats[f"{key}_mean"] = round(float(torch.stack([x.mean() for x in per_layer]).mean()), 5)
+        stats[f"{key}_per_layer"] = [round(float(x.mean()), 5) for x in per_layer]
+        stats[f"{key}_per_head"] = [[round(float(v), 5) for v in x.flatten()] for x in per_layer]
+    return stats

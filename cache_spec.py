@@ -19,7 +19,9 @@ import torch
 import yaml
 
 from cache import KVCache, get_strategy
+from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
+from prompt_compression import PROMPT_COMPRESSORS
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
@@ -39,6 +41,26 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="first tokens never evicted (attention sinks)")
     g.add_argument("--recent_window", type=float, default=10,
                    help="most recent tokens never evicted: a count (> 1) or a fraction of the budget (< 1)")
+    g.add_argument("--prompt_compression_strategy", nargs="+", default=["auto"],
+                   help="per layer, when the prompt exceeds the budget (auto: the cache strategy's own; "
+                        f"choices: {', '.join(PROMPT_COMPRESSORS)})")
+    g.add_argument("--feed_long_prompts", action="store_true",
+                   help="prefill what fits the smallest budget, feed the rest of the prompt token by token")
+    g.add_argument("--snapkv_window", type=int, default=32, help="heavy_hitter prompt compression: last W queries")
+    g.add_argument("--snapkv_kernel", type=int, default=7, help="heavy_hitter prompt compression: pooling kernel")
+    g.add_argument("--history_window_size", type=int, default=1,
+                   help="heavy_hitter: average attention over the last W steps (1 = whole history)")
+    g.add_argument("--attn_thresholding", action="store_true",
+                   help="heavy_hitter: count steps with at least uniform attention instead of summing")
+    g.add_argument("--min_recovery_frac", type=float, default=0.95,
+                   help="hybrid: a head takes the first policy recovering this much of its attention")
+    g.add_argument("--hybrid_policies", nargs="+", default=list(DEFAULT_HYBRID_POLICIES),
+                   help="hybrid: candidate policies, cheapest first (components joined by +: "
+                        "special, punct, frequent, local, full)")
+    g.add_argument("--hybrid_recent_frac", type=float, default=0.3, help="hybrid: local window, fraction of tokens")
+    g.add_argument("--hybrid_heavy_frac", type=float, default=0.3, help="hybrid: heavy hitters, fraction of tokens")
+    g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
+                   help="store keys/values as integers with per-token scales (16 = unquantized)")
     g.add_argument("--cache_config", default=None,
                    help="YAML preset: a path or a name in configs/ (flags given explicitly win)")
     g.add_argument("--print_cache_spec", action="store_true", help="print the resolved per-layer table")
@@ -50,6 +72,8 @@ class LayerCacheSpec:
     strategy: str
     max_cache_length: int  # tokens
     hyperparameters: dict
+    prompt_compression: str = "full"
+    cache_bits: int = 16
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +160,21 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     for value in args.max_cache_length:
         if value <= 0:
             raise UserError(f"--max_cache_length must be positive, got {value:g}")
+    for name in args.prompt_compression_strategy:
+        if name != "auto" and name not in PROMPT_COMPRESSORS:
+            raise UserError(f"unknown prompt compression strategy {name!r}; available: auto, "
+                            f"{', '.join(PROMPT_COMPRESSORS)}")
+    if args.history_window_size < 1:
+        raise UserError(f"--history_window_size must be ≥ 1, got {args.history_window_size}")
+    if args.snapkv_window < 1 or args.snapkv_kernel < 1 or args.snapkv_kernel % 2 == 0:
+        raise UserError("--snapkv_window must be ≥ 1 and --snapkv_kernel a positive odd number")
+    if not 0 < args.min_recovery_frac <= 1:
+        raise UserError(f"--min_recovery_frac must be in (0, 1], got {args.min_recovery_frac:g}")
+    for key in ("hybrid_recent_frac", "hybrid_heavy_frac"):
+        if not 0 < getattr(args, key) <= 1:
+            raise UserError(f"--{key} must be in (0, 1], got {getattr(args, key):g}")
+    for policy in args.hybrid_policies:
+        parse_policy(policy)
 
 
 # ---- per-layer spec ------------------------------------------------------------------------------------
@@ -188,10 +227,13 @@ def resolve_cache_spec(
         budgets = [tokens_from_budget(v, total, "--max_cache_length") for v in raw]
         budgets = expand_to_layers(budgets, n_layer, args.cache_length_pattern, "--max_cache_length")
     check_cache_flags(args)
+    compressors = expand_to_layers(list(args.prompt_compression_strategy), n_layer, args.cache_strategy_pattern,
+                                   "--prompt_compression_strategy")
     specs = []
-    for layer, (name, budget) in enumerate(zip(strategies, budgets, strict=False)):
+    for layer, (name, budget, compressor) in enumerate(zip(strategies, budgets, compressors, strict=True)):
         cls = get_strategy(name)
         budget = total if name == "full" else min(budget, total)
+        compressor = check_prompt_compression(name, cls, compressor, layer)
         hp = {}
         for key in cls.hyperparameters:
             hp[key] = getattr(args, key)
@@ -204,8 +246,29 @@ def resolve_cache_spec(
                 f"layer {layer}: budget of {budget} tokens is smaller than the protected tokens "
                 f"(global_tokens {hp.get('global_tokens', 0)} + recent_window {hp.get('recent_window', 0)} + 1)"
             )
-        specs.append(LayerCacheSpec(layer, name, budget, hp))
+        if (budget < prompt_length and compressor == "full" and not args.feed_long_prompts):
+            raise UserError(
+                f"layer {layer}: the prompt ({prompt_length} tokens) exceeds the {name} budget of {budget} "
+                "tokens and prompt compression 'full' keeps everything: choose a --prompt_compression_strategy "
+                "or pass --feed_long_prompts"
+            )
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, args.cache_bits))
     return specs
+
+
+def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str, layer: int) -> str:
+    """The compressor for one layer ('auto' resolved), or a UserError listing what would work."""
+    base = strategy.removeprefix("debug_")
+    if compressor == "auto":
+        return base if base in PROMPT_COMPRESSORS else "recent_global"
+    if (base == "hybrid") != (compressor == "hybrid"):
+        raise UserError(f"layer {layer}: the hybrid cache profiles the prompt itself and only pairs with "
+                        f"prompt compression 'hybrid' (got {strategy} with {compressor})")
+    if PROMPT_COMPRESSORS[compressor].head_specific and not cls.head_specific and base != "full":
+        works = [n for n, c in PROMPT_COMPRESSORS.items() if not c.head_specific]
+        raise UserError(f"layer {layer}: prompt compression '{compressor}' keeps different tokens per head, "
+                        f"but the {strategy} cache is shared across heads; use one of: {', '.join(works)}")
+    return compressor
 
 
 def build_caches(
@@ -216,20 +279,31 @@ def build_caches(
     capacity_needed: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    snapkv_window: int = 32,
+    snapkv_kernel: int = 7,
+    token_classes: dict[str, torch.Tensor] | None = None,
 ) -> list[KVCache]:
+    """One cache per layer. `token_classes` (cache_hybrid.token_classes) is needed by hybrid caches."""
     caches = []
     for spec in specs:
-        cache = get_strategy(spec.strategy)(
-            batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, **spec.hyperparameters
-        )
-        cache.capacity_needed = capacity_needed
+        cls = get_strategy(spec.strategy)
+        cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.cache_bits,
+                    capacity_needed=capacity_needed, **spec.hyperparameters)
+        settings = dict(layer_idx=spec.layer, prompt_compression=spec.prompt_compression,
+                        snapkv_window=snapkv_window, snapkv_kernel=snapkv_kernel)
+        if getattr(cls, "needs_token_classes", False):
+            if token_classes is None:
+                raise UserError(f"the {spec.strategy} cache needs the tokenizer's special and punctuation tokens")
+            settings["token_classes"] = token_classes
+        cache.configure(**settings)
         caches.append(cache)
     return caches
 
 
 def format_cache_spec(specs: list[LayerCacheSpec]) -> str:
-    lines = [f"{'layer':>5}  {'strategy':<16} {'budget':>7}  hyper-parameters"]
+    lines = [f"{'layer':>5}  {'strategy':<22} {'budget':>7}  {'prompt compression':<18} {'bits':>4}  hyper-parameters"]
     for s in specs:
         hp = ", ".join(f"{k}={v}" for k, v in s.hyperparameters.items())
-        lines.append(f"{s.layer:>5}  {s.strategy:<16} {s.max_cache_length:>7}  {hp}")
+        lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.prompt_compression:<18} "
+                     f"{s.cache_bits:>4}  {hp}")
     return "\n".join(lines)

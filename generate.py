@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from cache import cache_statistics
+from cache import cache_statistics, get_strategy
+from cache_hybrid import token_classes
 from cache_spec import (
     LayerCacheSpec,
     add_cache_arguments,
@@ -28,6 +29,7 @@ from cache_spec import (
     resolve_cache_spec,
 )
 from checkpoint import DTYPES, load_checkpoint, parse_dtype
+from debug_cache import attention_loss_curve
 from errors import CliParser, UserError, run_cli
 from model import Transformer
 from tokenizer import Tokenizer
@@ -35,10 +37,20 @@ from tokenizer import Tokenizer
 # ---- the decode loop ------------------------------------------------------------------------------------
 
 
-def prefill(model: Transformer, prompt: Tensor) -> Tensor:
-    """Run the prompt [B, T] through the model, filling the caches; logits of the last position [B, vocab]."""
-    input_pos = torch.arange(prompt.shape[1], device=prompt.device)
-    return model(prompt, input_pos, last_logits_only=True)[:, -1]
+def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = None, decode_step=None) -> Tensor:  # noqa: ANN001
+    """Run the prompt [B, T] through the model, filling the caches; logits of the last position [B, vocab].
+
+    With `prefill_length` < T (--feed_long_prompts), only that many tokens are prefilled and the rest of
+    the prompt goes through `decode_step` one token at a time, so every cache sees it as decoding.
+    """
+    T = prompt.shape[1]
+    n = T if prefill_length is None else min(prefill_length, T)
+    input_pos = torch.arange(n, device=prompt.device)
+    logits = model(prompt[:, :n], input_pos, last_logits_only=True)[:, -1]
+    step = decode_step or decode_one_token
+    for p in range(n, T):
+        logits = step(model, prompt[:, p : p + 1], torch.tensor([p], device=prompt.device))
+    return logits
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
@@ -82,6 +94,7 @@ def generate(
     top_k: int | None = None,
     seed: int | None = None,
     progress: bool = False,
+    prefill_length: int | None = None,
 ) -> GenerationResult:
     """Prefill, then decode one token at a time until EOS or `max_new_tokens`. Caches must be set up."""
     device = model.tok_embeddings.weight.device
@@ -93,7 +106,7 @@ def generate(
     model.reset_caches()
     with torch.inference_mode():
         t0 = time.perf_counter()
-        token = sample(prefill(model, prompt), temperature, top_k, generator)
+        token = sample(prefill(model, prompt, prefill_length, decode_step), temperature, top_k, generator)
         tokens = [int(token)]
         t1 = time.perf_counter()
         steps: list[float] = []
@@ -181,10 +194,29 @@ def check_lengths(prompt_length: int, max_new_tokens: int, context_length: int) 
         )
 
 
-def setup_caches(model: Transformer, specs: list[LayerCacheSpec], capacity_needed: int) -> None:
+def setup_caches(
+    model: Transformer,
+    specs: list[LayerCacheSpec],
+    capacity_needed: int,
+    tokenizer: Tokenizer | None = None,
+    snapkv_window: int = 32,
+    snapkv_kernel: int = 7,
+) -> None:
+    """Build and attach one cache per layer; the tokenizer is needed by hybrid caches only."""
     a = model.args
     w = model.tok_embeddings.weight
-    model.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device))
+    classes = None
+    if tokenizer is not None and any(getattr(get_strategy(s.strategy), "needs_token_classes", False) for s in specs):
+        classes = token_classes(tokenizer, a.vocab_size)
+    model.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device,
+                                    snapkv_window, snapkv_kernel, classes))
+
+
+def prefill_length_for(specs: list[LayerCacheSpec], prompt_length: int, feed_long_prompts: bool) -> int:
+    """--feed_long_prompts prefills what fits the smallest layer budget; otherwise the whole prompt."""
+    if not feed_long_prompts:
+        return prompt_length
+    return min(prompt_length, *(s.max_cache_length for s in specs))
 
 
 def write_json_atomic(path: str | Path, payload: dict, overwrite: bool) -> None:
@@ -216,11 +248,13 @@ def main(argv: list[str] | None = None) -> dict:
     specs = resolve_cache_spec(args, model.args.n_layer, len(prompt_ids), args.max_new_tokens)
     if args.print_cache_spec:
         print(format_cache_spec(specs))
-    setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens)
+    setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens, tokenizer, args.snapkv_window,
+                 args.snapkv_kernel)
 
     step = compile_decode_step() if args.compile else decode_one_token
     result = generate(model, prompt_ids, args.max_new_tokens, tokenizer.eos_ids, step,
-                      args.temperature, args.top_k, args.seed, progress=sys.stderr.isatty())
+                      args.temperature, args.top_k, args.seed, progress=sys.stderr.isatty(),
+                      prefill_length=prefill_length_for(specs, len(prompt_ids), args.feed_long_prompts))
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     print(text)
 
@@ -235,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
         "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
         **cache_statistics(model.caches()),
     }
+    curve = attention_loss_curve(model.caches())
+    if curve:
+        stats["attention_loss_cumulative_by_step"] = curve
     print_stats_block(stats)
     if args.stats_json:
         config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
@@ -246,10 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 def print_stats_block(stats: dict) -> None:
     keys = ["prompt_tokens", "generated_tokens", "prefill_tokens_per_second", "decode_tokens_per_second",
-            "total_seconds", "cache_bytes", "compression_ratio"]
+            "total_seconds", "cache_bytes", "compression_ratio", "attention_loss_mean"]
     print("\n---- statistics ----")
     for key in keys:
-        print(f"{key:<28} {stats[key]}")
+        if key in stats:
+            print(f"{key:<30} {stats[key]}")
+    for key in ("compression_ratio_per_layer", "attention_loss_per_layer", "evictions_per_layer"):
+        if key in stats:
+            print(f"{key:<30} {' '.join(f'{x:g}' for x in stats[key])}")
 
 
 if __name__ == "__main__":

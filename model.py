@@ -143,8 +143,8 @@ class Attention(nn.Module):
             k_all, v_all, mask = cache.update_kv(input_pos, k, v)
             y, probs = grouped_attention(q, k_all, v_all, mask)
             if cache.needs_attention:
-                # Average over the query heads of each KV group: one distribution per KV head (GQA).
-                cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]).mean(dim=2))
+                # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
+                cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -221,6 +221,9 @@ class Transformer(nn.Module):
         only the last position, and the vocabulary projection is the largest matmul of a long prompt).
         """
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        for cache in self.caches():
+            if cache.needs_token_ids:  # e.g. FastGen's special-token and punctuation policies
+                cache.observe_tokens(idx)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos)

@@ -1,0 +1,199 @@
+"""`hybrid`: FastGen (Ge et al., "Model Tells You What to Discard", arXiv 2310.01801).
+
+At prefill each KV head is profiled: its prompt attention (summed over all prompt queries) is scored
+against an ordered list of candidate policies, cheapest first, and the head takes the first policy
+whose kept tokens recover at least `min_recovery_frac` of its attention. A policy is a union of
+components: `special` (special tokens), `punct` (punctuation), `local` (the most recent
+`hybrid_recent_frac` of tokens), `frequent` (the top `hybrid_heavy_frac` of tokens by accumulated
+attention), or `full`. Then each head grows and evicts under its own policy, so heads really hold
+different numbers of tokens (the statistics report them per head).
+
+Static shapes for compile: every head's decision is a tensor op over all heads at once. A head whose
+policy rejects the new token writes it to a scratch slot (index L, never marked as held), so every
+step writes exactly one slot per head.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+
+import torch
+from torch import Tensor
+
+from cache import KVCache, grouped_mean, prompt_attention_received, register_strategy
+from errors import UserError
+
+COMPONENTS = ("special", "punct", "frequent", "local", "full")
+DEFAULT_HYBRID_POLICIES = ("special", "special+punct", "special+punct+frequent",
+                           "special+punct+frequent+local", "full")
+
+
+def parse_policy(policy: str) -> tuple[str, ...]:
+    parts = tuple(policy.split("+"))
+    unknown = [p for p in parts if p not in COMPONENTS]
+    if unknown or not policy:
+        raise UserError(f"unknown hybrid policy component(s) {unknown or [policy]} in {policy!r}; "
+                        f"components: {', '.join(COMPONENTS)}")
+    return parts
+
+
+def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:  # noqa: ANN001
+    """Boolean masks over the vocabulary: special tokens (from the tokenizer) and punctuation tokens
+    (tokens whose text is only punctuation and whitespace, with at least one punctuation mark)."""
+    special = torch.zeros(vocab_size, dtype=torch.bool)
+    for i in tokenizer.special_token_ids():
+        if i < vocab_size:
+            special[i] = True
+    punct = torch.zeros(vocab_size, dtype=torch.bool)
+    marks = set(string.punctuation)
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        text = tokenizer.decode([i])
+        if text.strip() and all(c in marks or c.isspace() for c in text):
+            punct[i] = True
+    return {"special": special, "punct": punct & ~special}
+
+
+@register_strategy
+class HybridCache(KVCache):
+    name = "hybrid"
+    hyperparameters = ("min_recovery_frac", "hybrid_policies", "hybrid_recent_frac", "hybrid_heavy_frac")
+    head_specific = True
+    needs_attention = True
+    needs_token_ids = True
+    needs_token_classes = True
+    token_classes: dict[str, Tensor] | None = None  # set through configure(); shared by all layers
+
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,
+                 *args: object, **kwargs: object) -> None:
+        # One extra slot (index L) where heads that reject a token write it; it is never held.
+        super().__init__(batch_size, n_kv_heads, head_dim, max_cache_length + 1, *args, **kwargs)
+        self.max_cache_length = max_cache_length
+        B, H, L1 = batch_size, n_kv_heads, max_cache_length + 1
+        self.policies = [parse_policy(p) for p in self.hparams.get("hybrid_policies", DEFAULT_HYBRID_POLICIES)]
+        self.min_recovery = float(self.hparams.get("min_recovery_frac", 0.95))
+        self.recent_frac = float(self.hparams.get("hybrid_recent_frac", 0.3))
+        self.heavy_frac = float(self.hparams.get("hybrid_heavy_frac", 0.3))
+        self.register_buffer("policy", torch.zeros(B, H, dtype=torch.long))  # chosen index per head
+        self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool))  # its components
+        self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool))  # special or punct
+        self.register_buffer("attn_sum", torch.zeros(B, H, L1))
+        self.register_buffer("attn_steps", torch.zeros(B, H, L1))
+        self.register_buffer("current_token", torch.zeros(B, 1, dtype=torch.long))
+        self.prompt_ids: Tensor | None = None
+
+    def _use(self, component: str) -> Tensor:
+        return self.uses[..., COMPONENTS.index(component)]
+
+    def observe_tokens(self, token_ids: Tensor) -> None:
+        if token_ids.shape[1] > 1:
+            self.prompt_ids = token_ids  # profiled at prefill (eager, not compiled)
+        else:
+            self.current_token.copy_(token_ids)
+
+    def _classes(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        if self.token_classes is None:
+            raise UserError("the hybrid cache needs token classes from the tokenizer (cache_spec.build_caches)")
+        return self.token_classes["special"].to(ids.device)[ids], self.token_classes["punct"].to(ids.device)[ids]
+
+    def _component_keep(self, seen: int, pos: Tensor, is_special: Tensor, is_punct: Tensor,
+                        attn: Tensor) -> dict[str, Tensor]:
+        """Which tokens each component keeps, [B, H, n] each, after `seen` tokens."""
+        frequent_k = math.ceil(self.heavy_frac * seen)
+        kth = attn.topk(min(frequent_k, attn.shape[-1]), dim=-1).values[..., -1:]
+        return {
+            "special": is_special,
+            "punct": is_punct,
+            "local": pos >= seen - math.ceil(self.recent_frac * seen),
+            "frequent": attn >= kth,
+            "full": torch.ones_like(is_special),
+        }
+
+    # ---- prefill: profile each head, keep what its policy keeps -------------------------------------------
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        if self.prompt_ids is None:
+            raise UserError("the hybrid cache did not see the prompt's token ids")
+        B, H, T, D = k.shape
+        received = prompt_attention_received(q, k)  # [B, H, T]
+        is_special, is_punct = (c[:, None, :].expand(B, H, T) for c in self._classes(self.prompt_ids))
+        parts = self._component_keep(T, input_pos.view(1, 1, T).expand(B, H, T), is_special, is_punct, received)
+        total = received.sum(-1)
+        chosen = torch.full((B, H), len(self.policies) - 1, dtype=torch.long, device=k.device)
+        keep = torch.zeros(B, H, T, dtype=torch.bool, device=k.device)
+        decided = torch.zeros(B, H, dtype=torch.bool, device=k.device)
+        for index, policy in enumerate(self.policies):
+            kept = torch.stack([parts[c] for c in policy]).any(dim=0)
+            recovered = (received * kept).sum(-1) >= self.min_recovery * total
+            take = recovered & ~decided if index < len(self.policies) - 1 else ~decided
+            chosen = torch.where(take, index, chosen)
+            keep = torch.where(take[..., None], kept, keep)
+            decided |= take
+        self.policy.copy_(chosen)
+        for c_index, component in enumerate(COMPONENTS):
+            has = torch.tensor([component in p for p in self.policies], device=k.device)
+            self.uses[..., c_index] = has[chosen]
+        # At most L tokens per head: special/punct first, then by attention (ties: the newest).
+        L = self.max_cache_length
+        priority = received + input_pos.float() * 1e-9 + (is_special | is_punct) * 1e6
+        priority = priority.masked_fill(~keep, float("-inf"))
+        top = priority.topk(min(L, T), dim=-1)
+        valid = top.values > float("-inf")
+        idx = top.indices
+        n = idx.shape[-1]
+        gather = idx[..., None].expand(B, H, n, D)
+        self._store(torch.arange(n, device=k.device).expand(B, H, n), k.gather(2, gather), v.gather(2, gather))
+        self.pos[:, :, :n] = torch.where(valid, input_pos[idx], -1)
+        self.mask[:, :, 0, :n] = valid
+        self.slot_special[:, :, :n] = ((is_special & self._use("special")[..., None])
+                                       | (is_punct & self._use("punct")[..., None])).gather(2, idx) & valid
+        self.attn_sum[:, :, :n] = received.gather(2, idx) * valid
+        self.attn_steps[:, :, :n] = (T - idx).float() * valid
+        self.inserted.fill_(T)
+        self.prompt_ids = None
+
+    # ---- decode: admit or reject the new token per head, evict by the head's own priorities -------------------
+
+    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, H = k.shape[:2]
+        L = self.max_cache_length
+        seen = self.inserted + 1  # [B, H], including this token
+        is_special, is_punct = (c[:, None].expand(B, H) for c in self._classes(self.current_token[:, 0]))
+        new_is_special = (is_special & self._use("special")) | (is_punct & self._use("punct"))
+        admitted = new_is_special | self._use("local") | self._use("frequent") | self._use("full")
+
+        held = self.mask[:, :, 0, :L]
+        local_len = torch.ceil(self.recent_frac * seen.float())
+        allowance = (self.slot_special[..., :L] & held).sum(-1) + new_is_special.long()
+        allowance = allowance + self._use("local") * local_len + self._use("frequent") * torch.ceil(
+            self.heavy_frac * seen.float())
+        allowance = torch.where(self._use("full"), L, allowance.clamp(max=L))
+        can_grow = (held.sum(-1) < allowance) & ~held.all(dim=-1)
+        first_empty = (~held).float().argmax(dim=-1)
+
+        pos = self.pos[..., :L]
+        in_window = self._use("local")[..., None] & (pos >= seen[..., None] - local_len[..., None])
+        average = self.attn_sum[..., :L] / self.attn_steps[..., :L].clamp(min=1)
+        scores = torch.where(self._use("frequent")[..., None] | self._use("full")[..., None], average,
+                             pos.float() * 1e-6 - 1.0)  # no attention component: oldest out-of-window first
+        scores = scores + in_window * 1e6 + self.slot_special[..., :L] * 1e9
+        evict = scores.masked_fill(~held, float("inf")).argmin(dim=-1)
+        slot = torch.where(admitted, torch.where(can_grow, first_empty, evict), L)  # [B, H]
+
+        self._store(slot[..., None], k, v)
+        self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, H, 1))
+        self.mask.scatter_(3, slot[..., None, None], True)
+        self.slot_special.scatter_(2, slot[..., None], new_is_special[..., None])
+        self.attn_sum.scatter_(2, slot[..., None], 0.0)
+        self.attn_steps.scatter_(2, slot[..., None], 0.0)
+        self.mask[..., L] = False  # the scratch slot is never held
+        self.pos[..., L] = -1
+        self.inserted += 1
+        return self.keys(), self.values(), self.mask
+
+    def update_state(self, probs: Tensor) -> None:
+        self.attn_sum += grouped_mean(probs)
+        self.attn_steps += self.mask[:, :, 0].float()
+
+    def extra_statistics(self) -> dict[str, Tensor]:
+        return {"hybrid_policy_index": self.policy.float().mean(dim=0)}

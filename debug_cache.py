@@ -1,0 +1,132 @@
+"""`debug_<strategy>`: decode with the full cache while a shadow cache of <strategy> sees exactly what a
+real one would (the same K/V, prompt compression at prefill, its own attention), and measure the
+attention loss each step: 1 − attention mass (under the full cache) on the tokens the shadow holds.
+
+The generation is the full cache's, so losses at different steps are measured on the same text and
+compare strategies on equal footing; the loss is per layer, per KV head (averaged over its query heads).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from cache import KVCache, get_strategy
+
+_DEBUG_CLASSES: dict[str, type[KVCache]] = {}
+
+
+class DebugCache(KVCache):
+    shadow_class: ClassVar[type[KVCache]]
+    needs_attention = True
+
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_cache_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        cache_bits: int = 16,
+        capacity_needed: int | None = None,
+        **hyperparameters: object,
+    ) -> None:
+        if capacity_needed is None:
+            raise ValueError("a debug cache needs capacity_needed: its full cache holds the whole sequence")
+        # The full cache is never quantized: it is the reference the shadow is measured against.
+        super().__init__(batch_size, n_kv_heads, head_dim, capacity_needed, dtype, device,
+                         capacity_needed=capacity_needed)
+        self.shadow = self.shadow_class(batch_size, n_kv_heads, head_dim, max_cache_length, dtype, device,
+                                        cache_bits, capacity_needed=capacity_needed, **hyperparameters)
+        self.register_buffer("current_pos", torch.zeros(1, dtype=torch.long, device=device))
+        # Loss per step and head, indexed by absolute position (empty before the first decode step).
+        self.register_buffer("loss_history", torch.zeros(batch_size, n_kv_heads, capacity_needed, device=device))
+        self.register_buffer("loss_recorded", torch.zeros(capacity_needed, dtype=torch.bool, device=device))
+
+    def configure(self, **settings: object) -> None:
+        self.shadow.configure(**settings)
+        super().configure(**{k: v for k, v in settings.items() if hasattr(KVCache, k)})
+
+    @property
+    def needs_token_ids(self) -> bool:  # type: ignore[override]
+        return self.shadow.needs_token_ids
+
+    def budget(self) -> int:
+        return self.shadow.budget()
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        super().prefill(input_pos, k, v, q)
+        self.shadow.prefill(input_pos, k, v, q)
+
+    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.shadow.update_kv(input_pos, k, v)
+        self.current_pos.copy_(input_pos)
+        return super().update_kv(input_pos, k, v)
+
+    def observe_tokens(self, token_ids: Tensor) -> None:
+        self.shadow.observe_tokens(token_ids)
+
+    def update_state(self, probs: Tensor) -> None:
+        # The full cache fills slots in order, so slot i holds position i: gather by the shadow's positions.
+        B, H, rep, _ = probs.shape
+        shadow_pos = self.shadow.pos.expand(B, H, -1)
+        held = self.shadow.mask[:, :, 0]  # [B, H, Ls]
+        index = shadow_pos.clamp(min=0)[:, :, None, :].expand(B, H, rep, -1)
+        held_probs = probs.gather(3, index) * held[:, :, None, :]
+        mass = held_probs.sum(dim=-1)  # [B, H, rep]
+        loss = (1.0 - mass).clamp(min=0.0).mean(dim=2)
+        self.loss_history.index_copy_(2, self.current_pos, loss[..., None])
+        self.loss_recorded.index_fill_(0, self.current_pos, True)
+        if self.shadow.needs_attention:
+            # What the shadow would have seen as the only cache: softmax over its own tokens, i.e. the
+            # full probabilities restricted to them and renormalised, per query head.
+            self.shadow.update_state(held_probs / mass[..., None].clamp(min=1e-30))
+
+    def held_tokens(self) -> Tensor:
+        return self.shadow.held_tokens()
+
+    def compression_ratio_per_head(self) -> Tensor:
+        return self.shadow.compression_ratio_per_head()
+
+    def attention_loss_per_step(self) -> Tensor:
+        """[steps, n_kv]: the loss of each decode step, batch-averaged, in order."""
+        return self.loss_history.mean(dim=0)[:, self.loss_recorded].T
+
+    def extra_statistics(self) -> dict[str, Tensor]:
+        steps = self.attention_loss_per_step()
+        if steps.shape[0] == 0:
+            return {}
+        return {"attention_loss": steps.mean(dim=0)}
+
+
+def debug_strategy(inner_name: str) -> type[KVCache]:
+    """The class of `debug_<inner_name>`, created on first use (every registered strategy has one)."""
+    if inner_name not in _DEBUG_CLASSES:
+        inner = get_strategy(inner_name)
+        if issubclass(inner, DebugCache):
+            from errors import UserError
+
+            raise UserError(f"debug_{inner_name}: a debug cache cannot shadow another debug cache")
+        _DEBUG_CLASSES[inner_name] = type(
+            f"Debug{inner.__name__}",
+            (DebugCache,),
+            {"name": f"debug_{inner_name}", "shadow_class": inner, "hyperparameters": inner.hyperparameters,
+             "head_specific": False, "needs_token_classes": getattr(inner, "needs_token_classes", False),
+             "__doc__": f"Full cache with a shadow `{inner_name}` cache measuring attention loss."},
+        )
+    return _DEBUG_CLASSES[inner_name]
+
+
+def attention_loss_curve(caches: list[KVCache], checkpoints: int = 8) -> dict[str, float]:
+    """Cumulative mean attention loss (over layers and heads) at about `checkpoints` steps, log-spaced."""
+    per_step = [c.attention_loss_per_step().mean(dim=1) for c in caches if isinstance(c, DebugCache)]
+    if not per_step or per_step[0].numel() == 0:
+        return {}
+    losses = torch.stack(per_step).mean(dim=0).double()
+    cumulative = losses.cumsum(0) / torch.arange(1, len(losses) + 1, dtype=torch.float64)
+    marks = sorted({min(len(losses), 2**i) for i in range(64) if 2**i <= 2 * len(losses)})[:checkpoints - 1]
+    marks = sorted(set(marks) | {len(losses)})
+    return {str(m): round(float(cumulative[m - 1]), 5) for m in marks}

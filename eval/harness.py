@@ -1,0 +1,252 @@
+"""The evaluation engine, shared by every task: caches for one configuration, prefill plus one-token
+feeding through the decode path, greedy answers, teacher forcing against the full cache, option
+log-likelihoods, and the measured statistics of each run.
+
+After the prompt's prefill, tokens go through `decode_one_token` one at a time: the caches accept a
+multi-token chunk only at prefill, and eviction happens token by token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cache import cache_statistics
+from cache_spec import LayerCacheSpec, resolve_cache_spec
+from errors import UserError
+from eval.metrics import step_fidelity
+from generate import decode_one_token, prefill, setup_caches
+from model import Transformer
+from tokenizer import Tokenizer
+
+
+@dataclass
+class Runtime:
+    """What a task needs to run: the model, its tokenizer, the parsed flags and the decode step."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    args: argparse.Namespace
+    step: Callable = decode_one_token  # generate.compile_decode_step() under --compile
+    progress: bool | None = None  # tqdm's `disable`: None = only on a terminal, True = never
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.tok_embeddings.weight.device
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        steps = sorted(self.step_seconds)
+        return {
+            "prefill_tokens_per_second": self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else None,
+            "decode_tokens_per_second": self.decode_tokens / self.decode_seconds if self.decode_seconds else None,
+            "decode_step_ms_median": 1000 * steps[len(steps) // 2] if steps else None,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+        }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated on a GPU; peak resident memory of the whole process on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ---- caches -------------------------------------------------------------------------------------------
+
+
+def full_cache_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The same flags with the full cache: the reference every configuration is compared with."""
+    return argparse.Namespace(**{**vars(args), "cache_strategy": ["full"], "cache_strategy_pattern": "tile",
+                                 "max_cache_length": [1.0], "cache_length_pattern": "tile"})
+
+
+def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_new_tokens: int) -> list[LayerCacheSpec]:
+    total = prompt_length + max_new_tokens
+    if args.cache_strategy != ["full"]:
+        for value in args.max_cache_length:
+            if value > total:
+                raise UserError(f"--max_cache_length {value:g} tokens is larger than the sequence ({total} tokens: "
+                                f"{prompt_length} prompt + {max_new_tokens} new); use a smaller budget or a fraction")
+    return resolve_cache_spec(args, rt.model.args.n_layer, prompt_length, max_new_tokens)
+
+
+def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:
+    setup_caches(rt.model, specs, capacity)
+    return rt.model.caches()
+
+
+def numeric_stats(stats: dict) -> dict:
+    """The numeric part of cache_statistics (numbers and nested lists of numbers), whatever keys appear:
+    strategies such as debug_<s> add their own (attention_loss...)."""
+    def numeric(v: object) -> bool:
+        if isinstance(v, list):
+            return all(numeric(x) for x in v)
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    return {k: v for k, v in stats.items() if numeric(v)}
+
+
+def average_stats(rows: list[dict]) -> dict:
+    """Mean over items of every numeric statistic; lists (per layer, per head) element-wise."""
+    def mean(values: list) -> object:
+        if isinstance(values[0], list):
+            if len({len(v) for v in values}) != 1:
+                return values[0]
+            return [mean(list(col)) for col in zip(*values, strict=True)]
+        return sum(values) / len(values)
+
+    keys = [k for k in rows[0] if all(k in r for r in rows)]
+    return {k: mean([r[k] for r in rows]) for k in keys}
+
+
+# ---- feeding tokens -----------------------------------------------------------------------------------
+
+
+def prefill_length(n_tokens: int, n_context: int, query_aware: bool, decode_first_token: bool) -> int:
+    """How many prompt tokens go through prefill; the rest is fed one token at a time.
+
+    Query-agnostic runs prefill only the context, so prompt compression cannot see the question.
+    `decode_first_token` keeps the last prompt token out of prefill, so even the first answer token is
+    computed over the compressed cache (prefill attends over the whole prompt whatever the budget).
+    """
+    n = n_tokens if query_aware or n_context == 0 else n_context
+    if decode_first_token:
+        n = min(n, n_tokens - 1)
+    return max(n, 1)
+
+
+def run_prompt(rt: Runtime, ids: list[int], n_prefill: int, timings: Timings) -> Tensor:
+    """Reset the caches, prefill ids[:n_prefill], feed the rest one by one; logits after the last, [vocab]."""
+    model, device = rt.model, rt.device
+    model.reset_caches()
+    t0 = time.perf_counter()
+    logits = prefill(model, torch.tensor([ids[:n_prefill]], device=device))
+    sync(device)
+    timings.prefill_tokens += n_prefill
+    timings.prefill_seconds += time.perf_counter() - t0
+    for pos in range(n_prefill, len(ids)):
+        logits = timed_step(rt, ids[pos], pos, timings)
+    return logits[0]
+
+
+def timed_step(rt: Runtime, token: int, pos: int, timings: Timings) -> Tensor:
+    device = rt.device
+    t0 = time.perf_counter()
+    logits = rt.step(rt.model, torch.tensor([[token]], device=device), torch.tensor([pos], device=device))
+    sync(device)
+    dt = time.perf_counter() - t0
+    timings.decode_tokens += 1
+    timings.decode_seconds += dt
+    timings.step_seconds.append(dt)
+    return logits
+
+
+def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: int, timings: Timings) -> list[int]:
+    """Greedy continuation of the prompt `ids`, stopping at EOS or after `max_new_tokens` tokens."""
+    logits = run_prompt(rt, ids, n_prefill, timings)
+    eos = set(rt.tokenizer.eos_ids)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in eos or len(tokens) == max_new_tokens:
+            return tokens
+        logits = timed_step(rt, tokens[-1], len(ids) + len(tokens) - 1, timings)[0]
+
+
+def option_logliks(rt: Runtime, ids: list[int], n_prefill: int, options: list[list[int]], timings: Timings) -> list[float]:
+    """Sum of log-probabilities of each option's tokens after the prompt, under the configured cache.
+
+    The caches after the prompt are saved once and restored before each option (their state is all in
+    registered buffers, DESIGN.md §4), so the prompt is processed a single time.
+    """
+    logits = run_prompt(rt, ids, n_prefill, timings)
+    saved = [[b.clone() for b in c.buffers()] for c in rt.model.caches()]
+    scores = []
+    for option in options:
+        for cache, buffers in zip(rt.model.caches(), saved, strict=True):
+            for b, s in zip(cache.buffers(), buffers, strict=True):
+                b.copy_(s)
+        step_logits = logits
+        total = 0.0
+        for i, token in enumerate(option):
+            total += float(torch.log_softmax(step_logits.float(), dim=-1)[token])
+            if i + 1 < len(option):
+                step_logits = timed_step(rt, token, len(ids) + i, timings)[0]
+        scores.append(total)
+    return scores
+
+
+@dataclass
+class FidelityTrace:
+    """Per predicted position: KL(full ‖ compressed), top-1 agreement, NLL under both caches."""
+
+    positions: list[int] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    agree: list[bool] = field(default_factory=list)
+    nll_full: list[float] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
+
+
+def teacher_force(
+    rt: Runtime, ids: list[int], n_prompt: int, decode_first_token: bool, timings: Timings, bar: object = None
+) -> tuple[FidelityTrace, dict]:
+    """Feed `ids` with the configured cache and with the full cache, step-interleaved on one model.
+
+    Both runs see the same tokens; each step's two next-token distributions are compared at once, so
+    nothing of vocabulary size is kept. Positions n_prompt..len(ids)-1 are scored. Returns the trace and
+    the compressed caches' statistics at the end.
+    """
+    model, device, n = rt.model, rt.device, len(ids)
+    full = attach_caches(rt, cache_specs(rt, full_cache_args(rt.args), n_prompt, n - n_prompt), n)
+    ours = attach_caches(rt, cache_specs(rt, rt.args, n_prompt, n - n_prompt), n)
+    n_prefill = n_prompt - 1 if decode_first_token else n_prompt
+    prompt = torch.tensor([ids[:n_prefill]], device=device)
+    model.setup_caches(full)
+    model.reset_caches()
+    ref_logits = prefill(model, prompt)
+    model.setup_caches(ours)
+    model.reset_caches()
+    t0 = time.perf_counter()
+    logits = prefill(model, prompt)
+    sync(device)
+    timings.prefill_tokens += n_prefill
+    timings.prefill_seconds += time.perf_counter() - t0
+    trace = FidelityTrace()
+    for pos in range(n_prefill, n):
+        if pos >= n_prompt:  # the logits in hand predict token `pos`
+            kl, agree, nll_full, nll = step_fidelity(ref_logits[0], logits[0], ids[pos])
+            for values, v in ((trace.positions, pos), (trace.kl, kl), (trace.agree, agree),
+                              (trace.nll_full, nll_full), (trace.nll, nll)):
+                values.append(v)
+            if bar is not None:
+                bar.update()
+        if pos == n - 1:
+            break
+        model.setup_caches(full)
+        ref_logits = rt.step(model, torch.tensor([[ids[pos]]], device=device), torch.tensor([pos], device=device))
+        model.setup_caches(ours)
+        logits = timed_step(rt, ids[pos], pos, timings)
+    stats = cache_statistics(ours)
+    model.remove_caches()
+    return trace, stats
