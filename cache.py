@@ -149,8 +149,11 @@ class KVCache(nn.Module):
         """Token ids [B, T] entering the model (the prompt, then one per step), for needs_token_ids caches."""
 
     def reset(self) -> None:
-        for name, buf in self.named_buffers():
+        for name, buf in self.named_buffers(recurse=False):
             buf.fill_(-1) if name == "pos" else buf.zero_()
+        for child in self.children():
+            if isinstance(child, KVCache):  # a debug cache's shadow
+                child.reset()
 
     # ---- what a strategy overrides -------------------------------------------------------------------------
 
@@ -412,10 +415,18 @@ class HeavyHitterCache(KVCache):
         steps = (T - torch.arange(T, device=k.device)).float().expand_as(received)  # queries that saw the key
         self.attn_sum[:, :, :n] = received.gather(2, keep)
         self.attn_steps[:, :, :n] = steps.gather(2, keep)
-        if self.window > 1:  # seed with the average, as if the last W steps had looked like the prompt
-            average = (received / steps).gather(2, keep)
-            self.attn_history[:, :, :n] = average[..., None].expand(-1, -1, -1, self.window)
+        if self.window > 1:
+            # The last W prompt queries are the first W "steps" of the history, oldest in column 0, and
+            # the step counter points at the column the next decode step overwrites.
+            w = min(self.window, T)
+            rows = torch.arange(T - w, T, device=k.device)
+            attn = prompt_attention(q, k, rows)  # [B, H, w, T]
+            if self.thresholding:
+                attn = (attn >= 1.0 / (rows[:, None] + 1)).float() * (torch.arange(T, device=k.device) <= rows[:, None])
+            self.attn_history.zero_()
+            self.attn_history[:, :, :n, :w] = attn.gather(3, keep[:, :, None, :].expand(-1, -1, w, -1)).transpose(2, 3)
             self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)
+            self.step.fill_(w % self.window)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         index = slot[..., None]

@@ -232,7 +232,7 @@ def resolve_cache_spec(
     specs = []
     for layer, (name, budget, compressor) in enumerate(zip(strategies, budgets, compressors, strict=True)):
         cls = get_strategy(name)
-        budget = total if name == "full" else min(budget, total)
+        budget = total if name.removeprefix("debug_") == "full" else min(budget, total)
         compressor = check_prompt_compression(name, cls, compressor, layer)
         hp = {}
         for key in cls.hyperparameters:

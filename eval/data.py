@@ -99,3 +99,15 @@ def check_columns(rows: list[dict], columns: dict[str, str | None], source: str)
     for flag, column in columns.items():
         if column is not None and column not in available:
             raise UserError(f"unknown column {column!r} for --{flag} in {source}; columns: {', '.join(available)}")
+
+
+def haystack(source: str) -> tuple[list[str], str]:
+    """Filler for the RULER-style tasks as (units, joiner): `pydoc` (lines of CPython's documentation),
+    `noise` (RULER's repeated sentences) or a text file's lines. Needles go between units."""
+    if source == "noise":
+        return [s.strip() + "." for s in NOISE_SENTENCES.split(".") if s.strip()], " "
+    text = pydoc_corpus() if source == "pydoc" else read_text_file(source)
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"haystack {source} has no text")
+    return lines, "\n"

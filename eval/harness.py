@@ -174,7 +174,9 @@ def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: i
         logits = timed_step(rt, tokens[-1], len(ids) + len(tokens) - 1, timings)[0]
 
 
-def option_logliks(rt: Runtime, ids: list[int], n_prefill: int, options: list[list[int]], timings: Timings) -> list[float]:
+def option_logliks(
+    rt: Runtime, ids: list[int], n_prefill: int, options: list[list[int]], timings: Timings
+) -> list[float]:
     """Sum of log-probabilities of each option's tokens after the prompt, under the configured cache.
 
     The caches after the prompt are saved once and restored before each option (their state is all in

@@ -1,0 +1,171 @@
+"""`python -m eval`: run tasks under one cache configuration, next to the full cache on the same items.
+
+    python -m eval --tasks fidelity --cache_strategy recent_global --max_cache_length 0.25
+    python -m eval --tasks niah_single --seq_len 1024 --limit 20 --cache_config my_preset.yaml
+    python -m eval --tasks qa --dataset data.jsonl --prompt_column question --answer_column answer
+
+Every cache flag is shared with generate.py (defined once in cache_spec.py). Results land in
+`--out_dir` (see eval/results.py); a finished run is skipped unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset
+from checkpoint import load_checkpoint, parse_dtype
+from errors import CliParser, run_cli
+from eval import results
+from eval.harness import Runtime, full_cache_args, peak_memory_mb
+from eval.tasks import TASKS, Task, get_task
+from generate import add_model_arguments, compile_decode_step, decode_one_token, resolve_device
+from model import Transformer
+from tokenizer import Tokenizer
+
+
+def add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    """Task flags; a task reads only some of them (Task.reads), and unset ones take the task's default."""
+    g = parser.add_argument_group("tasks")
+    g.add_argument("--limit", type=int, default=None,
+                   help="items per task: examples (RULER: 20), dataset rows (all), fidelity windows (1)")
+    g.add_argument("--seq_len", type=int, default=None,
+                   help="prompt length in tokens: RULER target (1024), fidelity window (2048)")
+    g.add_argument("--max_new_tokens", type=int, default=None, help="answer length (task default)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template to prompts (default: when the checkpoint has one)")
+    g.add_argument("--query_aware", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefill context and question together, so prompt compression sees the question "
+                        "(default: query-agnostic, the context is compressed before the question)")
+    g.add_argument("--decode_first_token", action="store_true",
+                   help="feed the last prompt token through the decode path, so the first answer token "
+                        "is computed over the compressed cache")
+    g.add_argument("--haystack", default=None, help="RULER filler: pydoc (default), noise, or a text file")
+    g.add_argument("--prefill_tokens", type=int, default=None, help="fidelity: tokens prefilled (128)")
+    g.add_argument("--text_file", default=None, help="fidelity: a text file instead of pydoc_data.topics")
+    g.add_argument("--text_offset", type=int, default=None, help="fidelity: tokens skipped at the start (0)")
+    g.add_argument("--dataset", default=None, help="a .json/.jsonl/.csv/.parquet file, or a hub name (online)")
+    g.add_argument("--dataset_config", default=None, help="hub dataset configuration")
+    g.add_argument("--split", default=None, help="hub dataset split (train)")
+    g.add_argument("--text_column", default=None, help="fidelity: the text column of --dataset")
+    g.add_argument("--prompt_column", default=None, help="qa / multiple_choice: the question")
+    g.add_argument("--context_column", default=None, help="qa / multiple_choice: a document before the question")
+    g.add_argument("--answer_column", default=None, help="reference answer(s), or the right choice")
+    g.add_argument("--choices_column", default=None, help="multiple_choice: the list of options")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="python -m eval", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--tasks", nargs="+", default=["fidelity"], help=f"any of: {', '.join(TASKS)}")
+    parser.add_argument("--out_dir", default="results", help="where run directories and results.csv go")
+    parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the full cache on the same items (skipped when already finished)")
+    add_task_arguments(parser)
+    add_model_arguments(parser)
+    add_cache_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags (with --cache_config merged in), checked before anything is loaded."""
+    args = parse_args_with_preset(build_parser(), argv)
+    check_cache_flags(args)
+    args.device = resolve_device(args.device)
+    for name in args.tasks:
+        get_task(name)(args)  # unknown task or bad task option: fail now
+    return args
+
+
+@functools.lru_cache(maxsize=1)
+def load_model(checkpoint_path: str | None, device: str, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+    return load_checkpoint(checkpoint_path, device, dtype)
+
+
+def plan(args: argparse.Namespace) -> list[tuple[Task, argparse.Namespace, Path]]:
+    """(task, cache configuration, run directory) for every run asked for; the full cache first."""
+    dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
+    configs = [args]
+    if args.baseline and args.cache_strategy != ["full"]:
+        configs.insert(0, full_cache_args(args))
+    out_dir = Path(args.out_dir)
+    runs = []
+    for name in args.tasks:
+        for config in configs:
+            task = get_task(name)(config)
+            identity = results.run_identity(config, name, task.options, dtype)
+            runs.append((task, config, results.run_dir(out_dir, config, identity)))
+    return runs
+
+
+def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | None = None) -> dict:
+    """Run one task under one configuration and write its directory; returns metrics.json's content."""
+    dtype = parse_dtype(args.dtype, args.device)
+    model, tokenizer = load_model(args.checkpoint_path, args.device, dtype)
+    step = decode_one_token
+    if args.compile:
+        torch._dynamo.reset()  # each run brings new cache modules; start from a clean compile cache
+        step = compile_decode_step()
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(args.device)
+    torch.manual_seed(args.seed)
+    results.start_run(path)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = task.run(Runtime(model, tokenizer, args, step, progress))
+    seconds = time.perf_counter() - t0
+    dtype_name = str(dtype).removeprefix("torch.")
+    identity = results.run_identity(args, task.name, task.options, dtype_name)
+    scalars = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
+    budgets = out.stats.get("cache_budget_per_layer") or []
+    metrics = {
+        "model": identity["model"], "task": task.name, "strategy": results.strategy_label(args),
+        "budget": results.budget_value(args), "query_aware": task.options.get("query_aware"),
+        "seed": args.seed, "n_items": len({p.get("window", p.get("index")) for p in out.predictions}),
+        **scalars, "budget_tokens_mean": sum(budgets) / len(budgets) if budgets else None,
+        **out.metrics, **out.timings.to_dict(), "seconds": seconds, "peak_memory_mb": peak_memory_mb(torch.device(args.device)),
+        "run_id": results.run_id(identity),
+        "per_layer": {k: v for k, v in out.stats.items() if isinstance(v, list)},
+    }
+    config = {
+        "run_id": metrics["run_id"], "identity": identity, "flags": vars(args), "task_options": task.options,
+        **out.config, "model_args": model.args.to_dict(), "versions": results.package_versions(),
+        "git_commit": results.git_commit(), "command": sys.argv,
+    }
+    results.finish_run(path, json.loads(json.dumps(config, default=str)), out.predictions, metrics)
+    return metrics
+
+
+def headline(task: Task, metrics: dict) -> str:
+    name = task.metrics[0]
+    return f"{name}={metrics[name]:.4g}" if name in metrics else ""
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    out_dir = results.check_out_dir(args.out_dir)
+    done = []
+    for task, config, path in plan(args):
+        label = f"{task.name} {results.strategy_label(config)} budget={results.budget_value(config)}"
+        if results.is_finished(path) and not args.overwrite:
+            print(f"skip (finished): {label} -> {path}", file=sys.stderr)
+            metrics = json.loads((path / "metrics.json").read_text())
+        else:
+            print(f"run: {label}", file=sys.stderr)
+            metrics = execute(task, config, path)
+        done.append(metrics)
+        print(f"{label}: {headline(task, metrics)} compression_ratio={metrics.get('compression_ratio')} "
+              f"-> {path}")
+    table = results.write_results_table(out_dir)
+    print(f"results table: {table}")
+    return done
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,16 @@
+"""The task registry: each task is a small module that registers its classes with `register_task`.
+
+    fidelity                   teacher forcing over a long text: KL(full ‖ compressed), top-1, perplexity
+    niah_single / niah_multikey / niah_multivalue    RULER needle retrieval
+    variable_tracking          RULER multi-hop tracing
+    common_words_extraction / frequent_words_extraction    RULER aggregation
+    qa / multiple_choice       rows of a local file (or hub dataset) through `datasets`
+
+A new task: subclass `Task` (or `GenerationTask` / `SyntheticTask`), decorate it with `register_task`,
+and import its module here.
+"""
+
+from eval.tasks import dataset, fidelity, niah, variable_tracking, words  # noqa: F401  (registers the tasks)
+from eval.tasks.base import TASKS, Example, Task, TaskResult, get_task, register_task
+
+__all__ = ["TASKS", "Example", "Task", "TaskResult", "get_task", "register_task"]

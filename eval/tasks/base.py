@@ -1,0 +1,230 @@
+"""What a task is: a small class in a registry (kvpress-style). A task turns flags into examples, runs
+them through the harness under the configured cache, and scores them.
+
+Most tasks generate an answer (`GenerationTask`): each example is a context, a question and the
+expected answers. The context is what a query-agnostic run compresses before the question is seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from tqdm import tqdm
+
+from cache import cache_statistics
+from errors import UserError
+from eval.harness import (
+    Runtime,
+    Timings,
+    attach_caches,
+    average_stats,
+    cache_specs,
+    greedy_answer,
+    numeric_stats,
+    prefill_length,
+)
+from tokenizer import Tokenizer
+
+
+@dataclass
+class Example:
+    context: str  # compressed before the question is seen (query-agnostic mode)
+    question: str = ""
+    answer_prefix: str = ""  # starts the answer (RULER appends it to the prompt)
+    answers: list[str] = field(default_factory=list)
+    choices: list[str] | None = None
+    label: int | None = None  # index of the right choice
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        return self.context + self.question + self.answer_prefix
+
+
+@dataclass
+class TaskResult:
+    predictions: list[dict]  # one JSON line each
+    metrics: dict  # task scores, averaged over items
+    stats: dict  # measured cache statistics, averaged over items
+    timings: Timings
+    config: dict = field(default_factory=dict)  # what the run used beyond the flags (text hash, spec)
+
+
+class Task:
+    name: ClassVar[str] = ""
+    # Scores, best first: the first is the headline in plots and the summary.
+    metrics: ClassVar[tuple[str, ...]] = ()
+    lower_is_better: ClassVar[tuple[str, ...]] = ()
+    # Task flags this task reads (they identify a run), with the task's defaults for those left unset.
+    reads: ClassVar[tuple[str, ...]] = ("limit", "seq_len", "max_new_tokens", "chat", "query_aware",
+                                        "decode_first_token")
+    defaults: ClassVar[dict] = {}
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.options = {k: self.defaults.get(k) if getattr(args, k, None) is None else getattr(args, k)
+                        for k in self.reads}
+        for key in ("limit", "seq_len", "max_new_tokens"):
+            value = self.options.get(key)
+            if value is not None and value < 1:
+                raise UserError(f"--{key} must be ≥ 1, got {value}")
+
+    def run(self, rt: Runtime) -> TaskResult:
+        raise NotImplementedError
+
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    if not cls.name or cls.name in TASKS:
+        raise ValueError(f"task name {cls.name!r} is empty or already registered")
+    TASKS[cls.name] = cls
+    return cls
+
+
+def get_task(name: str) -> type[Task]:
+    if name not in TASKS:
+        raise UserError(f"unknown task {name!r}; available: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+# ---- prompts ------------------------------------------------------------------------------------------
+
+
+def use_chat(rt: Runtime) -> bool:
+    chat = getattr(rt.args, "chat", None)
+    return bool(rt.tokenizer.chat_template) if chat is None else chat
+
+
+def continuation_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Ids of text that follows other text: no BOS in front."""
+    ids = tokenizer.encode(text) if text else []
+    if ids and tokenizer.add_bos and ids[0] == tokenizer.bos_id:
+        ids = ids[1:]
+    return ids
+
+
+def encode_example(tokenizer: Tokenizer, example: Example, chat: bool) -> tuple[list[int], int]:
+    """Token ids of the whole prompt, and how many of them are the context.
+
+    Context and question are tokenized separately (and concatenated in both modes), so query-aware
+    and query-agnostic runs see the very same tokens.
+    """
+    user = example.context + example.question
+    # In a chat, the answer prefix opens the assistant's turn (no leading newline there).
+    if chat:
+        text = tokenizer.apply_chat_template(user) + example.answer_prefix.lstrip()
+    else:
+        text = user + example.answer_prefix
+    split = text.rfind(example.question) if example.question else len(text)
+    if split < 0:
+        raise UserError("the chat template rewrote the question; pass --no-chat or --query_aware")
+    context = tokenizer.encode(text[:split])
+    return context + continuation_ids(tokenizer, text[split:]), len(context)
+
+
+def fit_to_length(build: Callable[[int], Example], count: Callable[[Example], int], target: int, most: int,
+                  task: str) -> Example:
+    """The example built with the largest size n ≤ most whose prompt has at most `target` tokens.
+
+    `build(n)` must be deterministic and grow with n (haystack lines, words): a binary search then
+    finds the size in log2(most) tokenizations.
+    """
+    smallest = build(0)
+    if count(smallest) > target:
+        raise UserError(f"--seq_len {target} is too short for {task} (its smallest prompt has "
+                        f"{count(smallest)} tokens)")
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(build(mid)) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return build(lo)
+
+
+# ---- tasks that generate an answer ----------------------------------------------------------------------
+
+
+class GenerationTask(Task):
+    """Greedy answers under the configured cache, scored with `score` (RULER's string match by default)."""
+
+    metrics = ("string_match",)
+
+    def examples(self, rt: Runtime) -> list[Example]:
+        raise NotImplementedError
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        from eval.metrics import string_match_all
+
+        return {"string_match": string_match_all(prediction, example.answers)}
+
+    def run(self, rt: Runtime) -> TaskResult:
+        examples = self.examples(rt)
+        if not examples:
+            raise UserError(f"{self.name}: no examples")
+        chat = use_chat(rt)
+        encoded = [encode_example(rt.tokenizer, ex, chat) for ex in examples]
+        max_new = self.options["max_new_tokens"]
+        longest = max(len(ids) for ids, _ in encoded)
+        if longest + max_new > rt.model.args.context_length:
+            raise UserError(f"{self.name}: prompts of {longest} tokens plus {max_new} new tokens exceed the "
+                            f"model's context of {rt.model.args.context_length}")
+        # One set of caches for all examples (budgets are fractions of the longest prompt + new tokens):
+        # static shapes, so a compiled decode step is compiled once.
+        specs = cache_specs(rt, rt.args, longest, max_new)
+        attach_caches(rt, specs, longest + max_new)
+        timings, predictions, stats = Timings(), [], []
+        for i, (ex, (ids, n_context)) in enumerate(tqdm(list(zip(examples, encoded, strict=True)),
+                                                     desc=self.name, leave=False, disable=rt.progress)):
+            n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
+                                       self.options["decode_first_token"])
+            tokens = greedy_answer(rt, ids, n_prefill, max_new, timings)
+            text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
+            item_stats = numeric_stats(cache_statistics(rt.model.caches()))
+            stats.append(item_stats)
+            scores = self.score(text, ex)
+            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill,
+                                "answers": ex.answers, "prediction": text, **scores,
+                                "compression_ratio": item_stats.get("compression_ratio"), **ex.meta})
+        rt.model.remove_caches()
+        metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in scores}
+        return TaskResult(predictions, metrics, average_stats(stats), timings,
+                          {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest})
+
+
+class SyntheticTask(GenerationTask):
+    """RULER-style task (arXiv 2404.06654): examples generated locally from `--seed`, each grown to at
+    most `--seq_len` prompt tokens (chat template and answer prefix included)."""
+
+    reads = GenerationTask.reads + ("haystack",)
+    defaults = {"limit": 20, "seq_len": 1024, "max_new_tokens": 32, "haystack": "pydoc"}
+
+    def builder(self, rng: random.Random) -> Callable[[int], Example]:
+        """Draw everything random for one example from `rng`; return size -> example (deterministic)."""
+        raise NotImplementedError
+
+    def examples(self, rt: Runtime) -> list[Example]:
+        chat = use_chat(rt)
+        seq_len = self.options["seq_len"]
+
+        def count(ex: Example) -> int:
+            return len(encode_example(rt.tokenizer, ex, chat)[0])
+
+        # A string seed is hashed with SHA-512 by `random`: the same examples on every machine and run.
+        return [fit_to_length(self.builder(random.Random(f"{self.name}:{self.args.seed}:{i}")), count,
+                              seq_len, seq_len, self.name) for i in range(self.options["limit"])]
+
+
+def insert_at_depths(units: list[str], needles: list[tuple[float, str]]) -> list[str]:
+    """Put each needle between units at its relative depth in [0, 1]."""
+    out = list(units)
+    for depth, needle in sorted(needles, key=lambda n: n[0], reverse=True):
+        out.insert(round(depth * len(units)), needle)
+    return out

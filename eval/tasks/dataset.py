@@ -1,0 +1,140 @@
+"""Tasks over rows loaded with `datasets`: a local JSON/JSONL/CSV/parquet file, or a hub name when online.
+Columns are mapped with flags: `--prompt_column` (the question), `--context_column` (optional: a document
+that query-agnostic runs compress before the question is seen), `--answer_column`, `--choices_column`.
+
+- qa: a greedy answer scored by exact match, substring match and ROUGE-L against the reference(s)
+  (a string or a list of strings).
+- multiple_choice: the option with the highest log-likelihood after the prompt, under the configured
+  cache; accuracy, and accuracy with the log-likelihood divided by the option's length in characters.
+  The answer is the option's index, its letter (A, B, ...) or its text.
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from cache import cache_statistics
+from errors import UserError
+from eval.data import check_columns, load_rows
+from eval.harness import (
+    Runtime,
+    Timings,
+    attach_caches,
+    average_stats,
+    cache_specs,
+    numeric_stats,
+    option_logliks,
+    prefill_length,
+)
+from eval.metrics import exact_match, rouge_l, substring_match
+from eval.tasks.base import (
+    Example,
+    GenerationTask,
+    Task,
+    TaskResult,
+    continuation_ids,
+    encode_example,
+    register_task,
+    use_chat,
+)
+
+DATASET_FLAGS = ("dataset", "dataset_config", "split", "prompt_column", "context_column", "answer_column")
+
+
+def dataset_rows(task: Task, required: tuple[str, ...]) -> list[dict]:
+    o = task.options
+    missing = [f"--{flag}" for flag in ("dataset", *required) if not o[flag]]
+    if missing:
+        raise UserError(f"{task.name} needs {', '.join(missing)}")
+    rows = load_rows(o["dataset"], o["dataset_config"], o["split"])
+    columns = {flag: o[flag] for flag in o if flag.endswith("_column")}
+    check_columns(rows, columns, o["dataset"])
+    return rows[: o["limit"]] if o["limit"] else rows
+
+
+def row_example(task: Task, row: dict) -> Example:
+    o = task.options
+    question = f"Question: {row[o['prompt_column']]}\n"
+    if o["context_column"]:
+        return Example(f"{row[o['context_column']]}\n\n", question, "Answer:")
+    return Example(question, "", "Answer:")  # nothing to hold back: the whole prompt is context
+
+
+@register_task
+class QA(GenerationTask):
+    name = "qa"
+    metrics = ("substring_match", "exact_match", "rouge_l")
+    reads = GenerationTask.reads + DATASET_FLAGS
+    defaults = {"max_new_tokens": 32, "split": "train"}
+
+    def examples(self, rt: Runtime) -> list[Example]:
+        examples = []
+        for row in dataset_rows(self, ("prompt_column", "answer_column")):
+            answer = row[self.options["answer_column"]]
+            answers = [str(a) for a in answer] if isinstance(answer, list) else [str(answer)]
+            if not answers:
+                raise UserError(f"a row of {self.options['dataset']} has no reference answer")
+            examples.append(row_example(self, row))
+            examples[-1].answers = answers
+        return examples
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        # Greedy answers run on past the answer; the first line is the answer.
+        first_line = prediction.strip().split("\n")[0]
+        return {"substring_match": substring_match(prediction, example.answers),
+                "exact_match": exact_match(first_line, example.answers),
+                "rouge_l": rouge_l(first_line, example.answers)}
+
+
+def choice_label(answer: object, choices: list[str]) -> int:
+    if isinstance(answer, int) and 0 <= answer < len(choices):
+        return answer
+    text = str(answer).strip()
+    if text in choices:
+        return choices.index(text)
+    if len(text) == 1 and "A" <= text.upper() < chr(ord("A") + len(choices)):
+        return ord(text.upper()) - ord("A")
+    if text.isdigit() and int(text) < len(choices):
+        return int(text)
+    raise UserError(f"answer {answer!r} is neither an index, a letter nor the text of one of {choices}")
+
+
+@register_task
+class MultipleChoice(Task):
+    name = "multiple_choice"
+    metrics = ("accuracy", "accuracy_norm")
+    reads = ("limit", "chat", "query_aware", "decode_first_token", *DATASET_FLAGS, "choices_column")
+    defaults = {"split": "train"}
+
+    def run(self, rt: Runtime) -> TaskResult:
+        rows = dataset_rows(self, ("prompt_column", "answer_column", "choices_column"))
+        chat, o = use_chat(rt), self.options
+        items = []
+        for row in rows:
+            choices = [str(c) for c in row[o["choices_column"]]]
+            if len(choices) < 2:
+                raise UserError(f"a row of {o['dataset']} has fewer than two choices")
+            ids, n_context = encode_example(rt.tokenizer, row_example(self, row), chat)
+            options = [continuation_ids(rt.tokenizer, " " + c) for c in choices]
+            items.append((ids, n_context, choices, options, choice_label(row[o["answer_column"]], choices)))
+        longest = max(len(ids) for ids, *_ in items)
+        max_option = max(len(opt) for *_, options, _ in items for opt in options)
+        if longest + max_option > rt.model.args.context_length:
+            raise UserError(f"multiple_choice: prompts of {longest} tokens exceed the model's context")
+        specs = cache_specs(rt, rt.args, longest, max_option)
+        attach_caches(rt, specs, longest + max_option)
+        timings, predictions, stats = Timings(), [], []
+        for i, (ids, n_context, choices, options, label) in enumerate(
+                tqdm(items, desc=self.name, leave=False, disable=rt.progress)):
+            n_prefill = prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"])
+            logliks = option_logliks(rt, ids, n_prefill, options, timings)
+            stats.append(numeric_stats(cache_statistics(rt.model.caches())))
+            norm = [ll / max(len(c), 1) for ll, c in zip(logliks, choices, strict=True)]
+            pick, pick_norm = logliks.index(max(logliks)), norm.index(max(norm))
+            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, "label": label,
+                                "prediction": pick, "prediction_norm": pick_norm, "logliks": logliks,
+                                "accuracy": float(pick == label), "accuracy_norm": float(pick_norm == label)})
+        rt.model.remove_caches()
+        metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in self.metrics}
+        return TaskResult(predictions, metrics, average_stats(stats), timings,
+                          {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest})

@@ -1,0 +1,85 @@
+"""fidelity: teacher forcing over a long real text (DESIGN.md §6).
+
+Each window of `--seq_len` tokens is fed twice in one process, step-interleaved on the same model:
+with the configured cache and with the full cache. The first `--prefill_tokens` go through prefill,
+the rest one token at a time through the decode path, where the caches evict. Every later position is
+scored: KL(full ‖ compressed) of the next-token distributions, top-1 agreement, perplexity of both.
+It needs no labels and works for any model size.
+
+Text: CPython's reference documentation (`pydoc_data.topics`, offline) by default, or `--text_file`,
+or the `--text_column` of a `--dataset`; `--limit` consecutive windows from `--text_offset` tokens.
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from errors import UserError
+from eval.data import check_columns, load_rows, pydoc_corpus, read_text_file, text_sha256
+from eval.harness import Runtime, Timings, average_stats, numeric_stats, teacher_force
+from eval.metrics import summarize_fidelity
+from eval.tasks.base import Task, TaskResult, register_task
+
+# Characters per token is about 4 for English; 16 leaves room when joining dataset rows.
+_CHARS_PER_TOKEN_BOUND = 16
+
+
+@register_task
+class Fidelity(Task):
+    name = "fidelity"
+    metrics = ("kl_mean", "top1_agreement", "perplexity_delta", "kl_p95", "perplexity", "perplexity_full")
+    lower_is_better = ("kl_mean", "kl_p95", "kl_max", "perplexity_delta", "perplexity", "perplexity_ratio")
+    reads = ("limit", "seq_len", "prefill_tokens", "text_file", "text_offset", "dataset", "dataset_config",
+             "split", "text_column", "decode_first_token")
+    defaults = {"limit": 1, "seq_len": 2048, "prefill_tokens": 128, "text_offset": 0, "split": "train"}
+
+    def text(self, tokens_needed: int) -> tuple[str, str]:
+        """(text, where it came from)."""
+        o = self.options
+        if o["text_file"]:
+            return read_text_file(o["text_file"]), o["text_file"]
+        if o["dataset"]:
+            if not o["text_column"]:
+                raise UserError("fidelity with --dataset needs --text_column")
+            rows = load_rows(o["dataset"], o["dataset_config"], o["split"])
+            check_columns(rows, {"text_column": o["text_column"]}, o["dataset"])
+            parts, size = [], 0
+            for row in rows:  # only as many rows as the windows can use
+                parts.append(str(row[o["text_column"]]))
+                size += len(parts[-1])
+                if size > tokens_needed * _CHARS_PER_TOKEN_BOUND:
+                    break
+            return "\n\n".join(parts), f"{o['dataset']}:{o['text_column']}"
+        return pydoc_corpus(), "pydoc_data.topics"
+
+    def run(self, rt: Runtime) -> TaskResult:
+        o = self.options
+        seq_len, n_prompt, offset = o["seq_len"], o["prefill_tokens"], o["text_offset"]
+        if not 1 + o["decode_first_token"] <= n_prompt < seq_len:
+            raise UserError(f"--prefill_tokens must be in [{1 + o['decode_first_token']}, --seq_len), got {n_prompt}")
+        if seq_len > rt.model.args.context_length:
+            raise UserError(f"--seq_len {seq_len} exceeds the model's context of {rt.model.args.context_length}")
+        text, source = self.text(offset + o["limit"] * seq_len)
+        ids = rt.tokenizer.encode(text)
+        windows = [ids[offset + i * seq_len: offset + (i + 1) * seq_len] for i in range(o["limit"])]
+        windows = [w for w in windows if len(w) == seq_len]
+        if not windows:
+            raise UserError(f"the text ({source}) has {max(len(ids) - offset, 0)} tokens after --text_offset "
+                            f"{offset}; fidelity needs --seq_len {seq_len}")
+        timings, predictions, stats = Timings(), [], []
+        trace_all = {"kl": [], "agree": [], "nll_full": [], "nll": []}
+        with tqdm(total=len(windows) * (seq_len - n_prompt), desc="fidelity", unit="tok", leave=False,
+                  disable=rt.progress) as bar:
+            for w, window in enumerate(windows):
+                trace, cache_stats = teacher_force(rt, window, n_prompt, o["decode_first_token"], timings, bar)
+                stats.append(numeric_stats(cache_stats))
+                for key in trace_all:
+                    trace_all[key] += getattr(trace, key)
+                for i, pos in enumerate(trace.positions):
+                    predictions.append({"window": w, "position": pos, "token": window[pos], "kl": trace.kl[i],
+                                        "top1_agree": trace.agree[i], "nll_full": trace.nll_full[i],
+                                        "nll": trace.nll[i]})
+        metrics = summarize_fidelity(trace_all["kl"], trace_all["agree"], trace_all["nll_full"], trace_all["nll"])
+        config = {"text_source": source, "text_sha256": text_sha256(text), "text_tokens": len(ids),
+                  "windows": len(windows)}
+        return TaskResult(predictions, metrics, average_stats(stats), timings, config)

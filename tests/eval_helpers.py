@@ -1,0 +1,52 @@
+"""Helpers for the evaluation tests: the tiny random-weight model saved as a Hugging Face directory with a
+byte-level tokenizer (one token per byte, no merges), so `python -m eval` and its sweeps can run in a
+subprocess on it through the real loader, in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from tests.conftest import ROOT, TINY_ARGS, make_tiny_model
+
+PYDOC_EXCERPT = ROOT / "tests" / "data" / "pydoc_excerpt.txt"  # pinned: pydoc text differs between Pythons
+
+_HF_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def byte_tokenizer() -> Tokenizer:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """make_tiny_model(seed) as config.json + model.safetensors + tokenizer.json (vocab: the 256 bytes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    a = TINY_ARGS
+    config = {"model_type": "llama", "num_hidden_layers": a["n_layer"], "num_attention_heads": a["n_head"],
+              "num_key_value_heads": a["n_kv_head"], "hidden_size": a["dim"], "intermediate_size": a["intermediate_size"],
+              "vocab_size": a["vocab_size"], "rope_theta": a["rope_base"], "max_position_embeddings": a["context_length"],
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    (directory / "config.json").write_text(json.dumps(config))
+    state = {}
+    for name, tensor in make_tiny_model(seed).state_dict().items():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            module = ".".join(parts[2:-1])
+            state[f"model.layers.{parts[1]}.{_HF_NAMES[module]}.{parts[-1]}"] = tensor.contiguous()
+        else:
+            top = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}[parts[0]]
+            state[f"{top}.{parts[-1]}"] = tensor.contiguous()
+    save_file(state, str(directory / "model.safetensors"))
+    byte_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory

@@ -1,0 +1,346 @@
+"""One matrix over the strategy registry: every registered strategy (and its debug_ shadow) ×
+{eager, compiled} × {unquantized, 4-bit} × {fraction, absolute budget}, checked after every step.
+
+A strategy joins this matrix the moment it is registered. Invariants are checked on every layer;
+oracles (naive re-computations written here) on layer 0, whose keys do not depend on what earlier
+layers kept, so they can be compared with a full-cache reference run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cache import CACHE_STRATEGIES, KVCache
+from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
+from debug_cache import DebugCache
+from errors import CliParser
+from generate import compile_decode_step, decode_one_token, prefill
+from model import apply_rope
+from tests.conftest import make_tiny_model
+
+PROMPT, NEW = 24, 16
+TOTAL = PROMPT + NEW
+GLOBAL, RECENT = 2, 4
+BUDGETS = {"fraction": "0.5", "absolute": "16"}  # 20 and 16 tokens of 40
+VOCAB = 256
+TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40)}
+STRATEGIES = sorted(CACHE_STRATEGIES)
+ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
+
+
+def cache_args(strategy: str, budget: str, bits: int = 16, *extra: str):
+    parser = CliParser()
+    add_cache_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
+                              str(GLOBAL), "--recent_window", str(RECENT), "--cache_bits", str(bits), *extra])
+
+
+def attach(model, args) -> list[KVCache]:  # noqa: ANN001
+    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, NEW)
+    a = model.args
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, TOTAL, torch.float32, "cpu",
+                          token_classes=TOKEN_CLASSES)
+    model.setup_caches(caches)
+    return caches
+
+
+def inner(cache: KVCache) -> KVCache:
+    return cache.shadow if isinstance(cache, DebugCache) else cache
+
+
+def held_positions(cache: KVCache) -> list[set[int]]:
+    """Positions held per KV head (batch 0)."""
+    c = inner(cache)
+    pos = c.pos[0].expand(c.n_kv_heads, -1)
+    return [set(pos[h][c.mask[0, h, 0]].tolist()) for h in range(c.n_kv_heads)]
+
+
+def token_ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, TOTAL), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_kv(model, ids):  # noqa: ANN001
+    """Layer-0 keys and values of every position [H, TOTAL, D], from a full-cache run."""
+    attach(model, cache_args("full", "1.0"))
+    with torch.inference_mode():
+        run(model, ids, decode_one_token, lambda p: None)
+    c = model.layers[0].attention.kv_cache
+    return c.k_cache[0, :, :TOTAL].clone(), c.v_cache[0, :, :TOTAL].clone()
+
+
+def layer0_queries(model, ids) -> torch.Tensor:  # noqa: ANN001
+    """Layer-0 queries after RoPE, [n_head, TOTAL, D] (they depend only on the token embeddings)."""
+    layer = model.layers[0]
+    with torch.inference_mode():
+        h = layer.attention_norm(model.tok_embeddings(ids))
+        q = layer.attention.wq(h).view(1, TOTAL, model.args.n_head, model.args.head_dim).transpose(1, 2)
+        return apply_rope(q, model.rope_cos[:TOTAL], model.rope_sin[:TOTAL])[0]
+
+
+def naive_probs(q: torch.Tensor, keys: torch.Tensor, positions: list[int], n_kv: int) -> dict[int, torch.Tensor]:
+    """Softmax of each query head over `positions`, averaged over the heads of each KV group: {pos: [n_kv]}."""
+    rep = q.shape[0] // n_kv
+    out = {p: torch.zeros(n_kv) for p in positions}
+    for head in range(q.shape[0]):
+        g = head // rep
+        scores = torch.stack([q[head] @ keys[g, p] / math.sqrt(q.shape[-1]) for p in positions])
+        for p, a in zip(positions, torch.softmax(scores, 0), strict=True):
+            out[p][g] += a / rep
+    return out
+
+
+def run(model, ids, step_fn, check) -> None:  # noqa: ANN001
+    model.reset_caches()
+    prefill(model, ids[:, :PROMPT])
+    check(PROMPT - 1)
+    for p in range(PROMPT, TOTAL):
+        step_fn(model, ids[:, p : p + 1], torch.tensor([p]))
+        check(p)
+
+
+def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, bits: int) -> None:  # noqa: ANN001
+    for layer, cache in enumerate(caches):
+        c = inner(cache)
+        budget = c.max_cache_length
+        for h, held in enumerate(held_positions(cache)):
+            assert len(held) <= budget, f"layer {layer} head {h} holds {len(held)} > {budget}"
+            assert all(0 <= x <= p for x in held)
+            if "global_tokens" in c.hyperparameters:
+                assert set(range(GLOBAL)) <= held, f"global tokens evicted at step {p}"
+            if "recent_window" in c.hyperparameters:
+                assert set(range(p - RECENT + 1, p + 1)) <= held, f"recent window evicted at step {p}"
+            if c.name == "full" or budget >= TOTAL:
+                assert held == set(range(p + 1))
+        pos = c.pos[0].expand(c.n_kv_heads, -1)
+        mask = c.mask[0, :, 0]
+        assert torch.equal(mask, pos >= 0), "mask and pos disagree"
+        keys, values = c.keys(), c.values()
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+        if layer == 0:  # K/V in each held slot are those of the token at that position
+            atol = 1e-5 if bits == 16 else 0.2 * (ref_k.abs().max().item() + 1)
+            for h in range(c.n_kv_heads):
+                slots = mask[h].nonzero().flatten()
+                torch.testing.assert_close(keys[0, h, slots], ref_k[h, pos[h, slots]], atol=atol, rtol=0)
+                torch.testing.assert_close(values[0, h, slots], ref_v[h, pos[h, slots]], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("strategy", ALL)
+def test_matrix_eager(strategy, bits, budget):
+    model = make_tiny_model()
+    ids = token_ids()
+    ref_k, ref_v = reference_kv(model, ids)
+    caches = attach(model, cache_args(strategy, BUDGETS[budget], bits))
+    with torch.inference_mode():
+        run(model, ids, decode_one_token, lambda p: check_invariants(caches, p, ref_k, ref_v, bits))
+    if budget == "absolute" and not strategy.endswith("full") and strategy != "hybrid":
+        assert max(len(h) for h in held_positions(caches[0])) == 16  # the budget is really used
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("strategy", ALL)
+def test_matrix_compiled_no_recompilation(strategy, bits):
+    """Compiled decode equals eager decode step for step, with one graph and no recompilation."""
+    model = make_tiny_model(n_layer=1)
+    ids = token_ids()
+    ref_k, ref_v = reference_kv(model, ids)
+    args = cache_args(strategy, BUDGETS["fraction"], bits)
+    attach(model, args)
+    eager_held, eager_logits = [], []
+
+    def record(held, logits):  # noqa: ANN001, ANN202
+        def check(p: int) -> None:
+            held.append(held_positions(model.layers[0].attention.kv_cache))
+        return check
+
+    with torch.inference_mode():
+        run(model, ids, decode_one_token, record(eager_held, eager_logits))
+    caches = attach(model, args)
+    compiled_held = []
+    torch._dynamo.reset()
+    step = compile_decode_step()
+
+    def check(p: int) -> None:
+        compiled_held.append(held_positions(caches[0]))
+        check_invariants(caches, p, ref_k, ref_v, bits)
+
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        run(model, ids, step, check)
+    assert compiled_held == eager_held
+
+
+# ---- per-strategy oracles (layer 0, unquantized) ----------------------------------------------------------
+
+
+def evictions(strategy: str, budget: str = "16", *extra: str, seed: int = 0):
+    """Yields (p, held_before, held_after) per head for each decode step on layer 0."""
+    model = make_tiny_model(seed=seed)
+    ids = token_ids(seed)
+    caches = attach(model, cache_args(strategy, budget, 16, *extra))
+    history = []
+    with torch.inference_mode():
+        run(model, ids, decode_one_token, lambda p: history.append((p, held_positions(caches[0]))))
+    return model, ids, [(p, before, after) for (_, before), (p, after) in zip(history, history[1:], strict=False)]
+
+
+def test_recent_global_keeps_first_g_and_last_l_minus_g():
+    _, _, steps = evictions("recent_global")
+    for p, _, after in steps:
+        for held in after:
+            if p + 1 > 16:
+                assert held == set(range(GLOBAL)) | set(range(p + 1 - (16 - GLOBAL), p + 1))
+
+
+def unprotected(held: set[int], p: int) -> set[int]:
+    return {x for x in held if x >= GLOBAL and x <= p - RECENT}
+
+
+def test_l2_evicts_the_largest_norm_key():
+    model, ids, steps = evictions("l2")
+    ref_k, _ = reference_kv(model, ids)
+    checked = 0
+    for p, before, after in steps:
+        for h, (b, a) in enumerate(zip(before, after, strict=True)):
+            if len(b) == 16:
+                evicted = b - a
+                expected = max(unprotected(b, p), key=lambda x: ref_k[h, x].norm().item())
+                assert evicted == {expected}
+                checked += 1
+    assert checked > 0
+
+
+def test_keep_it_odd_evicts_even_positions_first():
+    _, _, steps = evictions("keep_it_odd")
+    for p, before, after in steps:
+        for b, a in zip(before, after, strict=True):
+            if len(b) == 16:
+                assert b - a == {min(unprotected(b, p), key=lambda x: (x % 2, x))}
+
+
+def test_random_is_reproducible_for_a_seed():
+    runs = [evictions("random", "16", "--seed", str(s))[2] for s in (3, 3, 4)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+@pytest.mark.parametrize("extra", [(), ("--attn_thresholding",), ("--history_window_size", "4")],
+                         ids=["sum", "thresholding", "window4"])
+def test_heavy_hitter_evicts_the_argmin_of_naive_average_attention(extra):
+    """A naive H2O: accumulate each token's attention (or its count of ≥-uniform steps) since it entered,
+    from the prompt's causal attention and each step's attention over the held tokens."""
+    model, ids, steps = evictions("heavy_hitter", "20", *extra)
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)
+    n_kv = model.args.n_kv_head
+    window = int(extra[1]) if extra[:1] == ("--history_window_size",) else 1
+    thresholding = extra == ("--attn_thresholding",)
+    history: dict[int, list[torch.Tensor]] = {x: [] for x in range(TOTAL)}  # per position: per-step [n_kv]
+
+    def observe(positions_per_head: list[set[int]], query: int) -> None:
+        for h, held in enumerate(positions_per_head):
+            positions = sorted(held)
+            probs = naive_probs(q[:, query], ref_k, positions, n_kv)
+            for x in positions:
+                a = probs[x][h]
+                value = float(a >= 1.0 / len(positions)) if thresholding else float(a)
+                history[x].append((query, h, value))
+
+    for i in range(PROMPT):  # the prompt's causal attention seeds the history
+        observe([set(range(i + 1))] * n_kv, i)
+    checked = 0
+    for p, before, after in steps:
+        for h, (b, a) in enumerate(zip(before, after, strict=True)):
+            if len(b) == 20:
+                def score(x: int) -> float:
+                    values = [v for (_, hh, v) in history[x] if hh == h]
+                    if window > 1:
+                        values = values[-window:]
+                    return sum(values) / max(1, len(values))
+                scores = {x: score(x) for x in unprotected(b, p)}
+                lowest = min(scores.values())
+                ties = {x for x, v in scores.items() if v <= lowest + 1e-6}  # counts tie under thresholding
+                evicted = b - a
+                assert len(evicted) == 1 and evicted <= ties, f"step {p} head {h}: {evicted} not in {ties}"
+                checked += 1
+        observe(after, p)
+    assert checked > 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_debug_attention_loss_equals_naive_retained_mass(strategy):
+    model = make_tiny_model()
+    ids = token_ids()
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)
+    caches = attach(model, cache_args(f"debug_{strategy}", "16"))
+    expected = {}
+
+    def check(p: int) -> None:
+        if p >= PROMPT:
+            probs = naive_probs(q[:, p], ref_k, list(range(p + 1)), model.args.n_kv_head)
+            held = held_positions(caches[0])
+            expected[p] = [1 - sum(probs[x][h] for x in held[h]).item() for h in range(len(held))]
+
+    with torch.inference_mode():
+        run(model, ids, decode_one_token, check)
+    measured = caches[0].loss_history[0]
+    for p, losses in expected.items():
+        torch.testing.assert_close(measured[:, p], torch.tensor(losses), atol=1e-5, rtol=0)
+    if strategy == "full":
+        assert max(max(v) for v in expected.values()) < 1e-6
+    else:
+        assert caches[0].extra_statistics()["attention_loss"].mean() > 0
+
+
+def test_full_cache_reproduces_the_no_cache_logits():
+    model = make_tiny_model()
+    ids = token_ids()
+    with torch.inference_mode():
+        reference = model(ids, torch.arange(TOTAL))[0, PROMPT - 1 :]
+        attach(model, cache_args("full", "1.0"))
+        rows = []
+        model.reset_caches()
+        rows.append(prefill(model, ids[:, :PROMPT])[0])
+        for p in range(PROMPT, TOTAL):
+            rows.append(decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))[0])
+    torch.testing.assert_close(torch.stack(rows)[:-1], reference[:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_hybrid_heads_pick_the_first_policy_that_recovers_enough_and_hold_different_counts():
+    model = make_tiny_model(seed=2)
+    ids = token_ids(2)
+    ids[0, ::5] = 1  # some special tokens
+    ids[0, 2::7] = 10  # and punctuation
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)
+    caches = attach(model, cache_args("hybrid", "1.0", 16, "--min_recovery_frac", "0.6"))
+    with torch.inference_mode():
+        run(model, ids, decode_one_token, lambda p: None)
+    cache = caches[0]
+    # Naive profile of layer 0: attention received by each prompt token from all prompt queries.
+    received = torch.zeros(model.args.n_kv_head, PROMPT)
+    for i in range(PROMPT):
+        for x, a in naive_probs(q[:, i], ref_k, list(range(i + 1)), model.args.n_kv_head).items():
+            received[:, x] += a
+    special = TOKEN_CLASSES["special"][ids[0, :PROMPT]]
+    punct = TOKEN_CLASSES["punct"][ids[0, :PROMPT]]
+    for h in range(model.args.n_kv_head):
+        k_heavy = math.ceil(0.3 * PROMPT)
+        frequent = received[h] >= received[h].topk(k_heavy).values[-1]
+        local = torch.arange(PROMPT) >= PROMPT - math.ceil(0.3 * PROMPT)
+        parts = {"special": special, "punct": punct, "frequent": frequent, "local": local,
+                 "full": torch.ones(PROMPT, dtype=torch.bool)}
+        for index, policy in enumerate(cache.policies):
+            kept = torch.stack([parts[c] for c in policy]).any(0)
+            if (received[h] * kept).sum() >= 0.6 * received[h].sum() or index == len(cache.policies) - 1:
+                assert cache.policy[0, h].item() == index
+                break
+    held = [len(h) for h in held_positions(cache)]
+    assert all(n <= cache.max_cache_length for n in held)
+    policies = cache.policy[0].tolist()
+    if len(set(policies)) > 1:
+        assert len(set(held)) > 1, "heads with different policies should hold different numbers of tokens"
