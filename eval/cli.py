@@ -129,8 +129,8 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
         "budget": results.budget_value(args), "query_aware": task.options.get("query_aware"),
         "seed": args.seed, "n_items": len({p.get("window", p.get("index")) for p in out.predictions}),
         **scalars, "budget_tokens_mean": sum(budgets) / len(budgets) if budgets else None,
-        **out.metrics, **out.timings.to_dict(), "seconds": seconds, "peak_memory_mb": peak_memory_mb(torch.device(args.device)),
-        "run_id": results.run_id(identity),
+        **out.metrics, **out.timings.to_dict(), "seconds": seconds,
+        "peak_memory_mb": peak_memory_mb(torch.device(args.device)), "run_id": results.run_id(identity),
         "per_layer": {k: v for k, v in out.stats.items() if isinstance(v, list)},
     }
     config = {

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from cache import cache_statistics
-from cache_spec import LayerCacheSpec, resolve_cache_spec
+from cache_spec import LayerCacheSpec, add_cache_arguments, resolve_cache_spec
 from errors import UserError
 from eval.metrics import step_fidelity
 from generate import decode_one_token, prefill, setup_caches
@@ -75,10 +75,17 @@ def peak_memory_mb(device: torch.device) -> float:
 # ---- caches -------------------------------------------------------------------------------------------
 
 
+def cache_flag_defaults() -> dict:
+    """Every cache flag with its default, as cache_spec.py defines them today (new flags come along)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cache_arguments(parser)
+    return {a.dest: a.default for a in parser._actions if a.dest not in ("cache_config", "print_cache_spec")}
+
+
 def full_cache_args(args: argparse.Namespace) -> argparse.Namespace:
-    """The same flags with the full cache: the reference every configuration is compared with."""
-    return argparse.Namespace(**{**vars(args), "cache_strategy": ["full"], "cache_strategy_pattern": "tile",
-                                 "max_cache_length": [1.0], "cache_length_pattern": "tile"})
+    """The reference every configuration is compared with: the same flags, every cache flag at its default
+    (the full cache, 16-bit, no prompt compression or feeding)."""
+    return argparse.Namespace(**{**vars(args), **cache_flag_defaults(), "cache_strategy": ["full"]})
 
 
 def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_new_tokens: int) -> list[LayerCacheSpec]:
@@ -92,8 +99,15 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
 
 
 def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:
-    setup_caches(rt.model, specs, capacity)
+    a = rt.args
+    setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer, snapkv_window=getattr(a, "snapkv_window", 32),
+                 snapkv_kernel=getattr(a, "snapkv_kernel", 7))
     return rt.model.caches()
+
+
+def prefill_limit(rt: Runtime, specs: list[LayerCacheSpec]) -> int | None:
+    """With --feed_long_prompts, prefill only what fits the smallest layer budget (the rest is fed)."""
+    return min(s.max_cache_length for s in specs) if getattr(rt.args, "feed_long_prompts", False) else None
 
 
 def numeric_stats(stats: dict) -> dict:
@@ -123,14 +137,19 @@ def average_stats(rows: list[dict]) -> dict:
 # ---- feeding tokens -----------------------------------------------------------------------------------
 
 
-def prefill_length(n_tokens: int, n_context: int, query_aware: bool, decode_first_token: bool) -> int:
+def prefill_length(
+    n_tokens: int, n_context: int, query_aware: bool, decode_first_token: bool, limit: int | None = None
+) -> int:
     """How many prompt tokens go through prefill; the rest is fed one token at a time.
 
     Query-agnostic runs prefill only the context, so prompt compression cannot see the question.
     `decode_first_token` keeps the last prompt token out of prefill, so even the first answer token is
     computed over the compressed cache (prefill attends over the whole prompt whatever the budget).
+    `limit` (see prefill_limit) caps it for --feed_long_prompts.
     """
     n = n_tokens if query_aware or n_context == 0 else n_context
+    if limit is not None:
+        n = min(n, limit)
     if decode_first_token:
         n = min(n, n_tokens - 1)
     return max(n, 1)
@@ -221,8 +240,9 @@ def teacher_force(
     """
     model, device, n = rt.model, rt.device, len(ids)
     full = attach_caches(rt, cache_specs(rt, full_cache_args(rt.args), n_prompt, n - n_prompt), n)
-    ours = attach_caches(rt, cache_specs(rt, rt.args, n_prompt, n - n_prompt), n)
-    n_prefill = n_prompt - 1 if decode_first_token else n_prompt
+    specs = cache_specs(rt, rt.args, n_prompt, n - n_prompt)
+    ours = attach_caches(rt, specs, n)
+    n_prefill = prefill_length(n_prompt, n_prompt, True, decode_first_token, prefill_limit(rt, specs))
     prompt = torch.tensor([ids[:n_prefill]], device=device)
     model.setup_caches(full)
     model.reset_caches()

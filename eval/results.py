@@ -26,9 +26,9 @@ from pathlib import Path
 import pandas as pd
 
 from cache import CACHE_STRATEGIES, get_strategy
-from cache_spec import add_cache_arguments
 from checkpoint import BUNDLED_GGUF
 from errors import UserError
+from eval.harness import cache_flag_defaults
 from generate import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,20 +36,13 @@ PACKAGES = ("torch", "numpy", "pandas", "datasets", "tokenizers", "gguf", "safet
 # Columns first in results.csv; every other scalar of metrics.json follows in alphabetical order.
 LEADING_COLUMNS = ["model", "task", "strategy", "budget", "query_aware", "seed", "n_items", "compression_ratio",
                    "cache_bytes", "budget_tokens_mean"]
-TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "decode_step_ms_median", "seconds",
+TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "decode_step_ms_median", "prefill_seconds",
+                    "decode_seconds", "seconds",
                     "peak_memory_mb", "run_id", "run_dir"]
-NOT_IDENTITY = {"cache_config", "print_cache_spec"}
-
-
-def cache_flag_names() -> list[str]:
-    """Every cache flag, as cache_spec.py defines them today (new flags are picked up on their own)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_cache_arguments(parser)
-    return [a.dest for a in parser._actions if a.dest not in NOT_IDENTITY]
 
 
 def cache_identity(args: argparse.Namespace) -> dict:
-    flags = {k: getattr(args, k) for k in cache_flag_names()}
+    flags = {k: getattr(args, k) for k in cache_flag_defaults()}
     strategies = set(args.cache_strategy)
     readable = {hp for cls in CACHE_STRATEGIES.values() for hp in cls.hyperparameters}
     read = {hp for name in strategies for hp in get_strategy(name).hyperparameters}

@@ -142,24 +142,19 @@ def test_matrix_eager(strategy, bits, budget):
         assert max(len(h) for h in held_positions(caches[0])) == 16  # the budget is really used
 
 
+@pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("bits", [16, 4])
 @pytest.mark.parametrize("strategy", ALL)
-def test_matrix_compiled_no_recompilation(strategy, bits):
+def test_matrix_compiled_no_recompilation(strategy, bits, budget):
     """Compiled decode equals eager decode step for step, with one graph and no recompilation."""
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
-    args = cache_args(strategy, BUDGETS["fraction"], bits)
+    args = cache_args(strategy, BUDGETS[budget], bits)
     attach(model, args)
-    eager_held, eager_logits = [], []
-
-    def record(held, logits):  # noqa: ANN001, ANN202
-        def check(p: int) -> None:
-            held.append(held_positions(model.layers[0].attention.kv_cache))
-        return check
-
+    eager_held = []
     with torch.inference_mode():
-        run(model, ids, decode_one_token, record(eager_held, eager_logits))
+        run(model, ids, decode_one_token, lambda p: eager_held.append(held_positions(model.layers[0].attention.kv_cache)))
     caches = attach(model, args)
     compiled_held = []
     torch._dynamo.reset()
@@ -255,7 +250,7 @@ def test_heavy_hitter_evicts_the_argmin_of_naive_average_attention(extra):
     for p, before, after in steps:
         for h, (b, a) in enumerate(zip(before, after, strict=True)):
             if len(b) == 20:
-                def score(x: int) -> float:
+                def score(x: int, h: int = h) -> float:
                     values = [v for (_, hh, v) in history[x] if hh == h]
                     if window > 1:
                         values = values[-window:]

@@ -26,6 +26,7 @@ from eval.harness import (
     greedy_answer,
     numeric_stats,
     prefill_length,
+    prefill_limit,
 )
 from tokenizer import Tokenizer
 
@@ -184,7 +185,7 @@ class GenerationTask(Task):
         for i, (ex, (ids, n_context)) in enumerate(tqdm(list(zip(examples, encoded, strict=True)),
                                                      desc=self.name, leave=False, disable=rt.progress)):
             n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
-                                       self.options["decode_first_token"])
+                                       self.options["decode_first_token"], prefill_limit(rt, specs))
             tokens = greedy_answer(rt, ids, n_prefill, max_new, timings)
             text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
             item_stats = numeric_stats(cache_statistics(rt.model.caches()))

@@ -25,6 +25,7 @@ from eval.harness import (
     numeric_stats,
     option_logliks,
     prefill_length,
+    prefill_limit,
 )
 from eval.metrics import exact_match, rouge_l, substring_match
 from eval.tasks.base import (
@@ -126,7 +127,8 @@ class MultipleChoice(Task):
         timings, predictions, stats = Timings(), [], []
         for i, (ids, n_context, choices, options, label) in enumerate(
                 tqdm(items, desc=self.name, leave=False, disable=rt.progress)):
-            n_prefill = prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"])
+            n_prefill = prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"],
+                                       prefill_limit(rt, specs))
             logliks = option_logliks(rt, ids, n_prefill, options, timings)
             stats.append(numeric_stats(cache_statistics(rt.model.caches())))
             norm = [ll / max(len(c), 1) for ll, c in zip(logliks, choices, strict=True)]

@@ -27,7 +27,7 @@ _CHARS_PER_TOKEN_BOUND = 16
 @register_task
 class Fidelity(Task):
     name = "fidelity"
-    metrics = ("kl_mean", "top1_agreement", "perplexity_delta", "kl_p95", "perplexity", "perplexity_full")
+    metrics = ("kl_mean", "top1_agreement", "perplexity_delta", "kl_p95")
     lower_is_better = ("kl_mean", "kl_p95", "kl_max", "perplexity_delta", "perplexity", "perplexity_ratio")
     reads = ("limit", "seq_len", "prefill_tokens", "text_file", "text_offset", "dataset", "dataset_config",
              "split", "text_column", "decode_first_token")

@@ -1,0 +1,216 @@
+"""`python -m eval.sweep`: strategies × budgets × tasks × seeds, always with the full-cache baseline.
+
+    python -m eval.sweep --strategies recent_global heavy_hitter --budgets 0.5 0.25 0.1 \\
+        --tasks fidelity niah_single --seq_len 1024 --limit 10 --workers 2
+    python -m eval.sweep --grid grid.yaml --devices cuda:0,cuda:1 --workers 2
+
+Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters).
+A grid file holds the same keys (strategies, budgets, tasks, seeds, cache_configs) plus `args:`, a mapping
+of eval flags; flags typed on the command line win. `cache_configs` adds one configuration per preset.
+
+Resumable: each run is finished once its metrics.json exists (written last, atomically), so after a
+crash or SIGKILL the same command runs only what is missing. `--workers N` runs N processes, each
+loading the model once; `--devices` spreads them over GPUs (worker i uses device i mod len).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import queue
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from errors import CliParser, UserError, run_cli
+from eval import cli, results
+from generate import resolve_device
+
+GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="python -m eval.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--grid", default=None, help="YAML file with the grid (flags typed here win)")
+    parser.add_argument("--strategies", nargs="+", default=["full"])
+    parser.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.1],
+                        help="fractions of |prompt|+new tokens (≤ 1) or tokens (> 1)")
+    parser.add_argument("--cache_configs", nargs="+", default=[], help="presets, one configuration each")
+    parser.add_argument("--tasks", nargs="+", default=["fidelity"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--workers", type=int, default=1, help="parallel processes")
+    parser.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1")
+    parser.add_argument("--out_dir", default="results")
+    parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")
+    return parser
+
+
+def read_grid(path: str) -> dict:
+    try:
+        grid = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read grid {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"malformed YAML in {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(grid, dict) or set(grid) - set(GRID_KEYS):
+        raise UserError(f"{path}: a grid is a mapping with keys among {', '.join(GRID_KEYS)}")
+    return grid
+
+
+def flags_from_mapping(mapping: dict) -> list[str]:
+    argv = []
+    for key, value in mapping.items():
+        if isinstance(value, bool):
+            argv.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            argv += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """(sweep flags, flags for every eval run); grid-file values are defaults the command line overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    sweep, rest = parser.parse_known_args(argv)
+    if sweep.grid:
+        grid = read_grid(sweep.grid)
+        parser.set_defaults(**{k: v for k, v in grid.items() if k != "args"})
+        sweep, rest = parser.parse_known_args(argv)
+        rest = flags_from_mapping(grid.get("args") or {}) + rest
+    for flag in ("--cache_strategy", "--max_cache_length", "--seed", "--baseline", "--no-baseline"):
+        if flag in rest:
+            raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
+    if sweep.workers < 1:
+        raise UserError(f"--workers must be ≥ 1, got {sweep.workers}")
+    return sweep, rest
+
+
+def grid_jobs(sweep: argparse.Namespace, rest: list[str]) -> list[list[str]]:
+    """The eval argv of every grid point: the full cache once per (task, seed), then the others."""
+    common = [*rest, "--out_dir", sweep.out_dir, "--no-baseline"] + (["--overwrite"] if sweep.overwrite else [])
+    configs = [["--cache_strategy", "full"]]
+    configs += [["--cache_strategy", s, "--max_cache_length", f"{b:g}"]
+                for s in dict.fromkeys(sweep.strategies) if s != "full" for b in sweep.budgets]
+    configs += [["--cache_config", preset] for preset in sweep.cache_configs]
+    return [[*common, "--tasks", task, "--seed", str(seed), *config]
+            for task in sweep.tasks for seed in sweep.seeds for config in configs]
+
+
+def plan_jobs(jobs: list[list[str]]) -> list[tuple[list[str], Path]]:
+    """Validate every job before running any, and drop duplicates (the same run directory)."""
+    planned, seen = [], set()
+    for job in jobs:
+        ((_, _, path),) = cli.plan(cli.parse_args(job))
+        if path not in seen:
+            seen.add(path)
+            planned.append((job, path))
+    return planned
+
+
+def run_job(job: list[str], device: str | None, progress: bool | None) -> None:
+    args = cli.parse_args(job + (["--device", device] if device else []))
+    ((task, config, path),) = cli.plan(args)
+    cli.execute(task, config, path, progress)
+
+
+def _die_with_parent() -> None:
+    """Workers must not outlive a killed sweep: Linux delivers SIGKILL to them when the parent dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker(jobs: object, done: object, device: str | None, threads: int, parent: int) -> None:
+    """Run jobs from the queue until a None arrives (or the parent is gone); report (index, error)."""
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    while os.getppid() == parent:
+        try:
+            item = jobs.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if item is None:
+            return
+        index, job = item
+        try:
+            run_job(job, device, progress=True)
+            done.put((index, None))
+        except UserError as e:
+            done.put((index, str(e)))
+        except Exception:  # report and go on with the next run; the sweep says which failed
+            done.put((index, traceback.format_exc()))
+
+
+def run_parallel(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, devices: list[str | None],
+                 bar: tqdm) -> dict[int, str]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and can deadlock
+    jobs, done = ctx.Queue(), ctx.Queue()
+    for i, (job, _) in enumerate(pending):
+        jobs.put((i, job))
+    workers = min(sweep.workers, len(pending))
+    for _ in range(workers):
+        jobs.put(None)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    procs = [ctx.Process(target=worker, args=(jobs, done, devices[i % len(devices)], threads, os.getpid()),
+                         daemon=True) for i in range(workers)]
+    for p in procs:
+        p.start()
+    failures, received = {}, 0
+    while received < len(pending):
+        try:
+            index, error = done.get(timeout=1.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                raise UserError("all workers died (out of memory?); run the same command again to resume") from None
+            continue
+        received += 1
+        if error:
+            failures[index] = error
+        results.write_results_table(Path(sweep.out_dir))
+        bar.update()
+    for p in procs:
+        p.join()
+    return failures
+
+
+def main(argv: list[str] | None = None) -> Path:
+    sweep, rest = parse_sweep(argv)
+    out_dir = results.check_out_dir(sweep.out_dir)
+    devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
+        else [None]
+    planned = plan_jobs(grid_jobs(sweep, rest))
+    pending = [(job, path) for job, path in planned if sweep.overwrite or not results.is_finished(path)]
+    print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
+    bar = tqdm(total=len(planned), initial=len(planned) - len(pending), desc="sweep", unit="run")
+    failures: dict[int, str] = {}
+    if sweep.workers == 1 or len(pending) <= 1:
+        for i, (job, _) in enumerate(pending):
+            try:
+                run_job(job, devices[0], progress=None)
+            except UserError as e:
+                failures[i] = str(e)
+            results.write_results_table(out_dir)  # after every run: the table is current even if killed
+            bar.update()
+    elif pending:
+        failures = run_parallel(pending, sweep, devices, bar)
+    bar.close()
+    table = results.write_results_table(out_dir)
+    for i, error in failures.items():
+        print(f"failed: {' '.join(pending[i][0])}\n  {error.strip()}", file=sys.stderr)
+    print(f"results table: {table}")
+    if failures:
+        raise UserError(f"{len(failures)} of {len(pending)} runs failed (see above); the others are in {table}")
+    return table
+
+
+if __name__ == "__main__":
+    run_cli(main)
