@@ -40,6 +40,8 @@ class KVCache(nn.Module):
     needs_token_ids: ClassVar[bool] = False
     # Wants the tokenizer's special/punctuation masks (cache_hybrid.token_classes) through `configure`.
     needs_token_classes: ClassVar[bool] = False
+    # Wants per-token log forget gates from the model's learned gates through `observe_gates`.
+    needs_gates: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -147,6 +149,10 @@ class KVCache(nn.Module):
 
     def observe_tokens(self, token_ids: Tensor) -> None:
         """Token ids [B, T] entering the model (the prompt, then one per step), for needs_token_ids caches."""
+
+    def observe_gates(self, log_gates: Tensor) -> None:
+        """Log forget gates [B, n_kv, T] (float32, ≤ 0) of the tokens entering this layer, for needs_gates
+        caches; called before `prefill` / `update_kv` with the same tokens."""
 
     def reset(self) -> None:
         for name, buf in self.named_buffers(recurse=False):

@@ -153,8 +153,9 @@ def test_matrix_compiled_no_recompilation(strategy, bits, budget):
     args = cache_args(strategy, BUDGETS[budget], bits)
     attach(model, args)
     eager_held = []
+    layer0 = model.layers[0].attention
     with torch.inference_mode():
-        run(model, ids, decode_one_token, lambda p: eager_held.append(held_positions(model.layers[0].attention.kv_cache)))
+        run(model, ids, decode_one_token, lambda p: eager_held.append(held_positions(layer0.kv_cache)))
     caches = attach(model, args)
     compiled_held = []
     torch._dynamo.reset()
