@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from errors import UserError
+from prompt_compression import compress_prompt, hashed_scores, prompt_attention, prompt_attention_received
 from quantization_utils import dequantize, quantize
 
 
@@ -169,8 +170,6 @@ class KVCache(nn.Module):
 
     def select_prompt_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         """Prompt tokens kept when the prompt exceeds the budget: sorted indices [B, pos_heads, L]."""
-        from prompt_compression import compress_prompt
-
         return compress_prompt(self, input_pos, k, q)
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
@@ -238,35 +237,6 @@ def grouped_mean(probs: Tensor) -> Tensor:
     return probs.mean(dim=2)
 
 
-def prompt_attention(q: Tensor, k: Tensor, rows: Tensor) -> Tensor:
-    """Causal attention of the prompt queries at `rows` over all prompt keys, averaged over the query
-    heads of each KV group (GQA): [B, n_kv, len(rows), T], float32."""
-    B, H, T, D = q.shape
-    n_kv = k.shape[1]
-    qc = q[:, :, rows].reshape(B, n_kv, H // n_kv, len(rows), D)
-    scores = (qc @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
-    scores = scores.masked_fill(torch.arange(T, device=q.device) > rows[:, None], float("-inf"))
-    return torch.softmax(scores, dim=-1).mean(dim=2)
-
-
-def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256) -> Tensor:
-    """Attention each prompt key receives from all prompt queries, summed: [B, n_kv, T].
-
-    With `count_above_uniform`, the number of queries that gave the key at least uniform attention
-    (1 / number of keys the query sees) instead. Computed in query chunks: memory stays O(chunk × T)
-    instead of O(T²), since explicit attention over a long prompt at once is too expensive.
-    """
-    B, _, T, _ = q.shape
-    received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
-    for start in range(0, T, chunk):
-        rows = torch.arange(start, min(start + chunk, T), device=q.device)
-        attn = prompt_attention(q, k, rows)
-        if count_above_uniform:
-            attn = (attn >= 1.0 / (rows[:, None] + 1)).float() * (torch.arange(T, device=q.device) <= rows[:, None])
-        received += attn.sum(dim=2)
-    return received
-
-
 # ---- registry ------------------------------------------------------------------------------------------
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {}
@@ -327,17 +297,6 @@ class RandomCache(KVCache):
 
     def random_seed(self) -> int:
         return int(self.hparams.get("seed", 0)) * 1_000_003 + self.layer_idx
-
-
-def hashed_scores(pos: Tensor, step: Tensor, seed: int) -> Tensor:
-    """Pseudo-random scores in [0, 2^32) from (position, step, seed): a murmur-style integer finaliser.
-
-    Deterministic for a seed, the same eager and compiled, and free of generator state in the graph.
-    """
-    x = (pos * 0x9E3779B1 + step * 0x85EBCA77 + seed) & 0xFFFFFFFF
-    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
-    x = ((x ^ (x >> 12)) * 0x297A2D39) & 0xFFFFFFFF
-    return (x ^ (x >> 15)).float()
 
 
 @register_strategy

@@ -21,8 +21,9 @@ import string
 import torch
 from torch import Tensor
 
-from cache import KVCache, grouped_mean, prompt_attention_received, register_strategy
+from cache import KVCache, grouped_mean, register_strategy
 from errors import UserError
+from prompt_compression import prompt_attention_received
 
 COMPONENTS = ("special", "punct", "frequent", "local", "full")
 DEFAULT_HYBRID_POLICIES = ("special", "special+punct", "special+punct+frequent",

@@ -13,6 +13,8 @@ compressor (its scores differ per KV head) can only feed a head-specific cache, 
   head; the window is always kept.
 - `full`: keeps everything, so it refuses a prompt longer than the budget.
 - `hybrid`: FastGen's per-head profiling (cache_hybrid.py) chooses the kept tokens itself.
+- `gated`: the learned forget gates (cache_gated.py): keeps the highest log_gate × age at the end of the
+  prompt, i.e. the tokens the gates say are still retained; only a gated cache receives the gates.
 """
 
 from __future__ import annotations
@@ -25,6 +27,46 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from errors import UserError
+
+
+def prompt_attention(q: Tensor, k: Tensor, rows: Tensor) -> Tensor:
+    """Causal attention of the prompt queries at `rows` over all prompt keys, averaged over the query
+    heads of each KV group (GQA): [B, n_kv, len(rows), T], float32."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    qc = q[:, :, rows].reshape(B, n_kv, H // n_kv, len(rows), D)
+    scores = (qc @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
+    scores = scores.masked_fill(torch.arange(T, device=q.device) > rows[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).mean(dim=2)
+
+
+def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256) -> Tensor:
+    """Attention each prompt key receives from all prompt queries, summed: [B, n_kv, T].
+
+    With `count_above_uniform`, the number of queries that gave the key at least uniform attention
+    (1 / number of keys the query sees) instead. Computed in query chunks: memory stays O(chunk × T)
+    instead of O(T²), since explicit attention over a long prompt at once is too expensive.
+    """
+    B, _, T, _ = q.shape
+    received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
+    for start in range(0, T, chunk):
+        rows = torch.arange(start, min(start + chunk, T), device=q.device)
+        attn = prompt_attention(q, k, rows)
+        if count_above_uniform:
+            attn = (attn >= 1.0 / (rows[:, None] + 1)).float() * (torch.arange(T, device=q.device) <= rows[:, None])
+        received += attn.sum(dim=2)
+    return received
+
+
+def hashed_scores(pos: Tensor, step: Tensor, seed: int) -> Tensor:
+    """Pseudo-random scores in [0, 2^32) from (position, step, seed): a murmur-style integer finaliser.
+
+    Deterministic for a seed, the same eager and compiled, and free of generator state in the graph.
+    """
+    x = (pos * 0x9E3779B1 + step * 0x85EBCA77 + seed) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 12)) * 0x297A2D39) & 0xFFFFFFFF
+    return (x ^ (x >> 15)).float()
 
 
 @dataclass(frozen=True)
@@ -43,8 +85,6 @@ def _recent_global_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN00
 
 
 def _random_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    from cache import hashed_scores
-
     seed = int(cache.hparams.get("seed", 0)) * 1_000_003 + cache.layer_idx
     return hashed_scores(_positions(k), torch.tensor(k.shape[2], device=k.device), seed)
 
@@ -59,8 +99,6 @@ def _l2_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
 
 
 def _snapkv_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    from cache import prompt_attention
-
     T = k.shape[2]
     window = min(cache.snapkv_window, T)
     rows = torch.arange(T - window, T, device=k.device)
@@ -71,6 +109,15 @@ def _snapkv_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
     return votes
 
 
+def _gated_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
+    log_gate = getattr(cache, "prompt_log_gates", None)  # [B, n_kv, T], set by GatedCache.observe_gates
+    if log_gate is None:
+        raise UserError(f"prompt compression 'gated' needs the learned gates, which only the gated cache receives "
+                        f"(got a {cache.name} cache); use --cache_strategy gated or another compressor")
+    age = (k.shape[2] - 1 - _positions(k)).float()
+    return log_gate * age
+
+
 PROMPT_COMPRESSORS: dict[str, PromptCompressor] = {
     "full": PromptCompressor(None, head_specific=False),
     "recent_global": PromptCompressor(_recent_global_scores, head_specific=False),
@@ -79,6 +126,7 @@ PROMPT_COMPRESSORS: dict[str, PromptCompressor] = {
     "l2": PromptCompressor(_l2_scores, head_specific=True),
     "heavy_hitter": PromptCompressor(_snapkv_scores, head_specific=True),
     "hybrid": PromptCompressor(None, head_specific=True),
+    "gated": PromptCompressor(_gated_scores, head_specific=True),
 }
 
 

@@ -19,7 +19,7 @@ import json
 import platform
 import resource
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tqdm.write(json.dumps(row))
     table = format_table(rows)
     print(table)
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "weight_bytes": weight_bytes(model), "argv": argv}
