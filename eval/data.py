@@ -75,6 +75,8 @@ def load_rows(source: str, config: str | None = None, split: str = "train") -> l
         try:
             rows = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:  # datasets wraps parser errors in many types; report one line
+            if "corresponds to no data" in str(e):  # e.g. a JSON file holding []
+                raise UserError(f"dataset is empty: {source}") from None
             raise UserError(f"cannot read dataset {source}: {str(e).splitlines()[0]}") from None
     else:
         # Offline, load_dataset retries the hub for ~25 s before failing; say so at once instead.

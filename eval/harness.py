@@ -19,6 +19,7 @@ from torch import Tensor
 
 from cache import cache_statistics
 from cache_spec import LayerCacheSpec, add_cache_arguments, resolve_cache_spec
+from debug_cache import attention_loss_curve
 from errors import UserError
 from eval.metrics import step_fidelity
 from generate import decode_one_token, prefill, setup_caches
@@ -110,20 +111,28 @@ def prefill_limit(rt: Runtime, specs: list[LayerCacheSpec]) -> int | None:
     return min(s.max_cache_length for s in specs) if getattr(rt.args, "feed_long_prompts", False) else None
 
 
-def numeric_stats(stats: dict) -> dict:
-    """The numeric part of cache_statistics (numbers and nested lists of numbers), whatever keys appear:
-    strategies such as debug_<s> add their own (attention_loss...)."""
+def measure_caches(caches: list) -> dict:
+    """The numeric part of cache_statistics (numbers, nested lists of numbers), whatever keys appear:
+    strategies add their own (debug_<s>: attention_loss_mean / _per_layer / _per_head), plus the
+    attention loss over decode steps (cumulative mean at log-spaced steps) for debug_ caches."""
     def numeric(v: object) -> bool:
         if isinstance(v, list):
             return all(numeric(x) for x in v)
         return isinstance(v, int | float) and not isinstance(v, bool)
 
-    return {k: v for k, v in stats.items() if numeric(v)}
+    stats = {k: v for k, v in cache_statistics(caches).items() if numeric(v)}
+    curve = attention_loss_curve(caches)
+    if curve:
+        stats["attention_loss_curve"] = curve
+    return stats
 
 
 def average_stats(rows: list[dict]) -> dict:
-    """Mean over items of every numeric statistic; lists (per layer, per head) element-wise."""
+    """Mean over items of every statistic: lists (per layer, per head) element-wise, curves per step."""
     def mean(values: list) -> object:
+        if isinstance(values[0], dict):
+            keys = [k for k in values[0] if all(k in v for v in values)]
+            return {k: mean([v[k] for v in values]) for k in keys}
         if isinstance(values[0], list):
             if len({len(v) for v in values}) != 1:
                 return values[0]
@@ -236,7 +245,7 @@ def teacher_force(
 
     Both runs see the same tokens; each step's two next-token distributions are compared at once, so
     nothing of vocabulary size is kept. Positions n_prompt..len(ids)-1 are scored. Returns the trace and
-    the compressed caches' statistics at the end.
+    the compressed caches' statistics at the end (see measure_caches).
     """
     model, device, n = rt.model, rt.device, len(ids)
     full = attach_caches(rt, cache_specs(rt, full_cache_args(rt.args), n_prompt, n - n_prompt), n)
@@ -269,6 +278,6 @@ def teacher_force(
         ref_logits = rt.step(model, torch.tensor([[ids[pos]]], device=device), torch.tensor([pos], device=device))
         model.setup_caches(ours)
         logits = timed_step(rt, ids[pos], pos, timings)
-    stats = cache_statistics(ours)
+    stats = measure_caches(ours)
     model.remove_caches()
     return trace, stats

@@ -170,7 +170,8 @@ def run_parallel(pending: list[tuple[list[str], Path]], sweep: argparse.Namespac
             index, error = done.get(timeout=1.0)
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
-                raise UserError("all workers died (out of memory?); run the same command again to resume") from None
+                raise UserError("a worker died before finishing its run (out of memory?); run the same command "
+                                "again to resume") from None
             continue
         received += 1
         if error:

@@ -4,9 +4,13 @@ subprocess on it through the real loader, in seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -34,8 +38,9 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     a = TINY_ARGS
     config = {"model_type": "llama", "num_hidden_layers": a["n_layer"], "num_attention_heads": a["n_head"],
-              "num_key_value_heads": a["n_kv_head"], "hidden_size": a["dim"], "intermediate_size": a["intermediate_size"],
-              "vocab_size": a["vocab_size"], "rope_theta": a["rope_base"], "max_position_embeddings": a["context_length"],
+              "num_key_value_heads": a["n_kv_head"], "hidden_size": a["dim"],
+              "intermediate_size": a["intermediate_size"], "vocab_size": a["vocab_size"],
+              "rope_theta": a["rope_base"], "max_position_embeddings": a["context_length"],
               "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     (directory / "config.json").write_text(json.dumps(config))
     state = {}
@@ -50,3 +55,31 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
     save_file(state, str(directory / "model.safetensors"))
     byte_tokenizer().save(str(directory / "tokenizer.json"))
     return directory
+
+
+def tiny_runtime(checkpoint: Path, *flags: str):  # noqa: ANN201  (an eval.harness.Runtime)
+    """A Runtime on the tiny checkpoint with `python -m eval` flags (parsed by the real CLI parser)."""
+    from eval import cli
+    from eval.harness import Runtime
+
+    args = cli.parse_args(["--checkpoint_path", str(checkpoint), *flags])
+    model, tokenizer = cli.load_model(args.checkpoint_path, args.device, torch.float32)
+    return Runtime(model, tokenizer, args, progress=True)
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Tiny-model ops are latency-bound: with two OpenMP threads on a 2-core machine that other processes
+    share, every op waits at a barrier (measured: a tiny fidelity run took 11.6 s, 0.16 s on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    with single_thread():
+        yield

@@ -15,7 +15,6 @@ from typing import ClassVar
 
 from tqdm import tqdm
 
-from cache import cache_statistics
 from errors import UserError
 from eval.harness import (
     Runtime,
@@ -24,7 +23,7 @@ from eval.harness import (
     average_stats,
     cache_specs,
     greedy_answer,
-    numeric_stats,
+    measure_caches,
     prefill_length,
     prefill_limit,
 )
@@ -188,7 +187,7 @@ class GenerationTask(Task):
                                        self.options["decode_first_token"], prefill_limit(rt, specs))
             tokens = greedy_answer(rt, ids, n_prefill, max_new, timings)
             text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
-            item_stats = numeric_stats(cache_statistics(rt.model.caches()))
+            item_stats = measure_caches(rt.model.caches())
             stats.append(item_stats)
             scores = self.score(text, ex)
             predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from cache import cache_statistics
 from errors import UserError
 from eval.data import check_columns, load_rows
 from eval.harness import (
@@ -22,7 +21,7 @@ from eval.harness import (
     attach_caches,
     average_stats,
     cache_specs,
-    numeric_stats,
+    measure_caches,
     option_logliks,
     prefill_length,
     prefill_limit,
@@ -130,7 +129,7 @@ class MultipleChoice(Task):
             n_prefill = prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"],
                                        prefill_limit(rt, specs))
             logliks = option_logliks(rt, ids, n_prefill, options, timings)
-            stats.append(numeric_stats(cache_statistics(rt.model.caches())))
+            stats.append(measure_caches(rt.model.caches()))
             norm = [ll / max(len(c), 1) for ll, c in zip(logliks, choices, strict=True)]
             pick, pick_norm = logliks.index(max(logliks)), norm.index(max(norm))
             predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, "label": label,

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from errors import UserError
 from eval.data import check_columns, load_rows, pydoc_corpus, read_text_file, text_sha256
-from eval.harness import Runtime, Timings, average_stats, numeric_stats, teacher_force
+from eval.harness import Runtime, Timings, average_stats, cache_specs, teacher_force
 from eval.metrics import summarize_fidelity
 from eval.tasks.base import Task, TaskResult, register_task
 
@@ -72,7 +72,7 @@ class Fidelity(Task):
                   disable=rt.progress) as bar:
             for w, window in enumerate(windows):
                 trace, cache_stats = teacher_force(rt, window, n_prompt, o["decode_first_token"], timings, bar)
-                stats.append(numeric_stats(cache_stats))
+                stats.append(cache_stats)
                 for key in trace_all:
                     trace_all[key] += getattr(trace, key)
                 for i, pos in enumerate(trace.positions):
@@ -80,6 +80,7 @@ class Fidelity(Task):
                                         "top1_agree": trace.agree[i], "nll_full": trace.nll_full[i],
                                         "nll": trace.nll[i]})
         metrics = summarize_fidelity(trace_all["kl"], trace_all["agree"], trace_all["nll_full"], trace_all["nll"])
+        specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolved them
         config = {"text_source": source, "text_sha256": text_sha256(text), "text_tokens": len(ids),
-                  "windows": len(windows)}
+                  "windows": len(windows), "cache_spec": [s.to_dict() for s in specs]}
         return TaskResult(predictions, metrics, average_stats(stats), timings, config)

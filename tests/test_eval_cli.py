@@ -1,0 +1,124 @@
+"""`python -m eval` end to end on the tiny checkpoint: run directories, the results table, finished runs
+skipped unless --overwrite, presets, and bad input as one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from cache import CACHE_STRATEGIES
+from errors import UserError
+from eval import cli
+from tests.conftest import ROOT
+from tests.eval_helpers import (
+    PYDOC_EXCERPT,
+    one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    write_tiny_checkpoint,
+)
+
+needs_recent_global = pytest.mark.skipif("recent_global" not in CACHE_STRATEGIES, reason="needs recent_global")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def fidelity_flags(tiny_dir, out_dir) -> list[str]:
+    return ["--tasks", "fidelity", "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT),
+            "--seq_len", "120", "--prefill_tokens", "20", "--out_dir", str(out_dir)]
+
+
+def run_dirs(out_dir) -> list:
+    return sorted(p.parent for p in out_dir.glob("*/*/*/metrics.json"))
+
+
+@needs_recent_global
+def test_runs_are_written_next_to_the_baseline_and_skipped_when_finished(tiny_dir, tmp_path):
+    flags = fidelity_flags(tiny_dir, tmp_path) + ["--cache_strategy", "recent_global", "--max_cache_length", "0.5"]
+    full, ours = cli.main(flags)
+    assert full["strategy"] == "full" and full["kl_mean"] == 0.0 and full["budget"] == 1.0
+    assert ours["strategy"] == "recent_global" and ours["budget"] == 0.5 and ours["kl_mean"] > 0
+    assert ours["compression_ratio"] == pytest.approx(1 - 60 / 119, abs=1e-3)  # measured: 60 held of 119 seen
+    dirs = run_dirs(tmp_path)
+    assert [d.parent.name for d in dirs] == ["fidelity", "fidelity"] and dirs[0].parent.parent.name == tiny_dir.name
+    for d in dirs:
+        assert {p.name for p in d.iterdir()} == {"config.json", "predictions.jsonl", "metrics.json"}
+    config = json.loads((dirs[1] / "config.json").read_text())
+    assert [s["strategy"] for s in config["cache_spec"]] == ["recent_global"] * 2
+    assert config["cache_spec"][0]["max_cache_length"] == 60 and config["identity"]["seed"] == 0
+    assert config["versions"]["torch"].startswith("2.13") and "git_commit" in config
+    assert len((dirs[1] / "predictions.jsonl").read_text().splitlines()) == 100
+    table = pd.read_csv(tmp_path / "results.csv")
+    assert list(table["strategy"]) == ["full", "recent_global"]
+    for column in ["task", "budget", "compression_ratio", "cache_bytes", "kl_mean", "kl_p95", "top1_agreement",
+                   "perplexity", "perplexity_delta", "decode_tokens_per_second", "peak_memory_mb"]:
+        assert table[column].notna().all(), column
+
+    stamps = {d: (d / "metrics.json").stat().st_mtime_ns for d in dirs}
+    assert cli.main(flags) == [full, ours]  # finished: skipped, same results
+    assert {d: (d / "metrics.json").stat().st_mtime_ns for d in dirs} == stamps
+    cli.main(flags[:-1] + ["0.25"])  # another budget: the finished baseline is reused
+    assert len(run_dirs(tmp_path)) == 3
+    cli.main(flags + ["--overwrite"])
+    assert all((d / "metrics.json").stat().st_mtime_ns != stamps[d] for d in dirs)
+
+
+@needs_recent_global
+def test_cache_config_preset_and_explicit_flags(tiny_dir, tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("cache_strategy: recent_global\nmax_cache_length: 0.25\nglobal_tokens: 2\n")
+    cli.main(fidelity_flags(tiny_dir, tmp_path / "out") + ["--cache_config", str(preset), "--global_tokens", "3",
+                                                            "--no-baseline"])
+    (run,) = run_dirs(tmp_path / "out")
+    assert run.name.startswith("recent_global-b0.25-s0-")
+    config = json.loads((run / "config.json").read_text())
+    assert config["cache_spec"][0]["hyperparameters"]["global_tokens"] == 3  # typed flags win over the preset
+
+
+def test_full_cache_ignores_budget_flags_in_its_identity(tiny_dir, tmp_path):
+    cli.main(fidelity_flags(tiny_dir, tmp_path))
+    cli.main(fidelity_flags(tiny_dir, tmp_path) + ["--max_cache_length", "0.5", "--global_tokens", "7"])
+    assert len(run_dirs(tmp_path)) == 1
+
+
+BAD_INPUTS = {
+    "unknown task": (["--tasks", "nope"], "unknown task 'nope'"),
+    "unknown strategy": (["--cache_strategy", "nope"], "unknown cache strategy"),
+    "budget larger than the sequence": (["--cache_strategy", "keep_it_odd", "--max_cache_length", "500"],
+                                        "larger than the sequence"),
+    "prefill longer than the window": (["--prefill_tokens", "120"], "--prefill_tokens"),
+    "zero limit": (["--limit", "0"], "--limit must be"),
+    "unknown flag": (["--no_such_flag"], "unrecognized"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_a_user_error(tiny_dir, tmp_path, case):
+    flags, message = BAD_INPUTS[case]
+    if "keep_it_odd" in flags and "keep_it_odd" not in CACHE_STRATEGIES:
+        pytest.skip("needs keep_it_odd")
+    with pytest.raises(UserError, match=message):
+        cli.main(fidelity_flags(tiny_dir, tmp_path) + flags)
+
+
+def test_unwritable_out_dir_and_short_text_are_user_errors(tiny_dir, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(UserError, match="cannot write to --out_dir"):
+        cli.main(fidelity_flags(tiny_dir, blocker / "results"))
+    short = tmp_path / "short.txt"
+    short.write_text("far too short")
+    with pytest.raises(UserError, match="fidelity needs --seq_len 120"):
+        cli.main(fidelity_flags(tiny_dir, tmp_path / "out") + ["--text_file", str(short)])
+
+
+def test_bad_input_from_the_command_line_is_one_line():
+    proc = subprocess.run([sys.executable, "-m", "eval", "--tasks", "nope"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: unknown task")

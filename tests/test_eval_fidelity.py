@@ -1,0 +1,77 @@
+"""Fidelity under teacher forcing: exact zeros for the full cache, the right positions scored, and the
+first difference exactly where the compressed cache first evicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import CACHE_STRATEGIES
+from eval.harness import Runtime, Timings, teacher_force
+from eval.tasks import get_task
+from tests.eval_helpers import (
+    PYDOC_EXCERPT,
+    one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    tiny_runtime,
+    write_tiny_checkpoint,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def run_fidelity(rt: Runtime):
+    with torch.inference_mode():
+        return get_task("fidelity")(rt.args).run(rt)
+
+
+@pytest.mark.parametrize("decode_first_token", [False, True])
+def test_full_cache_gives_exactly_zero_kl_and_full_agreement(tiny_dir, decode_first_token):
+    flags = ["--text_file", str(PYDOC_EXCERPT), "--seq_len", "96", "--prefill_tokens", "40", "--limit", "2"]
+    rt = tiny_runtime(tiny_dir, *flags, *(["--decode_first_token"] if decode_first_token else []))
+    out = run_fidelity(rt)
+    m = out.metrics
+    assert m["kl_mean"] == 0.0 and m["kl_max"] == 0.0 and m["top1_agreement"] == 1.0
+    assert m["perplexity"] == m["perplexity_full"] and m["perplexity_delta"] == 0.0
+    assert m["scored_tokens"] == 2 * (96 - 40) == len(out.predictions)
+    assert out.stats["compression_ratio"] == 0.0 and out.config["windows"] == 2
+
+
+def test_scored_positions_match_one_full_forward_pass(tiny_dir):
+    rt = tiny_runtime(tiny_dir)
+    ids = [int(b) for b in PYDOC_EXCERPT.read_bytes()[:120]]
+    with torch.inference_mode():
+        trace, _ = teacher_force(rt, ids, 30, decode_first_token=False, timings=Timings())
+        logp = torch.log_softmax(rt.model(torch.tensor([ids]), torch.arange(len(ids)))[0].float(), dim=-1)
+    assert trace.positions == list(range(30, 120))
+    want = [-float(logp[p - 1, ids[p]]) for p in trace.positions]  # the logits at p-1 predict token p
+    assert trace.nll_full == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.skipif("recent_global" not in CACHE_STRATEGIES, reason="needs the recent_global strategy")
+def test_compressed_cache_differs_exactly_after_its_first_eviction(tiny_dir):
+    budget = 64  # tokens; the window is 200: evictions start when token 64 is inserted
+    rt = tiny_runtime(tiny_dir, "--text_file", str(PYDOC_EXCERPT), "--seq_len", "200", "--prefill_tokens", "32",
+                      "--cache_strategy", "recent_global", "--max_cache_length", str(budget))
+    out = run_fidelity(rt)
+    kl = {p["position"]: p["kl"] for p in out.predictions}
+    # Token p is predicted after feeding p-1 with p tokens cached: identical up to p = budget.
+    assert all(kl[p] == 0.0 for p in range(32, budget + 1))
+    assert sum(kl[p] for p in range(budget + 1, 200)) > 0
+    assert out.metrics["kl_mean"] > 0 and out.metrics["top1_agreement"] < 1
+    assert out.stats["compression_ratio"] == pytest.approx(1 - budget / 199, abs=1e-4)  # the last is never fed
+    assert out.config["cache_spec"][0]["max_cache_length"] == budget
+
+
+def test_bundled_model_full_cache_is_exact_on_real_text(bundled):
+    """The bundled SmolLM2 on 96 tokens of pinned pydoc text: zero KL; perplexity of a real model."""
+    model, tokenizer = bundled
+    from eval import cli
+
+    args = cli.parse_args(["--text_file", str(PYDOC_EXCERPT), "--seq_len", "96", "--prefill_tokens", "64"])
+    with torch.inference_mode():
+        out = get_task("fidelity")(args).run(Runtime(model, tokenizer, args, progress=True))
+    assert out.metrics["kl_max"] == 0.0 and out.metrics["top1_agreement"] == 1.0
+    assert 1.5 < out.metrics["perplexity_full"] < 30  # a language model, not noise (vocab 49152)
