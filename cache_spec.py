@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import cache_gated  # noqa: F401  (registers the gated strategy)
 from cache import KVCache, get_strategy
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
@@ -59,6 +60,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         "special, punct, frequent, local, full)")
     g.add_argument("--hybrid_recent_frac", type=float, default=0.3, help="hybrid: local window, fraction of tokens")
     g.add_argument("--hybrid_heavy_frac", type=float, default=0.3, help="hybrid: heavy hitters, fraction of tokens")
+    g.add_argument("--gates_path", default=None,
+                   help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
                    help="store keys/values as integers with per-token scales (16 = unquantized)")
     g.add_argument("--cache_config", default=None,
@@ -264,6 +267,9 @@ def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str,
     if (base == "hybrid") != (compressor == "hybrid"):
         raise UserError(f"layer {layer}: the hybrid cache profiles the prompt itself and only pairs with "
                         f"prompt compression 'hybrid' (got {strategy} with {compressor})")
+    if compressor == "gated" and not getattr(cls, "shadow_class", cls).needs_gates:
+        raise UserError(f"layer {layer}: prompt compression 'gated' scores tokens by the gates a gated cache "
+                        f"stores; the {strategy} cache has none (use it with --cache_strategy gated)")
     if PROMPT_COMPRESSORS[compressor].head_specific and not cls.head_specific and base != "full":
         works = [n for n, c in PROMPT_COMPRESSORS.items() if not c.head_specific]
         raise UserError(f"layer {layer}: prompt compression '{compressor}' keeps different tokens per head, "

@@ -54,6 +54,10 @@ class DebugCache(KVCache):
     def needs_token_ids(self) -> bool:  # type: ignore[override]
         return self.shadow.needs_token_ids
 
+    @property
+    def needs_gates(self) -> bool:  # type: ignore[override]
+        return self.shadow.needs_gates
+
     def budget(self) -> int:
         return self.shadow.budget()
 
@@ -68,6 +72,9 @@ class DebugCache(KVCache):
 
     def observe_tokens(self, token_ids: Tensor) -> None:
         self.shadow.observe_tokens(token_ids)
+
+    def observe_gates(self, log_gates: Tensor) -> None:
+        self.shadow.observe_gates(log_gates)
 
     def update_state(self, probs: Tensor) -> None:
         # The full cache fills slots in order, so slot i holds position i: gather by the shadow's positions.

@@ -202,14 +202,21 @@ def setup_caches(
     snapkv_window: int = 32,
     snapkv_kernel: int = 7,
 ) -> None:
-    """Build and attach one cache per layer; the tokenizer is needed by hybrid caches only."""
+    """Build and attach one cache per layer; the tokenizer is needed by hybrid caches only. Gated caches
+    get the model's learned gates: --gates_path, else those already attached, else the shipped file."""
     a = model.args
     w = model.tok_embeddings.weight
     classes = None
     if tokenizer is not None and any(getattr(get_strategy(s.strategy), "needs_token_classes", False) for s in specs):
         classes = token_classes(tokenizer, a.vocab_size)
-    model.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device,
-                                    snapkv_window, snapkv_kernel, classes))
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device,
+                          snapkv_window, snapkv_kernel, classes)
+    if any(c.needs_gates for c in caches):
+        from gates import prepare_gates
+
+        paths = {s.hyperparameters.get("gates_path") for s in specs if "gates_path" in s.hyperparameters}
+        prepare_gates(model, next(iter(paths), None))  # one --gates_path flag: one value
+    model.setup_caches(caches)
 
 
 def prefill_length_for(specs: list[LayerCacheSpec], prompt_length: int, feed_long_prompts: bool) -> int:

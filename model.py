@@ -103,6 +103,33 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Te
     return out.reshape(B, H, T, D), probs
 
 
+def soft_gated_attention(
+    q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, global_tokens: int, recent_window: int
+) -> tuple[Tensor, Tensor]:
+    """Causal attention with soft eviction, for training the gates (train_gates.py).
+
+    Key j, seen from query t ≥ j, gets (t − j)·log_gate_j added to its logit: its attention is scaled by
+    its retention g_j^(t−j), per KV head and shared by that head's query heads. Keys the cache protects
+    (the first `global_tokens`, and the `recent_window` newest for each query) are not decayed.
+    q [B, H, T, D]; k, v [B, n_kv, T, D]; log_gate [B, n_kv, T] (≤ 0). Explicit attention: a float bias
+    that needs gradients rules out the fused kernel, and training sequences are short.
+    Returns (output [B, H, T, D], retained [B, n_kv, T]: Σ_j retention of the decayable keys each query
+    sees, i.e. how many tokens beyond the protected ones a cache would have to hold).
+    """
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    t = torch.arange(T, device=q.device)
+    age = (t[:, None] - t[None, :]).float()  # [T(query), T(key)]
+    decayable = (age >= recent_window) & (t[None, :] >= global_tokens)
+    decay = torch.where(decayable, age * log_gate[:, :, None, :], 0.0)  # [B, n_kv, T, T]
+    bias = decay.masked_fill(age < 0, float("-inf"))
+    qg = q.reshape(B, n_kv, H // n_kv, T, D)
+    scores = (qg @ k[:, :, None].transpose(-1, -2)).float() * (1.0 / math.sqrt(D)) + bias[:, :, None]
+    out = torch.softmax(scores, dim=-1).to(v.dtype) @ v[:, :, None]
+    retained = (decay.exp() * decayable).sum(dim=-1)
+    return out.reshape(B, H, T, D), retained
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -125,6 +152,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        # Learned forget gate (gates.Gate: normed hidden state -> log-gates [B, n_kv, T]), attached by
+        # gates.attach_gates for gated caches and gate training; None otherwise.
+        self.gate: nn.Module | None = None
+        # (global_tokens, recent_window) while training gates: the cache-less forward then attends with
+        # soft eviction and leaves the soft number of retained tokens in `self.retained`.
+        self.soft_gating: tuple[int, int] | None = None
+        self.retained: Tensor | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -134,7 +168,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         cache = self.kv_cache
-        if T > 1 or cache is None:
+        if cache is not None and cache.needs_gates:
+            # Each token's gate goes to the cache before its K/V (prefill or update_kv) so they stay together.
+            cache.observe_gates(self.gate(x))
+        if cache is None and self.soft_gating is not None:
+            y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
+        elif T > 1 or cache is None:
             # Prefill: causal attention over the prompt itself (the fused kernel; no probabilities).
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             if cache is not None:
@@ -205,7 +244,12 @@ class Transformer(nn.Module):
         """Attach one cache per layer (built by cache_spec.build_caches)."""
         if len(caches) != self.args.n_layer:
             raise ValueError(f"got {len(caches)} caches for {self.args.n_layer} layers")
-        for layer, cache in zip(self.layers, caches, strict=False):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            if cache.needs_gates and layer.attention.gate is None:
+                raise ValueError(f"layer {i}: the {cache.name} cache needs learned gates, but the model has none "
+                                 "attached (gates.attach_gates / gates.attach_random_gates; generate.setup_caches "
+                                 "loads the trained ones)")
+        for layer, cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = cache
 
     def remove_caches(self) -> None:

@@ -139,6 +139,8 @@ BAD = {
                                        "hybrid"),
     "full compressor on a short budget": (["--cache_strategy", "l2", "--max_cache_length", "0.4",
                                            "--prompt_compression_strategy", "full"], "feed_long_prompts"),
+    "gated compressor without gates": (["--cache_strategy", "l2", "--max_cache_length", "0.4",
+                                        "--prompt_compression_strategy", "gated"], "gated"),
     "bad hybrid policy": (["--cache_strategy", "hybrid", "--hybrid_policies", "special+nouns"], "hybrid policy"),
     "recovery above 1": (["--cache_strategy", "hybrid", "--min_recovery_frac", "1.5"], "min_recovery_frac"),
     "funnel with a list": (["--cache_strategy", "l2", "--max_cache_length", "0.5", "0.2",

@@ -17,6 +17,7 @@ from cache import CACHE_STRATEGIES, KVCache
 from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
 from debug_cache import DebugCache
 from errors import CliParser
+from gates import attach_random_gates
 from generate import compile_decode_step, decode_one_token, prefill
 from model import apply_rope
 from tests.conftest import make_tiny_model
@@ -41,6 +42,8 @@ def cache_args(strategy: str, budget: str, bits: int = 16, *extra: str):
 
 def attach(model, args) -> list[KVCache]:  # noqa: ANN001
     specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, NEW)
+    if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
+        attach_random_gates(model, seed=0)
     a = model.args
     caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, TOTAL, torch.float32, "cpu",
                           token_classes=TOKEN_CLASSES)

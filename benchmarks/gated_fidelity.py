@@ -1,0 +1,127 @@
+"""Fidelity of `gated` against other strategies under teacher forcing on held-out pydoc text (issue 6).
+
+    python benchmarks/gated_fidelity.py --out results/gated_fidelity.json
+    python benchmarks/gated_fidelity.py --strategies gated recent_global --budgets 0.1 --windows 1
+
+Held-out text: the pydoc topics train_gates.py never trains on. Per window of --seq_len tokens, the first
+--prefill_tokens are prefilled (compressed by each strategy's own prompt compressor when they exceed the
+budget), then every later token is fed one at a time through generate.decode_one_token, and each step's
+next-token distribution is compared with the full model's on the same prefix: KL(full ‖ compressed), top-1
+agreement, and perplexity (compressed vs full). The reference is one cache-less forward over the window
+(the full cache's decode gives the same logits to ~1e-5). Budgets are fractions of the window (or tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
+from errors import CliParser, UserError, run_cli  # noqa: E402
+from generate import decode_one_token, prefill, setup_caches, write_json_atomic  # noqa: E402
+from train_gates import pydoc_split  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CliParser(prog="gated_fidelity.py", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint_path", default=None)
+    p.add_argument("--strategies", nargs="+", default=["gated", "heavy_hitter", "l2", "recent_global"])
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.25])
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--prefill_tokens", type=int, default=128)
+    p.add_argument("--windows", type=int, default=1, help="consecutive windows of held-out text")
+    p.add_argument("--gates_path", default=None, help="gates file for `gated` (default: the shipped one)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="write the results as JSON")
+    p.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def cache_args(strategy: str, budget: float, gates_path: str | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    flags = ["--cache_strategy", strategy, "--max_cache_length", f"{budget:g}"]
+    return parser.parse_args(flags + (["--gates_path", gates_path] if gates_path else []))
+
+
+def teacher_force(model, ids: torch.Tensor, n_prompt: int, ref_logp: torch.Tensor) -> dict[str, list[float]]:  # noqa: ANN001
+    """Per scored position: KL(full ‖ compressed), top-1 agreement, NLL of the true next token (both)."""
+    out: dict[str, list[float]] = {"kl": [], "agree": [], "nll": [], "nll_full": []}
+    n = ids.shape[1]
+    model.reset_caches()
+    with torch.inference_mode():
+        logits = prefill(model, ids[:, :n_prompt])
+        for pos in range(n_prompt, n):
+            logp, ref = F.log_softmax(logits[0].float(), dim=-1), ref_logp[pos - 1]
+            out["kl"].append(float((ref.exp() * (ref - logp)).sum()))
+            out["agree"].append(float(logp.argmax() == ref.argmax()))
+            out["nll"].append(float(-logp[ids[0, pos]]))
+            out["nll_full"].append(float(-ref[ids[0, pos]]))
+            if pos < n - 1:
+                logits = decode_one_token(model, ids[:, pos : pos + 1], torch.tensor([pos]))
+    return out
+
+
+def summarize(trace: dict[str, list[float]]) -> dict[str, float]:
+    mean = lambda xs: sum(xs) / len(xs)
+    ppl, ppl_full = math.exp(mean(trace["nll"])), math.exp(mean(trace["nll_full"]))
+    return {"kl_mean": round(mean(trace["kl"]), 5), "top1_agreement": round(mean(trace["agree"]), 4),
+            "perplexity": round(ppl, 3), "perplexity_full": round(ppl_full, 3),
+            "perplexity_delta": round(ppl - ppl_full, 3), "positions": len(trace["kl"])}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.out and Path(args.out).exists() and not args.overwrite:
+        raise UserError(f"{args.out} exists; pass --overwrite to replace it")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
+    text_ids = tokenizer.encode(pydoc_split(held_out=True))
+    windows = [text_ids[i * args.seq_len : (i + 1) * args.seq_len] for i in range(args.windows)]
+    windows = [torch.tensor([w]) for w in windows if len(w) == args.seq_len]
+    print(f"held-out pydoc: {len(text_ids)} tokens; {len(windows)} window(s) of {args.seq_len}", flush=True)
+
+    traces: dict[tuple[str, float], dict[str, list[float]]] = {}
+    for ids in windows:
+        model.remove_caches()
+        with torch.inference_mode():
+            ref_logp = F.log_softmax(model(ids, torch.arange(args.seq_len))[0].float(), dim=-1)
+        for budget in args.budgets:
+            for strategy in args.strategies:
+                t0 = time.perf_counter()
+                specs = resolve_cache_spec(cache_args(strategy, budget, args.gates_path), model.args.n_layer,
+                                           args.prefill_tokens, args.seq_len - args.prefill_tokens)
+                setup_caches(model, specs, args.seq_len, tokenizer)
+                trace = teacher_force(model, ids, args.prefill_tokens, ref_logp)
+                for key, values in trace.items():
+                    traces.setdefault((strategy, budget), {}).setdefault(key, []).extend(values)
+                s = summarize(trace)
+                print(f"{strategy:<14} budget {budget:g} ({specs[0].max_cache_length} tokens): KL {s['kl_mean']:.4f} "
+                      f"top-1 {s['top1_agreement']:.3f} ΔPPL {s['perplexity_delta']:+.3f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    rows = [{"strategy": s, "budget": b, **summarize(t)} for (s, b), t in traces.items()]
+    print("\n| budget | strategy | KL(full ‖ ·) | top-1 agreement | PPL | ΔPPL |")
+    print("|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["budget"], r["kl_mean"])):
+        print(f"| {r['budget']:g} | {r['strategy']} | {r['kl_mean']:.4f} | {r['top1_agreement']:.3f} | "
+              f"{r['perplexity']:.2f} | {r['perplexity_delta']:+.2f} |")
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}
+        write_json_atomic(args.out, {"config": config, "held_out_tokens": len(text_ids), "rows": rows},
+                          overwrite=args.overwrite)
+    return rows
+
+
+if __name__ == "__main__":
+    run_cli(main)

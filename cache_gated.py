@@ -1,0 +1,68 @@
+"""`gated`: eviction by learned per-token forget gates (the retention-gate form of TRIM-KV, arXiv 2512.03324,
+which matches the forget gates of gated and power attention).
+
+Each token arrives with a log forget gate per KV head (log_gate ≤ 0, from the layer's learned gate in
+gates.py, passed in by the model through `observe_gates` just before the token's K/V). Its retention
+decays with age at its own rate, exp(log_gate × age); the token with the lowest log_gate × age
+(age = current position − its position) is evicted, global tokens and the recent window protected.
+With the same gate for every token this is StreamingLLM's order (the oldest goes first).
+
+The cache holds a third tensor next to K/V, `log_gate` [B, n_kv, L] float32, written and moved exactly
+like `pos`: at prefill (also after prompt compression) and into the slot each new token takes; reset
+clears it. All of it is tensor ops on fixed-size buffers, so a compiled decode step never recompiles.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cache import KVCache, register_strategy
+
+
+@register_strategy
+class GatedCache(KVCache):
+    name = "gated"
+    hyperparameters = ("global_tokens", "recent_window", "gates_path")
+    head_specific = True
+    needs_gates = True
+
+    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
+        B, H, L = batch_size, n_kv_heads, self.max_cache_length
+        self.register_buffer("log_gate", torch.zeros(B, H, L))
+        # The gate of the token the coming update_kv inserts (observe_gates runs first, in the same step).
+        self.register_buffer("incoming_log_gate", torch.zeros(B, H, 1))
+        # The prompt's gates [B, H, T] between observe_gates and prefill (eager only; cleared after use).
+        self.prompt_log_gates: Tensor | None = None
+
+    def observe_gates(self, log_gates: Tensor) -> None:
+        if log_gates.shape[-1] == 1:
+            self.incoming_log_gate.copy_(log_gates)
+        else:
+            self.prompt_log_gates = log_gates
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        age = (input_pos - self.pos).float()
+        return self.log_gate * age  # log retention now; the most decayed token goes first
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        if self.prompt_log_gates is None:
+            raise ValueError("the gated cache got a prompt without its gates (the model calls observe_gates "
+                             "when gates are attached)")
+        n = keep.shape[-1]
+        self.log_gate[:, :, :n] = self.prompt_log_gates.gather(2, keep)
+        self.prompt_log_gates = None
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        self.log_gate.scatter_(2, slot[..., None], self.incoming_log_gate)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_log_gates = None
+
+    def extra_statistics(self) -> dict[str, Tensor]:
+        """Mean log-gate of the tokens held at the end, per KV head (how much the kept tokens forget)."""
+        held = self.mask[:, :, 0].float()
+        mean = (self.log_gate * held).sum(-1) / held.sum(-1).clamp(min=1)
+        return {"held_log_gate": mean.mean(dim=0)}

@@ -1,0 +1,222 @@
+"""Learned forget gates for the `gated` KV cache (the retention-gate form of TRIM-KV, arXiv 2512.03324).
+
+Per layer, a linear map from the layer's attention input (the attention-normed hidden state) to one
+logit per KV head; log_gate = logsigmoid(logit) ≤ 0 is the token's log retention per step, so after
+`age` steps its retention is exp(log_gate × age). The gated cache evicts the token with the lowest
+log_gate × age; `train_gates.py` learns the gates by distillation (see its docstring).
+
+Files are safetensors (never pickle): tensors `layers.{i}.weight` [n_kv, dim] and `layers.{i}.bias`
+[n_kv]; the metadata identifies the model the gates were trained on and records how they were trained.
+
+Identity. Caches are attached through `generate.setup_caches(model, specs, ...)`, which sees the model
+but not the checkpoint path, so a gates file is matched to the model itself: its shape (layers, heads,
+dims, vocabulary) and a probe of its weights (norms of a few embedding rows and the per-layer mean of
+the attention-norm weights), compared with a 2% tolerance so that the same model in bfloat16 or
+another quantization still matches. The checkpoint's name (GGUF `general.name`) is stored for messages.
+A fine-tune of the same base model may pass the probe: pass --gates_path to be explicit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from errors import UserError
+from model import Transformer
+
+GATES_DIR = Path(__file__).resolve().parent / "gates"
+FORMAT = "kv-evict-gates/1"
+# logsigmoid(6) ≈ −0.0025: a new gate keeps a token at ≈ 0.5 retention after ~280 steps (little forgetting).
+INIT_BIAS = 6.0
+PROBE_ROWS = 16
+PROBE_RTOL = 0.02
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "dim", "head_dim", "vocab_size")
+TRAIN_HINT = "train them with `python train_gates.py --checkpoint_path CHECKPOINT` and pass --gates_path FILE"
+
+
+class Gate(nn.Module):
+    """One layer's gate: attention-normed hidden state [B, T, dim] -> log forget gates [B, n_kv, T]."""
+
+    def __init__(self, dim: int, n_kv_head: int, init_bias: float = INIT_BIAS) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, n_kv_head)
+        # Zero weights and a large bias: every gate starts near 1 (log-gate ≈ 0), so training starts from
+        # the full model's behaviour and the capacity term has to earn each bit of forgetting.
+        nn.init.zeros_(self.proj.weight)
+        nn.init.constant_(self.proj.bias, init_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Gates are kept in float32 whatever the model's dtype: a bf16 logit near 6 would round the
+        # log-gate (≈ −0.0025) by ~30%, and the cache multiplies it by ages in the thousands.
+        logits = self.proj(x.to(self.proj.weight.dtype))
+        return F.logsigmoid(logits.float()).transpose(1, 2)
+
+
+def new_gates(model: Transformer, init_bias: float = INIT_BIAS) -> list[Gate]:
+    a = model.args
+    device = model.tok_embeddings.weight.device
+    return [Gate(a.dim, a.n_kv_head, init_bias).to(device) for _ in range(a.n_layer)]
+
+
+def attach_gates(model: Transformer, gates: list[Gate] | None) -> None:
+    """Give layer i gate i (None removes them). Gates stay float32 on the model's device."""
+    if gates is not None and len(gates) != model.args.n_layer:
+        raise ValueError(f"got {len(gates)} gates for {model.args.n_layer} layers")
+    device = model.tok_embeddings.weight.device
+    for i, layer in enumerate(model.layers):
+        layer.attention.gate = None if gates is None else gates[i].to(device=device, dtype=torch.float32)
+
+
+def attached_gates(model: Transformer) -> list[Gate] | None:
+    gates = [layer.attention.gate for layer in model.layers]
+    return None if any(g is None for g in gates) else gates
+
+
+def attach_random_gates(model: Transformer, seed: int = 0) -> list[Gate]:
+    """Random, frozen gates (for tests on random-weight models): logits ≈ N(1.5, 1.5²) for unit-RMS
+    inputs, so log-gates spread over about [−3, −0.01] and tokens really get different retention."""
+    generator = torch.Generator().manual_seed(seed)
+    gates = new_gates(model)
+    dim = model.args.dim
+    with torch.no_grad():
+        for gate in gates:
+            w = torch.randn(gate.proj.weight.shape, generator=generator) * (1.5 / dim**0.5)
+            gate.proj.weight.copy_(w)
+            gate.proj.bias.fill_(1.5)
+    for gate in gates:
+        gate.requires_grad_(False)
+    attach_gates(model, gates)
+    return gates
+
+
+# ---- model identity --------------------------------------------------------------------------------------
+
+
+def model_shape(model: Transformer) -> dict[str, int]:
+    return {key: int(getattr(model.args, key)) for key in SHAPE_KEYS}
+
+
+def weight_probe(model: Transformer) -> list[float]:
+    """Norms of PROBE_ROWS evenly spaced embedding rows, then the mean |attention-norm weight| per layer."""
+    w = model.tok_embeddings.weight.detach()
+    rows = torch.linspace(0, w.shape[0] - 1, PROBE_ROWS).long().to(w.device)
+    norms = w[rows].float().norm(dim=-1)
+    norm_means = torch.stack([layer.attention_norm.weight.detach().float().abs().mean() for layer in model.layers])
+    return [round(float(x), 6) for x in torch.cat([norms, norm_means]).cpu()]
+
+
+def describe(shape: dict) -> str:
+    return (f"{shape['n_layer']} layers, {shape['n_head']} heads / {shape['n_kv_head']} KV heads, "
+            f"dim {shape['dim']}, vocab {shape['vocab_size']}")
+
+
+def identity_mismatch(metadata: dict[str, str], model: Transformer) -> str | None:
+    """Why a gates file does not fit `model`, or None when it does."""
+    try:
+        shape = json.loads(metadata["model_shape"])
+        probe = json.loads(metadata["weight_probe"])
+    except (KeyError, json.JSONDecodeError):
+        return "it has no model identity in its metadata"
+    if shape != model_shape(model):
+        return f"it was trained for a model with {describe(shape)}, this one has {describe(model_shape(model))}"
+    ours = torch.tensor(weight_probe(model))
+    theirs = torch.tensor(probe, dtype=ours.dtype)
+    if theirs.shape != ours.shape or not torch.allclose(ours, theirs, rtol=PROBE_RTOL, atol=1e-6):
+        return "its model has the same shape but different weights"
+    return None
+
+
+# ---- files -------------------------------------------------------------------------------------------
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error type for a malformed header
+        raise UserError(f"cannot read gates file {path}: {str(e).splitlines()[0]}") from None
+
+
+def save_gates(gates: list[Gate], model: Transformer, path: str | Path, info: dict, overwrite: bool = False) -> Path:
+    """Write the gates with the model's identity and `info` (how they were trained) as metadata.
+
+    Atomic (a temporary file renamed over the target), and an existing file is kept unless `overwrite`.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise UserError(f"{path} exists; pass --overwrite to replace it")
+    tensors = {}
+    for i, gate in enumerate(gates):
+        tensors[f"layers.{i}.weight"] = gate.proj.weight.detach().float().cpu().contiguous()
+        tensors[f"layers.{i}.bias"] = gate.proj.bias.detach().float().cpu().contiguous()
+    metadata = {"format": FORMAT, "model_shape": json.dumps(model_shape(model)),
+                "weight_probe": json.dumps(weight_probe(model)), "info": json.dumps(info, sort_keys=True)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; it is data meant to be shared
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_gates(path: str | Path, model: Transformer) -> list[Gate]:
+    """Frozen gates from `path`, refused (one-line UserError) when they were trained for another model."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"gates file not found: {path}")
+    metadata = read_metadata(path)
+    if metadata.get("format") != FORMAT:
+        raise UserError(f"{path} is not a gates file (format {metadata.get('format')!r}, expected {FORMAT!r})")
+    why = identity_mismatch(metadata, model)
+    if why:
+        info = json.loads(metadata.get("info", "{}"))
+        raise UserError(f"the gates in {path} ({info.get('model_name', 'unknown model')}) do not fit this model: "
+                        f"{why}; {TRAIN_HINT}")
+    tensors = load_file(str(path))
+    gates = new_gates(model)
+    for i, gate in enumerate(gates):
+        try:
+            gate.proj.weight.data.copy_(tensors[f"layers.{i}.weight"])
+            gate.proj.bias.data.copy_(tensors[f"layers.{i}.bias"])
+        except (KeyError, RuntimeError):
+            raise UserError(f"{path}: layer {i}'s gate is missing or has the wrong shape") from None
+        gate.requires_grad_(False)
+    return gates
+
+
+def find_gates_file(model: Transformer, directory: Path = GATES_DIR) -> Path | None:
+    """The first gates file shipped in `directory` whose metadata matches `model`."""
+    for path in sorted(directory.glob("*.safetensors")):
+        metadata = read_metadata(path)
+        if metadata.get("format") == FORMAT and identity_mismatch(metadata, model) is None:
+            return path
+    return None
+
+
+def prepare_gates(model: Transformer, gates_path: str | None) -> None:
+    """Make sure `model` carries gates for a gated cache: the given file, else the gates already attached
+    (e.g. random ones in tests), else the shipped file that matches the model, else a UserError."""
+    if gates_path:
+        attach_gates(model, load_gates(gates_path, model))
+        return
+    if attached_gates(model) is not None:
+        return
+    path = find_gates_file(model)
+    if path is None:
+        raise UserError(f"no trained gates for this model ({describe(model_shape(model))}) in {GATES_DIR}; "
+                        f"{TRAIN_HINT}")
+    attach_gates(model, load_gates(path, model))
