@@ -25,7 +25,14 @@ import torch
 from torch import Tensor, nn
 
 from errors import UserError
-from prompt_compression import compress_prompt, hashed_scores, prompt_attention, prompt_attention_received
+from prompt_compression import (
+    above_uniform,
+    compress_prompt,
+    hashed_scores,
+    prompt_attention,
+    prompt_attention_received,
+    random_seed,
+)
 from quantization_utils import dequantize, quantize
 
 
@@ -293,10 +300,7 @@ class RandomCache(KVCache):
     hyperparameters = ("global_tokens", "recent_window", "seed")
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return hashed_scores(self.pos, input_pos, self.random_seed())
-
-    def random_seed(self) -> int:
-        return int(self.hparams.get("seed", 0)) * 1_000_003 + self.layer_idx
+        return hashed_scores(self.pos, input_pos, random_seed(self))
 
 
 @register_strategy
@@ -387,7 +391,7 @@ class HeavyHitterCache(KVCache):
             rows = torch.arange(T - w, T, device=k.device)
             attn = prompt_attention(q, k, rows)  # [B, H, w, T]
             if self.thresholding:
-                attn = (attn >= 1.0 / (rows[:, None] + 1)).float() * (torch.arange(T, device=k.device) <= rows[:, None])
+                attn = above_uniform(attn, rows)
             self.attn_history.zero_()
             self.attn_history[:, :, :n, :w] = attn.gather(3, keep[:, :, None, :].expand(-1, -1, w, -1)).transpose(2, 3)
             self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)

@@ -40,6 +40,12 @@ def prompt_attention(q: Tensor, k: Tensor, rows: Tensor) -> Tensor:
     return torch.softmax(scores, dim=-1).mean(dim=2)
 
 
+def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
+    """1.0 where query `rows[i]` gave a key at least uniform attention (1 / the rows[i] + 1 keys it sees)."""
+    keys = torch.arange(attn.shape[-1], device=attn.device)
+    return (attn >= 1.0 / (rows[:, None] + 1)).float() * (keys <= rows[:, None])
+
+
 def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256) -> Tensor:
     """Attention each prompt key receives from all prompt queries, summed: [B, n_kv, T].
 
@@ -53,9 +59,14 @@ def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = 
         rows = torch.arange(start, min(start + chunk, T), device=q.device)
         attn = prompt_attention(q, k, rows)
         if count_above_uniform:
-            attn = (attn >= 1.0 / (rows[:, None] + 1)).float() * (torch.arange(T, device=q.device) <= rows[:, None])
+            attn = above_uniform(attn, rows)
         received += attn.sum(dim=2)
     return received
+
+
+def random_seed(cache) -> int:  # noqa: ANN001
+    """Per-run, per-layer seed of random eviction (`--seed`), shared by the random cache and compressor."""
+    return int(cache.hparams.get("seed", 0)) * 1_000_003 + cache.layer_idx
 
 
 def hashed_scores(pos: Tensor, step: Tensor, seed: int) -> Tensor:
@@ -85,8 +96,7 @@ def _recent_global_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN00
 
 
 def _random_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    seed = int(cache.hparams.get("seed", 0)) * 1_000_003 + cache.layer_idx
-    return hashed_scores(_positions(k), torch.tensor(k.shape[2], device=k.device), seed)
+    return hashed_scores(_positions(k), torch.tensor(k.shape[2], device=k.device), random_seed(cache))
 
 
 def _keep_it_odd_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001

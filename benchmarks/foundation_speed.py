@@ -17,13 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cache_spec import LayerCacheSpec  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
+from eval.data import pydoc_corpus  # noqa: E402
 from generate import compile_decode_step, decode_one_token, generate, prefill, setup_caches  # noqa: E402
 
 
 def corpus_ids(tokenizer, n: int) -> list[int]:  # noqa: ANN001
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    text = pydoc_corpus()
     return tokenizer.encode(text[: 8 * n])[:n]
 
 

@@ -20,13 +20,12 @@ from cache import CACHE_STRATEGIES, cache_statistics  # noqa: E402
 from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from debug_cache import attention_loss_curve  # noqa: E402
+from eval.data import pydoc_corpus  # noqa: E402
 from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic  # noqa: E402
 
 
 def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:  # noqa: ANN001
-    import pydoc_data.topics
-
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    text = pydoc_corpus()
     return tokenizer.encode(text)[:n_tokens]
 
 

@@ -29,6 +29,7 @@ from cache import CACHE_STRATEGIES, cache_statistics
 from cache_spec import add_cache_arguments, resolve_cache_spec
 from checkpoint import bundled_checkpoint_path, load_checkpoint, parse_dtype
 from errors import CliParser, UserError, run_cli
+from eval.data import pydoc_corpus
 from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "prefill_tokens_per_second",
@@ -188,9 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bandwidth = measure_read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     model, tokenizer = load_checkpoint(None, "cpu", dtype)
-    import pydoc_data.topics
-
-    corpus = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    corpus = pydoc_corpus()
     corpus_ids = tokenizer.encode(corpus[: 40 * max(args.contexts)])
     rows: list[dict] = []
     from tqdm import tqdm
