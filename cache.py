@@ -3,8 +3,8 @@
 One `KVCache` per attention layer. Every tensor is a registered buffer of fixed shape, so a compiled
 decode step never recompiles:
 
-- `k_cache`, `v_cache`: [B, n_kv_heads, L, head_dim], L = this layer's budget (with `--cache_bits`,
-  packed integer codes plus per-token scales and zero points instead; see `keys()` / `values()`).
+- `storage` (kv_storage.py): the K/V of L slots, L = this layer's budget: dense, quantized per token
+  (`--cache_bits`) or KIVI's residual scheme; `keys()` / `values()` give [B, n_kv_heads, L, head_dim].
   Keys are stored after RoPE at their original position; eviction leaves gaps, nothing is re-rotated.
 - `pos`: original position held in each slot, -1 when empty: [B, n_kv_heads or 1, L] (per head only
   for head-specific strategies, which evict different tokens in different heads).
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from errors import UserError
+from kv_storage import DENSE, StorageSpec, make_storage
 from prompt_compression import (
     above_uniform,
     compress_prompt,
@@ -33,7 +34,6 @@ from prompt_compression import (
     prompt_attention_received,
     random_seed,
 )
-from quantization_utils import dequantize, quantize
 
 
 class KVCache(nn.Module):
@@ -59,7 +59,7 @@ class KVCache(nn.Module):
         max_cache_length: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        cache_bits: int = 16,
+        storage: StorageSpec = DENSE,
         capacity_needed: int | None = None,
         **hyperparameters: object,
     ) -> None:
@@ -73,51 +73,29 @@ class KVCache(nn.Module):
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.cache_bits = cache_bits
+        self.storage_spec = storage
         self.global_tokens = int(hyperparameters.get("global_tokens", 0))
         self.recent_window = int(hyperparameters.get("recent_window", 0))
         self.hparams = dict(hyperparameters)
         B, H, L, D = batch_size, n_kv_heads, max_cache_length, head_dim
         kw = dict(device=device)
-        if cache_bits == 16:
-            self.register_buffer("k_cache", torch.zeros(B, H, L, D, dtype=dtype, **kw))
-            self.register_buffer("v_cache", torch.zeros(B, H, L, D, dtype=dtype, **kw))
-        else:
-            packed_width = D * cache_bits // 8
-            for name in ("k", "v"):
-                self.register_buffer(f"{name}_codes", torch.zeros(B, H, L, packed_width, dtype=torch.uint8, **kw))
-                # Scales and zero points in the cache dtype (rounded up there by quantize: see its bound).
-                self.register_buffer(f"{name}_scale", torch.zeros(B, H, L, 1, dtype=dtype, **kw))
-                self.register_buffer(f"{name}_zero", torch.zeros(B, H, L, 1, dtype=dtype, **kw))
+        self.storage = make_storage(storage, B, H, L, D, dtype, device, self.capacity_needed)
         pos_heads = H if self.head_specific else 1
         self.register_buffer("pos", torch.full((B, pos_heads, L), -1, dtype=torch.long, **kw))
         self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, **kw))
         self.register_buffer("inserted", torch.zeros(B, H, dtype=torch.long, **kw))
 
-    # ---- storage: dense, or quantized per token (only the written slots are (re)quantized) ------------
+    # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
     def keys(self) -> Tensor:
-        if self.cache_bits == 16:
-            return self.k_cache
-        return dequantize(self.k_codes, self.k_scale, self.k_zero, self.cache_bits, self.dtype)
+        return self.storage.keys()
 
     def values(self) -> Tensor:
-        if self.cache_bits == 16:
-            return self.v_cache
-        return dequantize(self.v_codes, self.v_scale, self.v_zero, self.cache_bits, self.dtype)
+        return self.storage.values()
 
     def _store(self, head_slot: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v [B, H, n, D] into slots head_slot [B, H, n]."""
-        if self.cache_bits == 16:
-            index = head_slot[..., None].expand(*head_slot.shape, self.head_dim)
-            self.k_cache.scatter_(2, index, k.to(self.dtype))
-            self.v_cache.scatter_(2, index, v.to(self.dtype))
-            return
-        for name, x in (("k", k), ("v", v)):
-            codes, scale, zero = quantize(x, self.cache_bits)
-            for suffix, src in (("codes", codes), ("scale", scale), ("zero", zero)):
-                buf = getattr(self, f"{name}_{suffix}")
-                buf.scatter_(2, head_slot[..., None].expand(*head_slot.shape, buf.shape[-1]), src.to(buf.dtype))
+        """Write k, v [B, H, n, D] into slots head_slot [B, H, n] (n > 1 only for the prompt, into an empty cache)."""
+        self.storage.write(head_slot, k, v)
 
     # ---- the contract used by model.Attention ------------------------------------------------------------
 
@@ -165,6 +143,7 @@ class KVCache(nn.Module):
     def reset(self) -> None:
         for name, buf in self.named_buffers(recurse=False):
             buf.fill_(-1) if name == "pos" else buf.zero_()
+        self.storage.reset()
         for child in self.children():
             if isinstance(child, KVCache):  # a debug cache's shadow
                 child.reset()
@@ -225,9 +204,13 @@ class KVCache(nn.Module):
         return self.mask.sum(dim=(-1, -2))
 
     def compression_ratio_per_head(self) -> Tensor:
-        """1 − (held × bits/16) / seen per head (DESIGN.md §6), [B, n_kv]; 0 for a head that saw nothing."""
+        """1 − (held × bits/16) / seen per head (DESIGN.md §6), [B, n_kv]; 0 for a head that saw nothing.
+        Tokens a KIVI residual keeps unquantized count at 16 bits."""
         seen = self.inserted.clamp(min=1).double()
-        ratio = 1.0 - self.held_tokens().double() * (self.cache_bits / 16.0) / seen
+        held = self.mask[:, :, 0]
+        exact = (held & self.storage.full_precision_slots()).sum(-1).double()
+        held_bits = exact + (held.sum(-1).double() - exact) * (self.storage_spec.bits / 16.0)
+        ratio = 1.0 - held_bits / seen
         return torch.where(self.inserted > 0, ratio, torch.zeros_like(ratio))
 
     def nbytes(self) -> int:

@@ -22,6 +22,7 @@ import cache_gated  # noqa: F401  (registers the gated strategy)
 from cache import KVCache, get_strategy
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
+from kv_storage import DENSE, SCHEMES, StorageSpec
 from prompt_compression import PROMPT_COMPRESSORS
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -63,7 +64,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gates_path", default=None,
                    help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
-                   help="store keys/values as integers with per-token scales (16 = unquantized)")
+                   help="store keys/values as 2/4/8-bit integers (16 = unquantized)")
+    g.add_argument("--cache_quantization", choices=SCHEMES, default="per_token",
+                   help="with --cache_bits < 16: per_token scales, or kivi (keys per channel in token groups, "
+                        "values per token in channel groups, the newest tokens in full precision)")
+    g.add_argument("--q_group_size", type=int, default=DENSE.q_group_size,
+                   help="kivi: tokens per key group and channels per value group")
+    g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
+                   help="kivi: newest tokens kept in full precision (a multiple of --q_group_size)")
     g.add_argument("--cache_config", default=None,
                    help="YAML preset: a path or a name in configs/ (flags given explicitly win)")
     g.add_argument("--print_cache_spec", action="store_true", help="print the resolved per-layer table")
@@ -76,7 +84,7 @@ class LayerCacheSpec:
     max_cache_length: int  # tokens
     hyperparameters: dict
     prompt_compression: str = "full"
-    cache_bits: int = 16
+    storage: StorageSpec = DENSE
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,6 +186,23 @@ def check_cache_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--{key} must be in (0, 1], got {getattr(args, key):g}")
     for policy in args.hybrid_policies:
         parse_policy(policy)
+    storage_spec(args)
+
+
+def storage_spec(args: argparse.Namespace) -> StorageSpec:
+    """The K/V storage every layer uses, or a UserError for flags that do not fit together."""
+    spec = StorageSpec(args.cache_bits, args.cache_quantization, args.q_group_size, args.residual_length)
+    kivi_flags = (spec.q_group_size, spec.residual_length) != (DENSE.q_group_size, DENSE.residual_length)
+    if spec.scheme != "kivi" and kivi_flags:
+        raise UserError("--q_group_size and --residual_length apply to --cache_quantization kivi only")
+    if spec.scheme == "kivi":
+        if spec.bits == 16:
+            raise UserError("--cache_quantization kivi needs --cache_bits 2, 4 or 8")
+        if spec.q_group_size < 1 or spec.residual_length < spec.q_group_size or \
+                spec.residual_length % spec.q_group_size:
+            raise UserError(f"--residual_length ({spec.residual_length}) must be a positive multiple of "
+                            f"--q_group_size ({spec.q_group_size})")
+    return spec
 
 
 # ---- per-layer spec ------------------------------------------------------------------------------------
@@ -255,7 +280,7 @@ def resolve_cache_spec(
                 "tokens and prompt compression 'full' keeps everything: choose a --prompt_compression_strategy "
                 "or pass --feed_long_prompts"
             )
-        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, args.cache_bits))
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage_spec(args)))
     return specs
 
 
@@ -292,8 +317,12 @@ def build_caches(
     """One cache per layer. `token_classes` (cache_hybrid.token_classes) is needed by hybrid caches."""
     caches = []
     for spec in specs:
+        group = min(spec.storage.q_group_size, head_dim)
+        if spec.storage.scheme == "kivi" and spec.storage.bits < 16 and head_dim % group:
+            raise UserError(f"--q_group_size {spec.storage.q_group_size}: kivi value groups of {group} channels "
+                            f"must divide the model's head_dim {head_dim}")
         cls = get_strategy(spec.strategy)
-        cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.cache_bits,
+        cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
         settings = dict(layer_idx=spec.layer, prompt_compression=spec.prompt_compression,
                         snapkv_window=snapkv_window, snapkv_kernel=snapkv_kernel)
@@ -307,9 +336,9 @@ def build_caches(
 
 
 def format_cache_spec(specs: list[LayerCacheSpec]) -> str:
-    lines = [f"{'layer':>5}  {'strategy':<22} {'budget':>7}  {'prompt compression':<18} {'bits':>4}  hyper-parameters"]
+    lines = [f"{'layer':>5}  {'strategy':<22} {'budget':>7}  {'prompt compression':<18} {'bits':<18}  hyper-parameters"]
     for s in specs:
         hp = ", ".join(f"{k}={v}" for k, v in s.hyperparameters.items())
         lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.prompt_compression:<18} "
-                     f"{s.cache_bits:>4}  {hp}")
+                     f"{s.storage.describe():<18}  {hp}")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, get_strategy
+from kv_storage import DENSE, StorageSpec
 
 _DEBUG_CLASSES: dict[str, type[KVCache]] = {}
 
@@ -30,7 +31,7 @@ class DebugCache(KVCache):
         max_cache_length: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        cache_bits: int = 16,
+        storage: StorageSpec = DENSE,
         capacity_needed: int | None = None,
         **hyperparameters: object,
     ) -> None:
@@ -40,7 +41,7 @@ class DebugCache(KVCache):
         super().__init__(batch_size, n_kv_heads, head_dim, capacity_needed, dtype, device,
                          capacity_needed=capacity_needed)
         self.shadow = self.shadow_class(batch_size, n_kv_heads, head_dim, max_cache_length, dtype, device,
-                                        cache_bits, capacity_needed=capacity_needed, **hyperparameters)
+                                        storage, capacity_needed=capacity_needed, **hyperparameters)
         self.register_buffer("current_pos", torch.zeros(1, dtype=torch.long, device=device))
         # Loss per step and head, indexed by absolute position (empty before the first decode step).
         self.register_buffer("loss_history", torch.zeros(batch_size, n_kv_heads, capacity_needed, device=device))

@@ -37,14 +37,14 @@ def reference_log_gates(model, ids) -> torch.Tensor:  # noqa: ANN001
         return layer.attention.gate(layer.attention_norm(model.tok_embeddings(ids)))[0]
 
 
-@pytest.mark.parametrize("strategy,bits", [("gated", 16), ("gated", 4), ("debug_gated", 16)])
-def test_gates_stay_attached_to_their_tokens(strategy, bits):
+@pytest.mark.parametrize("strategy,storage", [("gated", "dense"), ("gated", "kivi4"), ("debug_gated", "dense")])
+def test_gates_stay_attached_to_their_tokens(strategy, storage):
     """After prompt compression and every eviction, each held slot's log-gate is its own token's gate."""
     model = make_tiny_model()
     attach_random_gates(model, seed=1)
     ids = token_ids()
     expected = reference_log_gates(model, ids)
-    caches = attach(model, cache_args(strategy, "16", bits))  # 16 of 24 prompt tokens: compression, then evictions
+    caches = attach(model, cache_args(strategy, "16", storage))  # 16 of 24 prompt tokens: compression, then evictions
     c = inner(caches[0])
     checked = []
 
@@ -93,7 +93,7 @@ def test_compiled_gated_decode_matches_eager_without_recompiling():
     model = make_tiny_model(n_layer=1)
     attach_random_gates(model)
     ids = token_ids()
-    args = cache_args("gated", "16", 4)
+    args = cache_args("gated", "16", "4bit")
     histories = []
     for step in (decode_one_token, None):
         caches = attach(model, args)
@@ -125,7 +125,7 @@ def test_gated_prompt_compression_needs_a_gated_cache():
     """Refused when the spec is resolved, before any work."""
     model = make_tiny_model()
     with pytest.raises(UserError, match="gated cache"):
-        attach(model, cache_args("l2", "16", 16, "--prompt_compression_strategy", "gated"))
+        attach(model, cache_args("l2", "16", "dense", "--prompt_compression_strategy", "gated"))
 
 
 # ---- files and training ------------------------------------------------------------------------------------

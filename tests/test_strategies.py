@@ -1,5 +1,6 @@
 """One matrix over the strategy registry: every registered strategy (and its debug_ shadow) ×
-{eager, compiled} × {unquantized, 4-bit} × {fraction, absolute budget}, checked after every step.
+{eager, compiled} × {unquantized, 4-bit per token, 4-bit KIVI} storage and {fraction, absolute} budgets,
+checked after every step.
 
 A strategy joins this matrix the moment it is registered. Invariants are checked on every layer;
 oracles (naive re-computations written here) on layer 0, whose keys do not depend on what earlier
@@ -28,16 +29,21 @@ GLOBAL, RECENT = 2, 4
 BUDGETS = {"fraction": "0.5", "absolute": "16"}  # 20 and 16 tokens of 40
 VOCAB = 256
 TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40)}
+# K/V storages; KIVI with small groups and residual so flushes, and evictions from both stores, happen.
+STORAGES = {"dense": [], "4bit": ["--cache_bits", "4"],
+            "kivi4": ["--cache_bits", "4", "--cache_quantization", "kivi", "--q_group_size", "4",
+                      "--residual_length", "8"]}
+STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fraction"), ("kivi4", "absolute")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
 
 
-def cache_args(strategy: str, budget: str, bits: int = 16, *extra: str):
+def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
     parser = CliParser()
     add_cache_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
-                              str(GLOBAL), "--recent_window", str(RECENT), "--cache_bits", str(bits), *extra])
+                              str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
 
 
 def attach(model, args) -> list[KVCache]:  # noqa: ANN001
@@ -72,7 +78,7 @@ def reference_kv(model, ids):  # noqa: ANN001
     with torch.inference_mode():
         run(model, ids, decode_one_token, lambda p: None)
     c = model.layers[0].attention.kv_cache
-    return c.k_cache[0, :, :TOTAL].clone(), c.v_cache[0, :, :TOTAL].clone()
+    return c.keys()[0, :, :TOTAL].clone(), c.values()[0, :, :TOTAL].clone()
 
 
 def layer0_queries(model, ids) -> torch.Tensor:  # noqa: ANN001
@@ -105,7 +111,7 @@ def run(model, ids, step_fn, check) -> None:  # noqa: ANN001
         check(p)
 
 
-def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, bits: int) -> None:  # noqa: ANN001
+def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, storage: str) -> None:  # noqa: ANN001
     for layer, cache in enumerate(caches):
         c = inner(cache)
         budget = c.max_cache_length
@@ -124,36 +130,34 @@ def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, bits: int) -> 
         keys, values = c.keys(), c.values()
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
         if layer == 0:  # K/V in each held slot are those of the token at that position
-            atol = 1e-5 if bits == 16 else 0.2 * (ref_k.abs().max().item() + 1)
+            atol = 1e-5 if storage == "dense" else 0.2 * (ref_k.abs().max().item() + 1)
             for h in range(c.n_kv_heads):
                 slots = mask[h].nonzero().flatten()
                 torch.testing.assert_close(keys[0, h, slots], ref_k[h, pos[h, slots]], atol=atol, rtol=0)
                 torch.testing.assert_close(values[0, h, slots], ref_v[h, pos[h, slots]], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("budget", list(BUDGETS))
-@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize(("storage", "budget"), STORAGE_BUDGETS)
 @pytest.mark.parametrize("strategy", ALL)
-def test_matrix_eager(strategy, bits, budget):
+def test_matrix_eager(strategy, storage, budget):
     model = make_tiny_model()
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
-    caches = attach(model, cache_args(strategy, BUDGETS[budget], bits))
+    caches = attach(model, cache_args(strategy, BUDGETS[budget], storage))
     with torch.inference_mode():
-        run(model, ids, decode_one_token, lambda p: check_invariants(caches, p, ref_k, ref_v, bits))
+        run(model, ids, decode_one_token, lambda p: check_invariants(caches, p, ref_k, ref_v, storage))
     if budget == "absolute" and not strategy.endswith("full") and strategy != "hybrid":
         assert max(len(h) for h in held_positions(caches[0])) == 16  # the budget is really used
 
 
-@pytest.mark.parametrize("budget", list(BUDGETS))
-@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize(("storage", "budget"), STORAGE_BUDGETS)
 @pytest.mark.parametrize("strategy", ALL)
-def test_matrix_compiled_no_recompilation(strategy, bits, budget):
+def test_matrix_compiled_no_recompilation(strategy, storage, budget):
     """Compiled decode equals eager decode step for step, with one graph and no recompilation."""
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
-    args = cache_args(strategy, BUDGETS[budget], bits)
+    args = cache_args(strategy, BUDGETS[budget], storage)
     attach(model, args)
     eager_held = []
     layer0 = model.layers[0].attention
@@ -166,7 +170,7 @@ def test_matrix_compiled_no_recompilation(strategy, bits, budget):
 
     def check(p: int) -> None:
         compiled_held.append(held_positions(caches[0]))
-        check_invariants(caches, p, ref_k, ref_v, bits)
+        check_invariants(caches, p, ref_k, ref_v, storage)
 
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         run(model, ids, step, check)
@@ -180,7 +184,7 @@ def evictions(strategy: str, budget: str = "16", *extra: str, seed: int = 0):
     """Yields (p, held_before, held_after) per head for each decode step on layer 0."""
     model = make_tiny_model(seed=seed)
     ids = token_ids(seed)
-    caches = attach(model, cache_args(strategy, budget, 16, *extra))
+    caches = attach(model, cache_args(strategy, budget, "dense", *extra))
     history = []
     with torch.inference_mode():
         run(model, ids, decode_one_token, lambda p: history.append((p, held_positions(caches[0]))))
@@ -316,7 +320,7 @@ def test_hybrid_heads_pick_the_first_policy_that_recovers_enough_and_hold_differ
     ids[0, 2::7] = 10  # and punctuation
     ref_k, _ = reference_kv(model, ids)
     q = layer0_queries(model, ids)
-    caches = attach(model, cache_args("hybrid", "1.0", 16, "--min_recovery_frac", "0.6"))
+    caches = attach(model, cache_args("hybrid", "1.0", "dense", "--min_recovery_frac", "0.6"))
     with torch.inference_mode():
         run(model, ids, decode_one_token, lambda p: None)
     cache = caches[0]

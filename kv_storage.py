@@ -1,0 +1,321 @@
+"""How a cache stores the keys and values of its slots (DESIGN.md §5): dense, quantized per token
+(`--cache_bits`), or KIVI's residual scheme (`--cache_quantization kivi`).
+
+Storage is independent of eviction: a strategy decides *which slot* a token goes to (and so which token
+leaves); the storage decides how the slot's K/V are kept. Every strategy runs on every storage.
+
+    write(slots [B, H, n], k, v)   n > 1: the prompt into an empty cache; n == 1: one decode step
+    keys(), values()               [B, H, L, D] in the cache dtype, what attention reads
+    full_precision_slots()         [B, H, L] bool: slots whose K/V are kept unquantized
+    attention_bytes()              bytes one decode step reads to rebuild K/V (the bench's bound)
+
+KIVI (Liu et al., arXiv 2402.02750; also transformers' QuantizedCache) quantizes keys *per channel*,
+grouping `q_group_size` consecutive tokens that share one scale and zero per channel (keys have outlier
+channels, so a per-token range is dominated by them), and values *per token* in groups of
+`q_group_size` channels. The most recent `residual_length` tokens stay in full precision; when that
+residual is full it is flushed into the quantized store, `residual_length / q_group_size` key groups
+at a time.
+
+Eviction meets grouping here. A strategy may evict any token, from the residual (its entry is dropped
+and never quantized) or from the quantized store (its codes are simply no longer attended; the rest of
+its group keeps using the group's scales). So tokens are never requantized, and a key group is a row of
+a group table, referenced by a per-slot group id, not a fixed block of slots. A group is built once
+from the residual tokens still held at flush time (a partial group when some were evicted) and is
+never reused, so the table is sized for every group the sequence can create, about
+capacity / q_group_size rows. Its cost is honest: with scattered evictions each held token may be the
+last one of its group, and then the per-channel scales cost more than the codes (reported in the
+cache bytes and the README).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from quantization_utils import dequantize, dequantize_codes, pack_codes, quantize, quantize_codes, unpack_codes
+
+SCHEMES = ("per_token", "kivi")
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    bits: int = 16  # 16 = unquantized
+    scheme: str = "per_token"  # how quantized K/V are grouped: per_token or kivi
+    q_group_size: int = 64  # kivi: tokens per key group, channels per value group
+    residual_length: int = 128  # kivi: most recent tokens kept in full precision
+
+    def describe(self) -> str:
+        if self.bits == 16:
+            return "16"
+        if self.scheme == "kivi":
+            return f"{self.bits} kivi g{self.q_group_size} r{self.residual_length}"
+        return str(self.bits)
+
+
+DENSE = StorageSpec()
+
+def make_storage(spec: StorageSpec, batch_size: int, n_kv_heads: int, slots: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, capacity_needed: int) -> Storage:
+    shape = (batch_size, n_kv_heads, slots, head_dim)
+    if spec.bits == 16:
+        return DenseStorage(shape, dtype, device)
+    if spec.scheme == "per_token":
+        return PerTokenQuantizedStorage(shape, spec.bits, dtype, device)
+    if spec.scheme == "kivi":
+        return ResidualQuantizedStorage(shape, spec, dtype, device, capacity_needed)
+    raise ValueError(f"unknown cache quantization scheme {spec.scheme!r}; available: {', '.join(SCHEMES)}")
+
+
+class Storage(nn.Module):
+    def reset(self) -> None:
+        for buf in self.buffers():
+            buf.zero_()
+
+
+def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
+    """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width)."""
+    index = slots.view(*slots.shape, *([1] * (buf.dim() - 3))).expand(*slots.shape, *buf.shape[3:])
+    buf.scatter_(2, index, src.to(buf.dtype))
+
+
+def _gather_rows(buf: Tensor, slots: Tensor) -> Tensor:
+    index = slots.view(*slots.shape, *([1] * (buf.dim() - 3))).expand(*slots.shape, *buf.shape[3:])
+    return buf.gather(2, index)
+
+
+class DenseStorage(Storage):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device))
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        _scatter_rows(self.k_cache, slots, k)
+        _scatter_rows(self.v_cache, slots, v)
+
+    def keys(self) -> Tensor:
+        return self.k_cache
+
+    def values(self) -> Tensor:
+        return self.v_cache
+
+    def full_precision_slots(self) -> Tensor:
+        return torch.ones(self.k_cache.shape[:3], dtype=torch.bool, device=self.k_cache.device)
+
+    def attention_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.k_cache, self.v_cache))
+
+
+class PerTokenQuantizedStorage(Storage):
+    """`--cache_bits` alone: each token row quantized on its own (quantization_utils explains why), so a
+    slot is written with one scatter and nothing else is requantized."""
+
+    def __init__(self, shape: tuple[int, ...], bits: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        B, H, L, D = shape
+        self.bits, self.dtype = bits, dtype
+        for name in ("k", "v"):
+            self.register_buffer(f"{name}_codes", torch.zeros(B, H, L, D * bits // 8, dtype=torch.uint8, device=device))
+            # Scales and zero points in the cache dtype (rounded up there by quantize: see its bound).
+            self.register_buffer(f"{name}_scale", torch.zeros(B, H, L, 1, dtype=dtype, device=device))
+            self.register_buffer(f"{name}_zero", torch.zeros(B, H, L, 1, dtype=dtype, device=device))
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        for name, x in (("k", k), ("v", v)):
+            for suffix, src in zip(("codes", "scale", "zero"), quantize(x, self.bits), strict=True):
+                _scatter_rows(getattr(self, f"{name}_{suffix}"), slots, src)
+
+    def keys(self) -> Tensor:
+        return dequantize(self.k_codes, self.k_scale, self.k_zero, self.bits, self.dtype)
+
+    def values(self) -> Tensor:
+        return dequantize(self.v_codes, self.v_scale, self.v_zero, self.bits, self.dtype)
+
+    def full_precision_slots(self) -> Tensor:
+        return torch.zeros(self.k_codes.shape[:3], dtype=torch.bool, device=self.k_codes.device)
+
+    def attention_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def quantize_key_groups(k: Tensor, live: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """KIVI keys: per-channel quantization over groups of tokens. k [..., n_groups, G, D], live [..., n_groups, G]
+    (tokens evicted before the flush take no part in their group's range).
+
+    Returns codes [..., n_groups, G, D] (unpacked), scale and zero [..., n_groups, D].
+    """
+    live = live[..., None]
+    x = k.float()
+    low = torch.where(live, x, float("inf")).amin(dim=-2, keepdim=True)
+    low = torch.where(torch.isinf(low), 0.0, low)  # a group with no live token: any finite range
+    # Dead tokens take the group minimum so they neither widen the range nor need a mask below.
+    filled = torch.where(live, x, low).to(k.dtype)
+    codes, scale, zero = quantize_codes(filled.transpose(-1, -2), bits)  # rows = one channel of one group
+    return codes.transpose(-1, -2), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def quantize_value_groups(v: Tensor, group: int, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """KIVI values: per-token quantization in groups of `group` channels. v [..., D] -> codes [..., D]
+    (unpacked), scale and zero [..., D // group]."""
+    grouped = v.view(*v.shape[:-1], v.shape[-1] // group, group)
+    codes, scale, zero = quantize_codes(grouped, bits)
+    return codes.flatten(-2), scale.squeeze(-1), zero.squeeze(-1)
+
+
+class ResidualQuantizedStorage(Storage):
+    """KIVI: a full-precision residual of the newest tokens, flushed into a quantized store in groups.
+
+    Buffers (L slots plus one scratch row L, where masked-off writes land so every step is static):
+      k_codes, v_codes [B, H, L+1, D·bits/8]  packed codes of the slots' quantized K/V
+      k_group [B, H, L+1]                     key group id of each slot (a row of k_scale / k_zero)
+      k_scale, k_zero [B, H, n_groups+1, D]   per-channel scale / zero point of each key group
+      v_scale, v_zero [B, H, L+1, D/Gv]       per-token scale / zero point of each value channel group
+      k_res, v_res [B, H, R, D]               the residual, in full precision
+      res_slot [B, H, R]                      slot held by each residual entry (-1: empty or evicted)
+      slot_res [B, H, L+1]                    residual entry of each slot (-1: quantized or empty)
+      res_fill, next_group [1]                residual entries used; first unused key group
+    """
+
+    def __init__(self, shape: tuple[int, ...], spec: StorageSpec, dtype: torch.dtype,
+                 device: torch.device | str, capacity_needed: int) -> None:
+        super().__init__()
+        B, H, L, D = shape
+        G, R = spec.q_group_size, spec.residual_length
+        if G < 1 or R < G or R % G:
+            raise ValueError(f"kivi needs residual_length a positive multiple of q_group_size, got {R} and {G}")
+        if capacity_needed > 1 << 40:
+            raise ValueError("a kivi cache needs capacity_needed (prompt + new tokens) to size its group table")
+        self.value_group = min(G, D)
+        if D % self.value_group:
+            raise ValueError(f"kivi value groups of {self.value_group} channels do not divide head_dim {D}")
+        self.bits, self.dtype, self.slots, self.head_dim = spec.bits, dtype, L, D
+        self.group_size, self.residual_length = G, R
+        # Every group the sequence can create: the prompt's full groups, then R/G per R decoded tokens.
+        self.n_groups = math.ceil(capacity_needed / G) + R // G
+        packed = D * spec.bits // 8
+        kw = dict(device=device)
+        self.register_buffer("k_codes", torch.zeros(B, H, L + 1, packed, dtype=torch.uint8, **kw))
+        self.register_buffer("v_codes", torch.zeros(B, H, L + 1, packed, dtype=torch.uint8, **kw))
+        self.register_buffer("k_group", torch.zeros(B, H, L + 1, dtype=torch.long, **kw))
+        self.register_buffer("k_scale", torch.zeros(B, H, self.n_groups + 1, D, dtype=dtype, **kw))
+        self.register_buffer("k_zero", torch.zeros(B, H, self.n_groups + 1, D, dtype=dtype, **kw))
+        self.register_buffer("v_scale", torch.zeros(B, H, L + 1, D // self.value_group, dtype=dtype, **kw))
+        self.register_buffer("v_zero", torch.zeros(B, H, L + 1, D // self.value_group, dtype=dtype, **kw))
+        self.register_buffer("k_res", torch.zeros(B, H, R, D, dtype=dtype, **kw))
+        self.register_buffer("v_res", torch.zeros(B, H, R, D, dtype=dtype, **kw))
+        self.register_buffer("res_slot", torch.full((B, H, R), -1, dtype=torch.long, **kw))
+        self.register_buffer("slot_res", torch.full((B, H, L + 1), -1, dtype=torch.long, **kw))
+        self.register_buffer("res_fill", torch.zeros(1, dtype=torch.long, **kw))
+        self.register_buffer("next_group", torch.zeros(1, dtype=torch.long, **kw))
+
+    def reset(self) -> None:
+        for name, buf in self.named_buffers():
+            buf.fill_(-1) if name in ("res_slot", "slot_res") else buf.zero_()
+
+    # ---- writing ---------------------------------------------------------------------------------------
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        if slots.shape[-1] == 1:
+            self._insert(slots, k, v)
+        else:
+            self._write_prompt(slots, k, v)
+
+    def _write_prompt(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """The kept prompt (in position order) into the empty cache: whole groups from the oldest tokens
+        quantized, the newest n - q (at most R) left in the residual."""
+        n, G, R = slots.shape[-1], self.group_size, self.residual_length
+        q = G * math.ceil(max(0, n - R) / G)
+        if q:
+            B, H = slots.shape[:2]
+            live = torch.ones(B, H, q // G, G, dtype=torch.bool, device=k.device)
+            first_group = torch.zeros(1, dtype=torch.long, device=k.device)
+            self._quantize_into(slots[..., :q], k[:, :, :q], v[:, :, :q], live, first_group)
+        self.next_group.fill_(q // G)
+        r = n - q
+        entries = torch.arange(r, device=k.device).expand(*slots.shape[:2], r)
+        self.k_res[:, :, :r] = k[:, :, q:].to(self.dtype)
+        self.v_res[:, :, :r] = v[:, :, q:].to(self.dtype)
+        self.res_slot[:, :, :r] = slots[..., q:]
+        self.slot_res.scatter_(2, slots[..., q:], entries)
+        self.res_fill.fill_(r)
+
+    def _quantize_into(self, slots: Tensor, k: Tensor, v: Tensor, live: Tensor, first_group: Tensor) -> None:
+        """Quantize n tokens (n a multiple of G) into `slots` [B, H, n], key groups first_group + i.
+        Slots of tokens that are not live must already point at the scratch row L."""
+        B, H, n, D = k.shape
+        G = self.group_size
+        codes, scale, zero = quantize_key_groups(k.reshape(B, H, n // G, G, D), live, self.bits)
+        _scatter_rows(self.k_codes, slots, pack_codes(codes.reshape(B, H, n, D), self.bits))
+        groups = first_group + torch.arange(n // G, device=k.device)  # [n // G]
+        # A group with no live token (every group of a masked-off flush) writes into the scratch row.
+        groups = torch.where(live.any(-1), groups, self.n_groups)  # [B, H, n // G]
+        _scatter_rows(self.k_scale, groups, scale)
+        _scatter_rows(self.k_zero, groups, zero)
+        _scatter_rows(self.k_group, slots, (first_group + torch.arange(n, device=k.device) // G).expand(B, H, n))
+        v_codes, v_scale, v_zero = quantize_value_groups(v, self.value_group, self.bits)
+        _scatter_rows(self.v_codes, slots, pack_codes(v_codes, self.bits))
+        _scatter_rows(self.v_scale, slots, v_scale)
+        _scatter_rows(self.v_zero, slots, v_zero)
+        self.slot_res.scatter_(2, slots, -1)
+
+    def _flush_if_full(self) -> None:
+        """When the residual is full, quantize its live entries into new groups and empty it. Written as
+        a masked update (targets redirected to the scratch row) so the decode step has no branch."""
+        full = self.res_fill == self.residual_length  # [1]
+        live = (self.res_slot >= 0) & full  # [B, H, R]
+        B, H, R = live.shape
+        targets = torch.where(live, self.res_slot, self.slots)
+        self._quantize_into(targets, self.k_res, self.v_res, live.view(B, H, R // self.group_size, -1),
+                            self.next_group)
+        self.res_slot.masked_fill_(full, -1)
+        self.next_group.add_(full.long() * (R // self.group_size))
+        self.res_fill.masked_fill_(full, 0)
+
+    def _insert(self, slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """One decode token into slot [B, H, 1] (which may hold a token being evicted)."""
+        self._flush_if_full()
+        # The evicted token, if it sat in the residual, leaves it without ever being quantized.
+        evicted_entry = self.slot_res.gather(2, slot)  # [B, H, 1], -1 when quantized or empty
+        entries = torch.arange(self.residual_length, device=slot.device)
+        self.res_slot.masked_fill_(entries == evicted_entry, -1)
+        entry = self.res_fill.view(1, 1, 1).expand_as(slot)
+        _scatter_rows(self.k_res, entry, k)
+        _scatter_rows(self.v_res, entry, v)
+        self.res_slot.scatter_(2, entry, slot)
+        self.slot_res.scatter_(2, slot, entry)
+        self.res_fill.add_(1)
+
+    # ---- reading ---------------------------------------------------------------------------------------
+
+    def _from_residual(self, quantized: Tensor, residual: Tensor) -> Tensor:
+        entry = self.slot_res[:, :, : self.slots]
+        return torch.where((entry >= 0)[..., None], _gather_rows(residual, entry.clamp(min=0)), quantized)
+
+    def keys(self) -> Tensor:
+        L, D = self.slots, self.head_dim
+        codes = unpack_codes(self.k_codes[:, :, :L], self.bits, D)
+        group = self.k_group[:, :, :L]
+        keys = dequantize_codes(codes, _gather_rows(self.k_scale, group), _gather_rows(self.k_zero, group),
+                                self.dtype)
+        return self._from_residual(keys, self.k_res)
+
+    def values(self) -> Tensor:
+        L, D, Gv = self.slots, self.head_dim, self.value_group
+        codes = unpack_codes(self.v_codes[:, :, :L], self.bits, D).unflatten(-1, (D // Gv, Gv))
+        values = dequantize_codes(codes, self.v_scale[:, :, :L, :, None], self.v_zero[:, :, :L, :, None],
+                                  self.dtype).flatten(-2)
+        return self._from_residual(values, self.v_res)
+
+    def full_precision_slots(self) -> Tensor:
+        return self.slot_res[:, :, : self.slots] >= 0
+
+    def attention_bytes(self) -> int:
+        """Codes and per-slot scales of every slot, the residual, and the key groups in use (those rows
+        are gathered by group id, so at most one group per slot is read)."""
+        read = ("k_codes", "v_codes", "k_group", "v_scale", "v_zero", "k_res", "v_res", "slot_res")
+        total = sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in read)
+        rows = min(self.n_groups, self.slots)
+        return total + 2 * self.k_scale[:, :, :rows].numel() * self.k_scale.element_size()
