@@ -221,6 +221,9 @@ class KVCache(nn.Module):
         """Strategy-specific statistics (e.g. attention loss), each [n_kv] or a scalar tensor."""
         return {}
 
+    def storage_statistics(self) -> dict[str, Tensor]:
+        return self.storage.statistics(self.mask[:, :, 0])
+
 
 def grouped_mean(probs: Tensor) -> Tensor:
     """[B, n_kv, rep, L] -> [B, n_kv, L]: one attention distribution per KV head (GQA)."""
@@ -405,7 +408,7 @@ def cache_statistics(caches: list[KVCache]) -> dict:
         "evictions_per_layer": [round(float((s - h).sum()), 2) for s, h in zip(seen, held, strict=True)],
         "cache_budget_per_layer": [c.budget() for c in caches],
     }
-    extras = [c.extra_statistics() for c in caches]
+    extras = [c.extra_statistics() | c.storage_statistics() for c in caches]
     for key in sorted({k for e in extras for k in e}):
         per_layer = [e[key].double() for e in extras if key in e]
         stats[f"{key}_mean"] = round(float(torch.stack([x.mean() for x in per_layer]).mean()), 5)

@@ -109,6 +109,9 @@ class DebugCache(KVCache):
             return {}
         return {"attention_loss": steps.mean(dim=0)}
 
+    def storage_statistics(self) -> dict[str, Tensor]:
+        return self.shadow.storage_statistics()  # the strategy's storage, not the full reference cache
+
 
 def debug_strategy(inner_name: str) -> type[KVCache]:
     """The class of `debug_<inner_name>`, created on first use (every registered strategy has one)."""

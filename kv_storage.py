@@ -74,6 +74,10 @@ class Storage(nn.Module):
         for buf in self.buffers():
             buf.zero_()
 
+    def statistics(self, held: Tensor) -> dict[str, Tensor]:
+        """Storage-specific statistics given the held slots [B, H, L], each [H]."""
+        return {}
+
 
 def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
     """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width)."""
@@ -311,6 +315,17 @@ class ResidualQuantizedStorage(Storage):
 
     def full_precision_slots(self) -> Tensor:
         return self.slot_res[:, :, : self.slots] >= 0
+
+    def statistics(self, held: Tensor) -> dict[str, Tensor]:
+        """How fragmented the key groups are: held quantized tokens per key group still in use (G when no
+        group lost a token; 1 when every held token is the last of its group), and residual tokens held."""
+        exact = held & self.full_precision_slots()
+        quantized = held & ~exact
+        members = torch.zeros_like(self.k_scale[..., 0], dtype=torch.long)  # [B, H, n_groups + 1]
+        members.scatter_add_(2, self.k_group[:, :, : self.slots], quantized.long())
+        per_group = quantized.sum(-1) / (members > 0).sum(-1).clamp(min=1)
+        return {"kivi_tokens_per_key_group": per_group.double().mean(0),
+                "kivi_residual_tokens": exact.sum(-1).double().mean(0)}
 
     def attention_bytes(self) -> int:
         """Codes and per-slot scales of every slot, the residual, and the key groups in use (those rows

@@ -1,4 +1,5 @@
-"""Building blocks for quantized KV-cache storage (`--cache_bits 2|4|8`, DESIGN.md §5): pure tensor ops.
+"""Building blocks for quantized KV-cache storage (`--cache_bits 2|4|8`, DESIGN.md §5; used by kv_storage.py):
+pure tensor ops.
 
 Why asymmetric, per token
 -------------------------
@@ -8,12 +9,11 @@ scale and a zero point (KIVI, arXiv 2402.02750, and most KV-cache quantizers sin
 per-channel offsets), and a symmetric grid can waste up to half its levels on a range the row never uses,
 which hurts most at 2 bits, where there are only 4 levels.
 
-KIVI itself quantizes keys per *channel* (grouped over tokens) and values per token. Here both are
-quantized per *token* (one row = one token in one KV head, the last dimension): it is the only grouping
-in which a decode step can write one token into any slot of the cache with a single scatter over the
-sequence dimension, without requantizing the other tokens, and eviction can overwrite any slot, so
-there is no fixed group of tokens to share a per-channel scale. The price is a larger error on keys
-with outlier channels (the outlier widens the whole row's range).
+`--cache_quantization per_token` applies this to one row = one token in one KV head (the last dimension):
+a decode step then writes one token into any slot with a single scatter, without requantizing the other
+tokens. KIVI quantizes keys per *channel* (grouped over tokens) and values per token in channel groups;
+kv_storage.ResidualQuantizedStorage builds that from the same functions, applied to transposed groups.
+Per-token keys pay for outlier channels (the outlier widens the whole row's range).
 
 Conventions
 -----------

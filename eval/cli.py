@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset
+from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset, storage_spec
 from checkpoint import load_checkpoint, parse_dtype
 from errors import CliParser, run_cli
 from eval import results
@@ -126,7 +126,8 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     budgets = out.stats.get("cache_budget_per_layer") or []
     metrics = {
         "model": identity["model"], "task": task.name, "strategy": results.strategy_label(args),
-        "budget": results.budget_value(args), "query_aware": task.options.get("query_aware"),
+        "budget": results.budget_value(args), "storage": storage_spec(args).describe(),
+        "query_aware": task.options.get("query_aware"),
         "seed": args.seed, "n_items": len({p.get("window", p.get("index")) for p in out.predictions}),
         **scalars, "budget_tokens_mean": sum(budgets) / len(budgets) if budgets else None,
         **out.metrics, **out.timings.to_dict(), "seconds": seconds,

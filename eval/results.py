@@ -34,8 +34,8 @@ from generate import write_json_atomic
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "numpy", "pandas", "datasets", "tokenizers", "gguf", "safetensors", "rouge-score", "matplotlib")
 # Columns first in results.csv; every other scalar of metrics.json follows in alphabetical order.
-LEADING_COLUMNS = ["model", "task", "strategy", "budget", "query_aware", "seed", "n_items", "compression_ratio",
-                   "cache_bytes", "budget_tokens_mean"]
+LEADING_COLUMNS = ["model", "task", "strategy", "budget", "storage", "query_aware", "seed", "n_items",
+                   "compression_ratio", "cache_bytes", "budget_tokens_mean"]
 TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "decode_step_ms_median", "prefill_seconds",
                     "decode_seconds", "seconds",
                     "peak_memory_mb", "run_id", "run_dir"]

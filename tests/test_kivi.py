@@ -192,3 +192,15 @@ def test_bundled_model_8bit_kivi_stays_close_to_the_full_cache(bundled):
     two = fidelity(bundled, "--cache_bits", "2", *kivi)
     assert 0 < eight["kl_mean"] < 0.01 and eight["top1_agreement"] > 0.95
     assert two["kl_mean"] > 10 * eight["kl_mean"]
+
+
+def test_tokens_per_key_group_counts_fragmentation_from_evictions():
+    from cache import cache_statistics, get_strategy
+
+    spec = StorageSpec(4, "kivi", 4, 4)
+    cache = get_strategy("full")(1, 2, 16, 24, torch.float32, "cpu", spec, capacity_needed=24)
+    cache.prefill(torch.arange(20), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 4, 20, 16))
+    stats = cache_statistics([cache])  # 16 quantized tokens in 4 whole groups, 4 in the residual
+    assert stats["kivi_tokens_per_key_group_mean"] == 4.0 and stats["kivi_residual_tokens_mean"] == 4.0
+    cache.mask[:, :, 0, [0, 1, 2, 5]] = False  # group 0 keeps one token, group 1 three
+    assert cache.storage_statistics()["kivi_tokens_per_key_group"].tolist() == [3.0, 3.0]  # 12 held / 4 groups
