@@ -174,12 +174,12 @@ class ResidualQuantizedStorage(Storage):
 
     Buffers (L slots plus one scratch row L, where masked-off writes land so every step is static):
       k_codes, v_codes [B, H, L+1, D·bits/8]  packed codes of the slots' quantized K/V
-      k_group [B, H, L+1]                     key group id of each slot (a row of k_scale / k_zero)
+      k_group [B, H, L+1] int32               key group id of each slot (a row of k_scale / k_zero)
       k_scale, k_zero [B, H, n_groups+1, D]   per-channel scale / zero point of each key group
       v_scale, v_zero [B, H, L+1, D/Gv]       per-token scale / zero point of each value channel group
       k_res, v_res [B, H, R, D]               the residual, in full precision
       res_slot [B, H, R]                      slot held by each residual entry (-1: empty or evicted)
-      slot_res [B, H, L+1]                    residual entry of each slot (-1: quantized or empty)
+      slot_res [B, H, L+1] int32              residual entry of each slot (-1: quantized or empty)
       res_fill, next_group [1]                residual entries used; first unused key group
     """
 
@@ -203,7 +203,7 @@ class ResidualQuantizedStorage(Storage):
         kw = dict(device=device)
         self.register_buffer("k_codes", torch.zeros(B, H, L + 1, packed, dtype=torch.uint8, **kw))
         self.register_buffer("v_codes", torch.zeros(B, H, L + 1, packed, dtype=torch.uint8, **kw))
-        self.register_buffer("k_group", torch.zeros(B, H, L + 1, dtype=torch.long, **kw))
+        self.register_buffer("k_group", torch.zeros(B, H, L + 1, dtype=torch.int32, **kw))
         self.register_buffer("k_scale", torch.zeros(B, H, self.n_groups + 1, D, dtype=dtype, **kw))
         self.register_buffer("k_zero", torch.zeros(B, H, self.n_groups + 1, D, dtype=dtype, **kw))
         self.register_buffer("v_scale", torch.zeros(B, H, L + 1, D // self.value_group, dtype=dtype, **kw))
@@ -211,7 +211,7 @@ class ResidualQuantizedStorage(Storage):
         self.register_buffer("k_res", torch.zeros(B, H, R, D, dtype=dtype, **kw))
         self.register_buffer("v_res", torch.zeros(B, H, R, D, dtype=dtype, **kw))
         self.register_buffer("res_slot", torch.full((B, H, R), -1, dtype=torch.long, **kw))
-        self.register_buffer("slot_res", torch.full((B, H, L + 1), -1, dtype=torch.long, **kw))
+        self.register_buffer("slot_res", torch.full((B, H, L + 1), -1, dtype=torch.int32, **kw))
         self.register_buffer("res_fill", torch.zeros(1, dtype=torch.long, **kw))
         self.register_buffer("next_group", torch.zeros(1, dtype=torch.long, **kw))
 
@@ -243,7 +243,7 @@ class ResidualQuantizedStorage(Storage):
         self.k_res[:, :, :r] = k[:, :, q:].to(self.dtype)
         self.v_res[:, :, :r] = v[:, :, q:].to(self.dtype)
         self.res_slot[:, :, :r] = slots[..., q:]
-        self.slot_res.scatter_(2, slots[..., q:], entries)
+        _scatter_rows(self.slot_res, slots[..., q:], entries)
         self.res_fill.fill_(r)
 
     def _quantize_into(self, slots: Tensor, k: Tensor, v: Tensor, live: Tensor, first_group: Tensor) -> None:
@@ -289,19 +289,19 @@ class ResidualQuantizedStorage(Storage):
         _scatter_rows(self.k_res, entry, k)
         _scatter_rows(self.v_res, entry, v)
         self.res_slot.scatter_(2, entry, slot)
-        self.slot_res.scatter_(2, slot, entry)
+        _scatter_rows(self.slot_res, slot, entry)
         self.res_fill.add_(1)
 
     # ---- reading ---------------------------------------------------------------------------------------
 
     def _from_residual(self, quantized: Tensor, residual: Tensor) -> Tensor:
-        entry = self.slot_res[:, :, : self.slots]
+        entry = self.slot_res[:, :, : self.slots].long()
         return torch.where((entry >= 0)[..., None], _gather_rows(residual, entry.clamp(min=0)), quantized)
 
     def keys(self) -> Tensor:
         L, D = self.slots, self.head_dim
         codes = unpack_codes(self.k_codes[:, :, :L], self.bits, D)
-        group = self.k_group[:, :, :L]
+        group = self.k_group[:, :, :L].long()
         keys = dequantize_codes(codes, _gather_rows(self.k_scale, group), _gather_rows(self.k_zero, group),
                                 self.dtype)
         return self._from_residual(keys, self.k_res)
@@ -322,7 +322,7 @@ class ResidualQuantizedStorage(Storage):
         exact = held & self.full_precision_slots()
         quantized = held & ~exact
         members = torch.zeros_like(self.k_scale[..., 0], dtype=torch.long)  # [B, H, n_groups + 1]
-        members.scatter_add_(2, self.k_group[:, :, : self.slots], quantized.long())
+        members.scatter_add_(2, self.k_group[:, :, : self.slots].long(), quantized.long())
         per_group = quantized.sum(-1) / (members > 0).sum(-1).clamp(min=1)
         return {"kivi_tokens_per_key_group": per_group.double().mean(0),
                 "kivi_residual_tokens": exact.sum(-1).double().mean(0)}
