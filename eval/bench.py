@@ -1,12 +1,31 @@
 """Decode speed side by side, in one process, same model, dtype and prompt for every row:
 Hugging Face `generate` (default dynamic cache, when transformers is installed), ours eager, ours
-compiled with the full cache, and ours compiled with each strategy at each budget; at each context.
+compiled with the full cache, and ours compiled with each strategy at each budget.
 
 Decode of one sequence is memory-bound: each step reads every weight and the cached K/V once. The
 machine's read bandwidth is measured in the same run, and each row is compared with the bound it
 implies: bandwidth / (weight bytes + K/V bytes read per step).
 
-    python -m eval.bench                 # contexts 512 2048 4096, 64 new tokens, bf16
+Each strategy row also measures its eviction overhead against a full cache of the same size (no eviction
+work; as many slots, so attention, weights and K/V reads are the same): both decode `--new_tokens` steps in
+alternating blocks (ABBA, robust to other jobs on the machine) and `overhead_vs_same_size_full` compares
+their median step times. One same-size reference row per size is shared by every strategy of that size
+(the full cache with a prompt of slots - new tokens; its compiled graph is kept for the pairing).
+
+A cold compile of the 30-layer decode step costs 40-60 s per distinct (strategy, shape), so by default
+(`--dry_run` prints the plan and an estimate of its duration; 18 compiles, about 24 minutes on 2 idle cores):
+- HF generate, ours eager and ours compiled with the full cache at --contexts (512 2048 4096 8192; 8192 is
+  cut to 8192 - new tokens to fit the model's context), and ours compiled at --bound_contexts (256);
+- every strategy at --speedup_budget (0.1) at --strategy_contexts (4096): the overhead and speed-up targets;
+- --budget_strategies (heavy_hitter, whose per-step work grows most with the cache; `all` for every
+  strategy, about 15 more minutes) also at each of --budgets (0.1 0.25 0.5) there;
+- --speedup_strategies (recent_global) at --speedup_budget at --speedup_contexts (8192), speed-up only;
+- once per compiled strategy, --recompile_steps (256) more decode steps on its graph, with a prompt that lets
+  the cache fill and then evict, counting new graphs.
+bench.json / bench.md end with the issue's targets as measured ratios.
+
+    python -m eval.bench                 # the default plan
+    python -m eval.bench --dry_run       # the plan, the number of compiles, prefill tokens and steps
     python -m eval.bench --quick         # about a minute: one short context, eager rows
 """
 
@@ -18,7 +37,9 @@ import io
 import json
 import platform
 import resource
+import statistics
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -32,9 +53,28 @@ from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
 from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic
 
-FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "prefill_tokens_per_second",
-          "decode_tokens_per_second", "ms_per_step", "compression_ratio", "cache_bytes", "kv_bytes_read_per_step",
-          "bound_tokens_per_second", "fraction_of_bound", "recompilations", "compile_seconds", "peak_rss_mb"]
+FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
+          "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
+          "kv_bytes_read_per_step", "bound_tokens_per_second", "fraction_of_bound", "same_size_full_median_ms",
+          "overhead_vs_same_size_full", "speedup_vs_full", "bound_speedup_vs_full", "recompilations",
+          "recompile_check_steps", "compile_seconds", "peak_rss_mb"]
+
+# The issue's targets, checked in the summary (bench.json "targets", bench.md).
+TARGET_COMPILED_OVER_HF = 3.0  # compiled full-cache decode tok/s over HF generate, at 2048 context
+TARGET_FRACTION_OF_BOUND = 0.7  # compiled full cache, 256 cached tokens
+TARGET_MAX_OVERHEAD = 0.10  # each strategy over a full cache of the same size
+TARGET_SPEEDUP_OF_PREDICTED = 0.8  # 10% budget over full: measured speed-up / the bound's prediction
+OVERHEAD_EXCLUDED = ("hybrid",)  # its prompt profiling is a different workload; debug_ caches are excluded too
+WARMUP_PROMPT_TOKENS = 16  # the throwaway compile run: the decode graph does not depend on the prompt length
+
+# Costs behind --dry_run's estimate, fitted to runs on this project's 2-core machine, bf16, 2 threads, idle
+# (one thread: compile about the same, prefill 1.85x and steps 1.35x these): a cold compile of the decode step;
+# prefill of c tokens, c * (A + B * c) s, plus c² * C s of prompt attention for heavy_hitter / hybrid; one
+# compiled step over L slots, A + B * L s (eager 1.4x; HF generate about 39 ms + 25 µs per context token).
+EST_COMPILE_S = 45.0
+EST_PREFILL_A, EST_PREFILL_B, EST_SCORED_PREFILL_C = 8.3e-4, 2.7e-7, 2.4e-6
+EST_STEP_A, EST_STEP_B, EST_EAGER_FACTOR = 0.033, 3.2e-6, 1.4
+EST_HF_STEP_A, EST_HF_STEP_B = 0.039, 2.5e-5
 
 
 def measure_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -58,14 +98,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_read(caches: list) -> int:
-    """Bytes of K/V storage attention reads per step (codes + scales when quantized), all layers."""
-    total = 0
-    for c in caches:
-        for name, buf in c.named_buffers():
-            if name.split(".")[-1] in ("k_cache", "v_cache", "k_codes", "v_codes", "k_scale", "v_scale",
-                                       "k_zero", "v_zero"):
-                total += buf.numel() * buf.element_size()
-    return total
+    """Bytes of K/V storage attention reads per step, all layers (kv_storage: codes, scales, the KIVI residual;
+    a debug_ cache's attention reads its full cache, not the shadow)."""
+    return sum(c.storage.attention_bytes() for c in caches)
 
 
 def peak_rss_mb() -> float:
@@ -79,74 +114,373 @@ def cache_args(strategy: str, budget: float) -> argparse.Namespace:
     return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget)])
 
 
+def cache_slots(strategy: str, budget: float, n_layer: int, prompt: int, new: int) -> int:
+    """Slots each layer's cache allocates (the largest layer budget) for this strategy and budget."""
+    return max(s.max_cache_length for s in resolve_cache_spec(cache_args(strategy, budget), n_layer, prompt, new))
+
+
+def recompile_check_shape(slots: int, capacity: int, steps: int) -> tuple[int, int]:
+    """(prompt length, decode steps) of the recompilation check run on an already compiled cache: the prompt
+    leaves room for about half the steps, so the cache fills during the run and then evicts; positions stay
+    below the capacity the cache was built for (prompt + steps ≤ capacity)."""
+    prompt = max(1, min(slots - steps // 2, capacity - steps))
+    return prompt, max(1, min(steps, capacity - prompt))
+
+
+def _decode_block(model, step, state: dict, steps: int, times: list[float]) -> None:  # noqa: ANN001
+    """`steps` greedy decode steps on the caches in `state` (attached here), timing each like `generate`."""
+    model.setup_caches(state["caches"])
+    token, pos = state["token"], state["pos"]
+    for _ in range(steps):
+        s = time.perf_counter()
+        token = step(model, token.view(1, 1), torch.tensor([pos])).argmax(dim=-1, keepdim=True)
+        int(token)
+        times.append(time.perf_counter() - s)
+        pos += 1
+    state["token"], state["pos"] = token, pos
+
+
+def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots: int, steps: int,  # noqa: ANN001
+                    blocks: int, ref_caches: list | None = None) -> tuple[float, float, int]:
+    """Median step seconds of (this strategy's caches, a full cache of the same size), decoded in alternating
+    blocks (ABBA...) so that other load on the machine hits both alike; and the graphs compiled meanwhile.
+
+    The strategy's caches are prefilled with min(slots, prompt) tokens, so with a budget below the sequence
+    every step evicts (as in the timed run); the full cache holds `slots` slots with (slots - steps) prompt
+    tokens, so it never evicts and attention, weights and K/V reads are the same size. `ref_caches`: that full
+    cache from the reference row, whose compiled graph is then reused (under --inductor_freezing new cache
+    modules would mean a new graph)."""
+    from generate import prefill
+
+    steps = max(2, min(steps, slots - 1))
+    if ref_caches is None:
+        full_specs = resolve_cache_spec(cache_args("full", 1.0), model.args.n_layer, slots - steps, steps)
+        setup_caches(model, full_specs, slots, tokenizer)
+        ref_caches = model.caches()
+    ref = {"caches": ref_caches}
+    ours = {"caches": caches}
+    with torch.inference_mode():
+        for state, n in ((ours, min(slots, len(ids))), (ref, slots - steps)):
+            model.setup_caches(state["caches"])
+            model.reset_caches()
+            state["token"] = prefill(model, torch.tensor([ids[:n]])).argmax(dim=-1, keepdim=True)
+            state["pos"] = n
+        _decode_block(model, step, ref, 1, [])  # compiles the reference graph unless its row just did
+        _decode_block(model, step, ours, 1, [])
+        graphs_before = counters["stats"]["unique_graphs"]
+        times: dict[int, list[float]] = {id(ours): [], id(ref): []}
+        per_block = max(1, (steps - 1) // blocks)
+        for b in range(blocks):
+            for state in (ours, ref) if b % 2 == 0 else (ref, ours):
+                _decode_block(model, step, state, per_block, times[id(state)])
+    model.setup_caches(caches)
+    return (statistics.median(times[id(ours)]), statistics.median(times[id(ref)]),
+            counters["stats"]["unique_graphs"] - graphs_before)
+
+
 def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,  # noqa: ANN001
-               bandwidth: float) -> dict:
+               bandwidth: float, recompile_steps: int = 0, engine: str | None = None, pair_blocks: int = 0,
+               reset: bool = True, full_caches: dict | None = None) -> dict:
+    """One row: build the caches, (compile on a short throwaway run,) time prefill + `new` tokens; with
+    `recompile_steps`, run that many more decode steps on the same compiled graph (fill, then evict) and
+    count new graphs over both runs; with `pair_blocks`, measure the overhead over a same-size full cache
+    (`paired_overhead`). `reset=False` keeps the graphs compiled so far, so that the pairing reuses the same-size
+    reference row's graph rather than compiling it again (a cold compile with --inductor_freezing).
+    `full_caches` maps (compiled, slots) to the caches of same-size reference rows: filled by them, read by
+    the pairing."""
     specs = resolve_cache_spec(cache_args(strategy, budget), model.args.n_layer, len(ids), new)
-    setup_caches(model, specs, len(ids) + new, tokenizer)
+    capacity = len(ids) + new
+    setup_caches(model, specs, capacity, tokenizer)
+    slots = max(s.max_cache_length for s in specs)
     compile_seconds = None
     step = decode_one_token
     if compiled:
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
         step = compile_decode_step()
         t = time.perf_counter()
-        generate(model, ids, 3, [], step)  # cold compile on a throwaway run
+        generate(model, ids[:WARMUP_PROMPT_TOKENS], 3, [], step)  # cold compile on a throwaway run
         compile_seconds = round(time.perf_counter() - t, 1)
     graphs_before = counters["stats"]["unique_graphs"]
     result = generate(model, ids, new, [], step)
     stats = cache_statistics(model.caches())
     kv = kv_bytes_read(model.caches())
+    check_steps = None
+    if compiled and recompile_steps > 0:
+        prompt, steps = recompile_check_shape(slots, capacity, recompile_steps)
+        check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
+    recompilations = counters["stats"]["unique_graphs"] - graphs_before if compiled else None
+    ref_ms = overhead = None
+    if pair_blocks > 0:
+        ref_caches = (full_caches or {}).get((compiled, slots))
+        ours_s, ref_s, graphs = paired_overhead(model, tokenizer, ids, step, model.caches(), slots, new, pair_blocks,
+                                                ref_caches)
+        ref_ms, overhead = round(1000 * ref_s, 2), round(ours_s / ref_s - 1, 3)
+        if compiled:
+            recompilations += graphs
+    elif strategy == "full" and full_caches is not None and engine and engine.endswith("(same-size ref)"):
+        full_caches[(compiled, slots)] = model.caches()
     bound = bandwidth / (weight_bytes(model) + kv)
     tok_s = result.decode_steps / result.decode_seconds
-    return {"engine": "ours compiled" if compiled else "ours eager", "strategy": strategy, "budget": budget,
-            "context": len(ids), "new_tokens": new,
+    return {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
+            "budget": budget, "context": len(ids), "new_tokens": new, "cache_slots": slots,
             "prefill_tokens_per_second": round(len(ids) / result.prefill_seconds, 1),
             "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 2),
+            "median_ms_per_step": round(1000 * statistics.median(result.step_seconds), 2),
             "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
             "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
-            "fraction_of_bound": round(tok_s / bound, 3),
-            "recompilations": counters["stats"]["unique_graphs"] - graphs_before if compiled else None,
+            "fraction_of_bound": round(tok_s / bound, 3), "same_size_full_median_ms": ref_ms,
+            "overhead_vs_same_size_full": overhead, "speedup_vs_full": None, "bound_speedup_vs_full": None,
+            "recompilations": recompilations, "recompile_check_steps": check_steps,
             "compile_seconds": compile_seconds, "peak_rss_mb": peak_rss_mb()}
 
 
 def bench_hf(ids: list[int], new: int, dtype: torch.dtype, bandwidth: float) -> dict | None:
-    """transformers' generate with its default cache on the same GGUF; None when transformers is absent."""
+    """transformers' generate with its default cache on the same GGUF; None when transformers is absent.
+
+    A logits processor timestamps every step, so one generate call gives the prefill (up to the first
+    step's logits) and each decode step."""
     try:
         import transformers
     except ImportError:
         return None
+
+    class Clock(transformers.LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.times.append(time.perf_counter())
+            return scores
+
     path = bundled_checkpoint_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     x = torch.tensor([ids])
+    clock = Clock()
     with torch.inference_mode():
         t = time.perf_counter()
-        model(x)
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
         model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0)
-        total = time.perf_counter() - t
-    decode = max(total - prefill, 1e-9)
-    tok_s = (new - 1) / decode
+                       do_sample=False, pad_token_id=0, logits_processor=transformers.LogitsProcessorList([clock]))
+    prefill = clock.times[0] - t
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    tok_s = len(steps) / (clock.times[-1] - clock.times[0])
     a = model.config
     kv = 2 * a.num_hidden_layers * a.num_key_value_heads * (a.hidden_size // a.num_attention_heads) * (
         len(ids) + new // 2) * torch.empty((), dtype=dtype).element_size()  # K/V read per step, on average
     bound = bandwidth / (weight_bytes(model) + kv)
     del model
-    return {"engine": "hf generate", "strategy": "full (DynamicCache)", "budget": 1.0, "context": len(ids),
-            "new_tokens": new, "prefill_tokens_per_second": round(len(ids) / prefill, 1),
-            "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 2),
-            "compression_ratio": 0.0, "cache_bytes": None, "kv_bytes_read_per_step": kv,
-            "bound_tokens_per_second": round(bound, 1), "fraction_of_bound": round(tok_s / bound, 3),
-            "recompilations": None, "compile_seconds": None, "peak_rss_mb": peak_rss_mb()}
+    row = dict.fromkeys(FIELDS)
+    row.update({"engine": "hf generate", "strategy": "full (DynamicCache)", "budget": 1.0, "context": len(ids),
+                "new_tokens": new, "prefill_tokens_per_second": round(len(ids) / prefill, 1),
+                "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 2),
+                "median_ms_per_step": round(1000 * statistics.median(steps), 2), "compression_ratio": 0.0,
+                "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
+                "fraction_of_bound": round(tok_s / bound, 3), "peak_rss_mb": peak_rss_mb()})
+    return row
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    kind: str  # "hf", "full" (a context's full-cache row), "ref" (same-size full reference), "strategy"
+    context: int  # prompt tokens
+    strategy: str = "full"
+    budget: float = 1.0
+    compiled: bool = False
+    slots: int = 0  # per-layer cache slots
+    recompile_steps: int = 0
+    new_tokens: int = 0
+    pair_blocks: int = 0  # > 0: paired overhead measurement against a same-size full cache
+
+    def engine(self) -> str:
+        if self.kind == "hf":
+            return "hf generate"
+        mode = "ours compiled" if self.compiled else "ours eager"
+        return f"{mode} (same-size ref)" if self.kind == "ref" else mode
+
+
+def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, context_length: int) -> list[Job]:
+    """Every row the run measures, in order; the same-size references right before the strategies they serve."""
+    new = args.new_tokens
+    compiled = not args.no_compile
+
+    def fit(context: int) -> int:  # the prompt, so that prompt + new tokens fit the model's context
+        if context < 1:
+            raise UserError(f"contexts must be ≥ 1, got {context}")
+        return min(context, context_length - new)
+
+    plan: list[Job] = []
+    refs: set[tuple[bool, int]] = set()  # (compiled, slots) already measured by a full or ref row
+    checked: set[str] = set()  # strategies whose compiled graph got a recompilation check
+
+    def check(strategy: str) -> int:
+        if not compiled or args.recompile_steps <= 0 or strategy in checked:
+            return 0
+        checked.add(strategy)
+        return args.recompile_steps
+
+    def full_row(context: int, is_compiled: bool) -> None:
+        if any(j.kind == "full" and (j.context, j.compiled) == (context, is_compiled) for j in plan):
+            return
+        plan.append(Job("full", context, compiled=is_compiled, slots=context + new, new_tokens=new,
+                        recompile_steps=check("full") if is_compiled else 0))
+        refs.add((is_compiled, context + new))
+
+    def strategy_rows(context: int, budgets: list[float], names: list[str], overhead: bool = True) -> None:
+        full_row(context, compiled)  # the speed-up is measured against the full cache at this context
+        for b in sorted(set(budgets)):
+            for s in names if b == args.speedup_budget else [n for n in names if n in budget_strategies]:
+                if any(j.kind == "strategy" and (j.context, j.strategy, j.budget) == (context, s, b) for j in plan):
+                    continue
+                slots = cache_slots(s, b, n_layer, context, new)
+                measure_overhead = overhead and not args.no_same_size_ref
+                if measure_overhead and (compiled, slots) not in refs:
+                    ref_new = min(new, slots - 1)
+                    if ref_new >= 2:
+                        plan.append(Job("ref", slots - ref_new, compiled=compiled, slots=slots, new_tokens=ref_new))
+                        refs.add((compiled, slots))
+                pair = args.overhead_blocks if measure_overhead else 0
+                plan.append(Job("strategy", context, s, b, compiled, slots, check(s), new, pair))
+
+    for context in map(fit, args.contexts):
+        if not args.no_hf:
+            plan.append(Job("hf", context, new_tokens=new))
+        full_row(context, False)
+        if compiled:
+            full_row(context, True)
+    for context in map(fit, args.bound_contexts):
+        full_row(context, compiled)
+    budget_strategies = strategies if args.budget_strategies == ["all"] else args.budget_strategies
+    for context in map(fit, args.strategy_contexts):
+        strategy_rows(context, [args.speedup_budget, *args.budgets], strategies)
+    for context in map(fit, args.speedup_contexts):  # the speed-up only: overheads are measured above
+        strategy_rows(context, [args.speedup_budget], args.speedup_strategies, overhead=False)
+    return plan
+
+
+def plan_summary(plan: list[Job]) -> str:
+    """Size of the plan and its estimated duration from the EST_* costs (2 idle cores)."""
+
+    def prefill_s(tokens: int, strategy: str = "full") -> float:
+        scored = EST_SCORED_PREFILL_C * tokens**2 if strategy in ("heavy_hitter", "hybrid") else 0.0
+        return tokens * (EST_PREFILL_A + EST_PREFILL_B * tokens) + scored
+
+    def step_s(j: Job, slots: int) -> float:
+        return (EST_STEP_A + EST_STEP_B * slots) * (1 if j.compiled else EST_EAGER_FACTOR)
+
+    seconds, prefill, steps = 30.0, 0, 0  # model load, bandwidth
+    for j in plan:
+        if j.kind == "hf":
+            prefill += j.context
+            steps += j.new_tokens
+            seconds += 5 + prefill_s(j.context) + j.new_tokens * (EST_HF_STEP_A + EST_HF_STEP_B * j.context)
+            continue
+        seconds += EST_COMPILE_S * j.compiled + prefill_s(j.context, j.strategy) + j.new_tokens * step_s(j, j.slots)
+        prefill += j.context
+        steps += j.new_tokens
+        if j.recompile_steps:
+            seconds += prefill_s(j.slots // 2) + j.recompile_steps * step_s(j, j.slots)
+            steps += j.recompile_steps
+        if j.pair_blocks:  # the strategy's prefill of `slots` tokens, then as many steps on each cache
+            seconds += prefill_s(min(j.slots, j.context), j.strategy) + 2 * j.new_tokens * step_s(j, j.slots)
+            prefill += min(j.slots, j.context)
+            steps += 2 * j.new_tokens
+    return (f"{len(plan)} rows, {sum(j.compiled for j in plan)} compiles, {prefill} prefill tokens, {steps} decode "
+            f"steps: about {seconds / 60:.0f} min on 2 idle cores (--dry_run's model of this machine)")
+
+
+# ---- derived columns and the targets -------------------------------------------------------------------
+
+
+def fill_comparisons(rows: list[dict]) -> None:
+    """Speed-up of each strategy row over the full cache at the same context (same engine, same new tokens),
+    measured (median step times) and as the bandwidth bound predicts it."""
+    for r in rows:
+        if r["strategy"] == "full" or r["engine"] == "hf generate":
+            continue
+        full = next((f for f in rows if f["engine"] == r["engine"] and f["strategy"] == "full"
+                     and f["context"] == r["context"] and f["new_tokens"] == r["new_tokens"]), None)
+        if full is not None:  # median step times: one slow stretch of a shared machine does not decide it
+            r["speedup_vs_full"] = round(full["median_ms_per_step"] / r["median_ms_per_step"], 3)
+            r["bound_speedup_vs_full"] = round(r["bound_tokens_per_second"] / full["bound_tokens_per_second"], 3)
+
+
+def summarize_targets(rows: list[dict], speedup_budget: float) -> dict:
+    """The issue's targets as measured ratios; `met` is None where the run has no row to judge by."""
+
+    def find(engine: str, context: int, strategy: str = "full") -> dict | None:
+        return next((r for r in rows if r["engine"] == engine and r["context"] == context
+                     and r["strategy"] == strategy), None)
+
+    targets: dict = {}
+    hf, ours = find("hf generate", 2048, "full (DynamicCache)"), find("ours compiled", 2048)
+    ratio = round(hf["median_ms_per_step"] / ours["median_ms_per_step"], 2) if hf and ours else None  # medians
+    targets["compiled_over_hf_at_2048"] = {"value": ratio, "target": f">= {TARGET_COMPILED_OVER_HF}",
+                                           "met": None if ratio is None else ratio >= TARGET_COMPILED_OVER_HF}
+    r256 = find("ours compiled", 256)
+    frac = r256["fraction_of_bound"] if r256 else None
+    targets["fraction_of_bound_at_256"] = {"value": frac, "target": f">= {TARGET_FRACTION_OF_BOUND}",
+                                           "met": None if frac is None else frac >= TARGET_FRACTION_OF_BOUND}
+    overhead = {}
+    for r in rows:
+        if r["overhead_vs_same_size_full"] is not None and r["engine"] == "ours compiled":
+            overhead[r["strategy"]] = max(overhead.get(r["strategy"], -1.0), r["overhead_vs_same_size_full"])
+    judged = [v for s, v in overhead.items() if s not in OVERHEAD_EXCLUDED and not s.startswith("debug_")]
+    targets["max_eviction_overhead"] = {"value": overhead, "target": f"<= {TARGET_MAX_OVERHEAD} (excluded: "
+                                        f"{', '.join(OVERHEAD_EXCLUDED)}, debug_*)",
+                                        "met": max(judged) <= TARGET_MAX_OVERHEAD if judged else None}
+    speedups = {}
+    for r in rows:
+        if (r["engine"] == "ours compiled" and r["budget"] == speedup_budget and r["speedup_vs_full"] is not None
+                and r["context"] >= 4096):
+            predicted = r["bound_speedup_vs_full"]
+            speedups[f"{r['strategy']}@{r['context']}"] = {
+                "speedup": r["speedup_vs_full"], "predicted": predicted,
+                # the gain over the full cache as a share of the gain the bound predicts (the strict reading)
+                # and the plain ratio of the two speed-ups
+                "gain_of_predicted": round((r["speedup_vs_full"] - 1) / (predicted - 1), 3) if predicted > 1 else None,
+                "ratio_of_predicted": round(r["speedup_vs_full"] / predicted, 3)}
+    values = [v["gain_of_predicted"] for v in speedups.values() if v["gain_of_predicted"] is not None]
+    targets["speedup_of_predicted"] = {"value": speedups, "target": f"(speed-up - 1) / (predicted - 1) >= "
+                                       f"{TARGET_SPEEDUP_OF_PREDICTED} at {speedup_budget:g} budget, context >= 4096",
+                                       "met": min(values) >= TARGET_SPEEDUP_OF_PREDICTED if values else None}
+    checked = [r for r in rows if r["recompile_check_steps"] is not None]
+    recompiles = [r["recompilations"] for r in rows if r["recompilations"] is not None]
+    check_steps = min((r["recompile_check_steps"] for r in checked), default=None)
+    targets["recompilations"] = {"value": max(recompiles) if recompiles else None, "check_steps": check_steps,
+                                 "checked": sorted({r["strategy"] for r in checked}), "target": "0 over >= 256 steps",
+                                 "met": max(recompiles) == 0 and check_steps >= 256 if checked else None}
+    return targets
+
+
+def format_targets(targets: dict) -> str:
+    lines = ["| target | measured | goal | met |", "|---|---|---|---|"]
+    for name, t in targets.items():
+        value = t["value"]
+        if name == "speedup_of_predicted":
+            value = ", ".join(f"{k}: {v['speedup']}× vs {v['predicted']}× predicted (gain share "
+                              f"{v['gain_of_predicted']})" for k, v in value.items())
+        elif name == "max_eviction_overhead":
+            value = ", ".join(f"{k}: {v:+.1%}" for k, v in value.items())
+        elif name == "recompilations" and t["check_steps"] is not None:
+            value = f"{value} (check runs of {t['check_steps']} steps: {', '.join(t['checked'])})"
+        lines.append(f"| {name} | {value} | {t['target']} | {'' if t['met'] is None else t['met']} |")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ["engine", "strategy", "budget", "context", "prefill_tokens_per_second", "decode_tokens_per_second",
-            "ms_per_step", "compression_ratio", "fraction_of_bound", "recompilations", "peak_rss_mb"]
+    cols = ["engine", "strategy", "budget", "context", "cache_slots", "prefill_tokens_per_second",
+            "decode_tokens_per_second", "median_ms_per_step", "compression_ratio", "fraction_of_bound",
+            "overhead_vs_same_size_full", "speedup_vs_full", "bound_speedup_vs_full", "recompilations",
+            "compile_seconds", "peak_rss_mb"]
     short = {"prefill_tokens_per_second": "prefill tok/s", "decode_tokens_per_second": "decode tok/s",
              "compression_ratio": "compression", "fraction_of_bound": "of bound", "peak_rss_mb": "peak RSS MB",
-             "recompilations": "recompiles"}
+             "recompilations": "recompiles", "cache_slots": "slots", "median_ms_per_step": "median ms/step",
+             "overhead_vs_same_size_full": "overhead vs same-size full", "speedup_vs_full": "speed-up vs full",
+             "bound_speedup_vs_full": "bound speed-up", "compile_seconds": "compile s"}
     lines = ["| " + " | ".join(short.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |")
@@ -155,14 +489,43 @@ def format_table(rows: list[dict]) -> str:
 
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 4096])
+    p.add_argument("--contexts", nargs="*", type=int, default=[512, 2048, 4096, 8192],
+                   help="HF, eager and compiled full-cache rows (a context is cut to the model's context "
+                        "length minus --new_tokens)")
+    p.add_argument("--bound_contexts", nargs="*", type=int, default=[256],
+                   help="compiled full-cache rows only (the fraction-of-bound target is at 256)")
+    p.add_argument("--strategy_contexts", nargs="*", type=int, default=[4096],
+                   help="contexts where every strategy runs at --speedup_budget, and --budget_strategies at each "
+                        "of --budgets too")
+    p.add_argument("--speedup_contexts", nargs="*", type=int, default=[8192],
+                   help="further contexts where --speedup_strategies run at --speedup_budget only, without the "
+                        "overhead measurement (none: pass the flag alone)")
+    p.add_argument("--speedup_strategies", nargs="+", default=["recent_global"])
+    p.add_argument("--speedup_budget", type=float, default=0.1,
+                   help="the budget every strategy runs at (the speed-up target's budget)")
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--strategies", nargs="+", default=None, help="default: every registered strategy")
     p.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.25, 0.5])
+    p.add_argument("--budget_strategies", nargs="+", default=["heavy_hitter"],
+                   help="strategies run at every --budgets at --strategy_contexts (default: heavy_hitter, whose "
+                        "per-step work grows with the cache: attention probabilities, an O(slots) state update; "
+                        "all: every strategy, about 15 more minutes)")
+    p.add_argument("--recompile_steps", type=int, default=256,
+                   help="per compiled strategy (once), decode this many more steps on its compiled graph, with a "
+                        "prompt that lets the cache fill and then evict, and count new graphs (0: off)")
+    p.add_argument("--overhead_blocks", type=int, default=8,
+                   help="strategy rows: decode --new_tokens more steps on the strategy's caches and as many on a "
+                        "same-size full cache, alternating in this many blocks, for overhead_vs_same_size_full")
+    p.add_argument("--no_same_size_ref", action="store_true",
+                   help="skip the same-size full-cache references and the overhead measurement")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--inductor_freezing", action="store_true",
+                   help="experiment: compile with torch._inductor.config.freezing (weights folded and prepacked for "
+                        "oneDNN; faster decode here, but each compile is cold and keeps ~250 MB in the process)")
     p.add_argument("--no_compile", action="store_true", help="eager rows only")
-    p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face row")
+    p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face rows")
     p.add_argument("--quick", action="store_true", help="~1 minute: context 256, 16 tokens, eager, 2 strategies")
+    p.add_argument("--dry_run", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--out_dir", default="results/bench")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bench.json/csv in --out_dir")
     return p
@@ -171,14 +534,29 @@ def build_parser() -> CliParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     if args.quick:
-        args.contexts, args.new_tokens, args.no_compile = [256], 16, True
-        args.strategies, args.budgets = args.strategies or ["recent_global", "heavy_hitter"], [0.25]
-    strategies = args.strategies or [s for s in CACHE_STRATEGIES if s != "full"]
-    for s in strategies:
+        args.contexts, args.strategy_contexts, args.speedup_contexts, args.bound_contexts = [256], [256], [], []
+        args.new_tokens, args.no_compile = 16, True
+        args.strategies = args.strategies or ["recent_global", "heavy_hitter"]
+        args.budgets, args.speedup_budget = [0.25], 0.25
+    if args.new_tokens < 2:
+        raise UserError(f"--new_tokens must be ≥ 2, got {args.new_tokens}")
+    strategies = [s for s in (args.strategies or CACHE_STRATEGIES) if s != "full"]
+    if args.overhead_blocks < 1:
+        raise UserError(f"--overhead_blocks must be ≥ 1, got {args.overhead_blocks}")
+    for s in strategies + args.speedup_strategies + [b for b in args.budget_strategies if b != "all"]:
         if s not in CACHE_STRATEGIES:
             raise UserError(f"unknown strategy {s!r}; available: {', '.join(CACHE_STRATEGIES)}")
     dtype = parse_dtype(args.dtype)
     out_dir = Path(args.out_dir)
+    if args.dry_run:
+        model, _ = load_checkpoint(None, "cpu", dtype)
+        plan = build_plan(args, strategies, model.args.n_layer, model.args.context_length)
+        for job in plan:
+            print(f"{job.engine():<30} {job.strategy:<14} budget {job.budget:<5g} context {job.context:<6} "
+                  f"slots {job.slots:<6} new {job.new_tokens}"
+                  + (f" + {job.recompile_steps}-step recompile check" if job.recompile_steps else ""))
+        print(plan_summary(plan))
+        return []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -186,39 +564,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if (out_dir / "bench.json").exists() and not args.overwrite:
         raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
     torch.set_grad_enabled(False)
+    if args.inductor_freezing:
+        torch._inductor.config.freezing = True
     bandwidth = measure_read_bandwidth()
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     model, tokenizer = load_checkpoint(None, "cpu", dtype)
+    plan = build_plan(args, strategies, model.args.n_layer, model.args.context_length)
+    print(plan_summary(plan), flush=True)
+    max_context = max(j.context for j in plan)
     corpus = pydoc_corpus()
-    corpus_ids = tokenizer.encode(corpus[: 40 * max(args.contexts)])
+    corpus_ids = tokenizer.encode(corpus[: 40 * max_context])
+    if len(corpus_ids) < max_context:
+        raise UserError(f"the corpus has {len(corpus_ids)} tokens, fewer than the longest context {max_context}")
     rows: list[dict] = []
     from tqdm import tqdm
 
-    plan = []
-    for context in args.contexts:
-        plan.append(("hf", context, "full", 1.0, False))
-        plan.append(("ours", context, "full", 1.0, False))
-        if not args.no_compile:
-            plan.append(("ours", context, "full", 1.0, True))
-        for s in strategies:
-            for b in args.budgets:
-                plan.append(("ours", context, s, b, not args.no_compile))
-    for engine, context, strategy, budget, compiled in tqdm(plan, desc="bench"):
-        ids = corpus_ids[:context]
-        if engine == "hf":
-            row = None if args.no_hf else bench_hf(ids, args.new_tokens, dtype, bandwidth)
+    started = time.perf_counter()
+    group = None  # compiled graphs are kept from a same-size reference through the strategy rows of its size
+    full_caches: dict = {}
+    for job in tqdm(plan, desc="bench"):
+        ids = corpus_ids[: job.context]
+        if job.kind == "hf":
+            row = bench_hf(ids, job.new_tokens, dtype, bandwidth)
         else:
-            row = bench_ours(model, tokenizer, ids, args.new_tokens, strategy, budget, compiled, bandwidth)
+            key = job.slots if job.kind in ("ref", "strategy") else None
+            # A group holds the reference and each strategy's graph; allow them all without recompiling.
+            with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+                row = bench_ours(model, tokenizer, ids, job.new_tokens, job.strategy, job.budget, job.compiled,
+                                 bandwidth, job.recompile_steps, job.engine(), job.pair_blocks,
+                                 reset=key is None or key != group, full_caches=full_caches)
+            group = key
         if row is not None:
             rows.append(row)
             tqdm.write(json.dumps(row))
-    table = format_table(rows)
+    fill_comparisons(rows)
+    targets = summarize_targets(rows, args.speedup_budget)
+    table = format_table(rows) + "\n\n" + format_targets(targets)
     print(table)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-            "weight_bytes": weight_bytes(model), "argv": argv}
-    write_json_atomic(out_dir / "bench.json", {"meta": meta, "rows": rows}, overwrite=True)
+            "weight_bytes": weight_bytes(model), "argv": argv, "wall_seconds": round(time.perf_counter() - started),
+            "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
+            "inductor_freezing": bool(torch._inductor.config.freezing)}
+    write_json_atomic(out_dir / "bench.json", {"meta": meta, "targets": targets, "rows": rows}, overwrite=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=FIELDS)
     writer.writeheader()

@@ -1,4 +1,5 @@
-"""`python -m eval.bench --quick` runs and writes its table in the documented schema (no timing asserted)."""
+"""`python -m eval.bench --quick` runs and writes its table in the documented schema (no timing asserted);
+the default plan and the comparison columns are built as documented."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ import sys
 
 import pytest
 
-from eval.bench import FIELDS
+from eval.bench import (
+    FIELDS,
+    build_parser,
+    build_plan,
+    fill_comparisons,
+    plan_summary,
+    recompile_check_shape,
+    summarize_targets,
+)
 from tests.conftest import ROOT
+
+STRATEGIES = ["recent_global", "random", "keep_it_odd", "l2", "heavy_hitter", "gated", "hybrid"]
 
 
 @pytest.mark.slow
@@ -20,19 +31,113 @@ def test_bench_quick_schema(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["read_bandwidth_gb_s"] > 0 and report["meta"]["weight_bytes"] > 0
+    assert set(report["targets"]) == {"compiled_over_hf_at_2048", "fraction_of_bound_at_256",
+                                      "max_eviction_overhead", "speedup_of_predicted", "recompilations"}
     rows = report["rows"]
     engines = {r["engine"] for r in rows}
-    assert {"ours eager"} <= engines
+    assert {"ours eager", "ours eager (same-size ref)"} <= engines
     assert {r["strategy"] for r in rows if r["engine"] == "ours eager"} == {"full", "recent_global", "heavy_hitter"}
     for row in rows:
         assert set(row) == set(FIELDS)
         assert row["decode_tokens_per_second"] > 0 and row["bound_tokens_per_second"] > 0
         assert 0 < row["fraction_of_bound"]
+        assert row["recompilations"] is None and row["recompile_check_steps"] is None  # eager only
     compressed = [r for r in rows if r["strategy"] == "recent_global"][0]
-    assert compressed["kv_bytes_read_per_step"] < [r for r in rows if r["strategy"] == "full"][0][
-        "kv_bytes_read_per_step"]
+    full = [r for r in rows if r["strategy"] == "full" and r["engine"] == "ours eager"][0]
+    assert compressed["kv_bytes_read_per_step"] < full["kv_bytes_read_per_step"]
+    # Each strategy row: a paired overhead over a full cache of its own size, and a speed-up over the full
+    # cache at its context; the same-size reference row holds exactly as many slots.
+    ref = [r for r in rows if r["engine"] == "ours eager (same-size ref)"]
+    assert len(ref) == 1 and ref[0]["strategy"] == "full"
+    for r in rows:
+        if r["engine"] == "ours eager" and r["strategy"] != "full":
+            assert r["cache_slots"] == ref[0]["cache_slots"] < full["cache_slots"]
+            assert r["same_size_full_median_ms"] > 0 and r["median_ms_per_step"] > 0
+            assert isinstance(r["overhead_vs_same_size_full"], float) and r["overhead_vs_same_size_full"] > -1
+            assert r["speedup_vs_full"] > 0 and r["bound_speedup_vs_full"] > 1
     with open(tmp_path / "bench.csv") as f:
-        assert [r["engine"] for r in csv.DictReader(f)] == [r["engine"] for r in rows]
+        csv_rows = list(csv.DictReader(f))
+    assert [r["engine"] for r in csv_rows] == [r["engine"] for r in rows]
+    assert list(csv_rows[0]) == FIELDS
+    assert "overhead vs same-size full" in (tmp_path / "bench.md").read_text()
     again = subprocess.run([sys.executable, "-m", "eval.bench", "--quick", "--out_dir", str(tmp_path)],
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert again.returncode == 2 and "--overwrite" in again.stderr and "Traceback" not in again.stderr
+
+
+def plan_for(*argv: str) -> list:
+    return build_plan(build_parser().parse_args(list(argv)), STRATEGIES, n_layer=30, context_length=8192)
+
+
+def test_default_plan():
+    plan = plan_for()
+    full = {(j.context, j.compiled) for j in plan if j.kind == "full"}
+    # 8192 is cut to 8192 - 64 so that prompt + new tokens fit the model's context; 256: compiled only (the bound)
+    assert full == {(c, m) for c in (512, 2048, 4096, 8128) for m in (False, True)} | {(256, True)}
+    assert {j.context for j in plan if j.kind == "hf"} == {512, 2048, 4096, 8128}
+    strategy = [j for j in plan if j.kind == "strategy"]
+    assert {j.strategy for j in strategy if (j.context, j.budget) == (4096, 0.1)} == set(STRATEGIES)
+    assert {(j.strategy, j.budget) for j in strategy if j.context == 4096 and j.budget != 0.1} == {
+        ("heavy_hitter", 0.25), ("heavy_hitter", 0.5)}
+    assert {(j.strategy, j.budget) for j in strategy if j.context == 8128} == {("recent_global", 0.1)}
+    assert all(j.compiled for j in strategy)
+    # the overhead is measured at 4096 (paired with a same-size full cache); 8192 is for the speed-up only
+    assert all((j.pair_blocks > 0) == (j.context == 4096) for j in strategy)
+    # one same-size reference per measured size, placed before the first strategy row of that size
+    refs = [j for j in plan if j.kind == "ref"]
+    assert sorted(j.slots for j in refs) == sorted({j.slots for j in strategy if j.pair_blocks}) == [416, 1040, 2080]
+    for ref in refs:
+        assert ref.context + ref.new_tokens == ref.slots
+        assert plan.index(ref) < min(i for i, j in enumerate(plan) if j.kind == "strategy" and j.slots == ref.slots)
+    # one recompilation check per compiled strategy, the full cache included
+    checked = [j.strategy for j in plan if j.recompile_steps]
+    assert sorted(checked) == sorted(["full", *STRATEGIES])
+    assert all(j.recompile_steps == 256 for j in plan if j.recompile_steps)
+    assert sum(j.compiled for j in plan) == 18
+
+
+def test_plan_flags():
+    plan = plan_for("--contexts", "1024", "--bound_contexts", "--strategy_contexts", "2048", "--speedup_contexts",
+                    "--budget_strategies", "all", "--no_compile", "--no_hf", "--budgets", "0.25", "0.5")
+    assert not any(j.compiled or j.recompile_steps for j in plan)
+    assert {(j.strategy, j.budget) for j in plan if j.kind == "strategy"} == {
+        (s, b) for s in STRATEGIES for b in (0.1, 0.25, 0.5)}
+    assert {j.context for j in plan if j.kind == "full"} == {1024, 2048}
+    assert not any(j.kind == "ref" or j.pair_blocks for j in plan_for("--no_same_size_ref"))
+    assert "compiles" in plan_summary(plan)
+
+
+@pytest.mark.parametrize("slots,capacity,steps", [(416, 4160, 256), (320, 320, 256), (2080, 4160, 256), (27, 272, 256)])
+def test_recompile_check_shape(slots, capacity, steps):
+    prompt, n = recompile_check_shape(slots, capacity, steps)
+    assert prompt >= 1 and prompt + n <= capacity
+    if capacity >= prompt + steps:
+        assert n == steps
+    if slots < capacity and slots > steps:
+        assert prompt < slots < prompt + n  # the cache fills during the run, then evicts
+
+
+def test_targets():
+    def row(engine, strategy, context, tok_s, bound, **kw):
+        r = dict.fromkeys(FIELDS)
+        r.update(engine=engine, strategy=strategy, context=context, new_tokens=64, decode_tokens_per_second=tok_s,
+                 median_ms_per_step=round(1000 / tok_s, 3), bound_tokens_per_second=bound,
+                 fraction_of_bound=round(tok_s / bound, 3), budget=0.1, **kw)
+        return r
+
+    rows = [row("hf generate", "full (DynamicCache)", 2048, 5.0, 50.0),
+            row("ours compiled", "full", 2048, 16.0, 50.0, recompilations=0),
+            row("ours compiled", "full", 256, 40.0, 100.0, recompilations=0, recompile_check_steps=256),
+            row("ours compiled", "full", 4096, 20.0, 80.0, recompilations=0),
+            row("ours compiled", "recent_global", 4096, 27.0, 100.0, recompilations=0, recompile_check_steps=256,
+                overhead_vs_same_size_full=0.02),
+            row("ours compiled", "hybrid", 4096, 21.0, 100.0, recompilations=0, overhead_vs_same_size_full=0.3)]
+    fill_comparisons(rows)
+    assert rows[4]["speedup_vs_full"] == 1.35 and rows[4]["bound_speedup_vs_full"] == 1.25
+    t = summarize_targets(rows, 0.1)
+    assert t["compiled_over_hf_at_2048"] == {"value": 3.2, "target": ">= 3.0", "met": True}
+    assert t["fraction_of_bound_at_256"]["value"] == 0.4 and t["fraction_of_bound_at_256"]["met"] is False
+    assert t["max_eviction_overhead"]["met"] is True  # hybrid is excluded from the target
+    assert t["speedup_of_predicted"]["value"]["recent_global@4096"]["gain_of_predicted"] == 1.4
+    assert t["speedup_of_predicted"]["met"] is False  # hybrid: 1.05x where 1.25x is predicted
+    assert t["recompilations"]["met"] is True
