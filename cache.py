@@ -93,10 +93,6 @@ class KVCache(nn.Module):
     def values(self) -> Tensor:
         return self.storage.values()
 
-    def _store(self, head_slot: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v [B, H, n, D] into slots head_slot [B, H, n] (n > 1 only for the prompt, into an empty cache)."""
-        self.storage.write(head_slot, k, v)
-
     # ---- the contract used by model.Attention ------------------------------------------------------------
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
@@ -112,7 +108,7 @@ class KVCache(nn.Module):
         head_keep = keep.expand(B, H, n)
         gather = head_keep[..., None].expand(B, H, n, k.shape[-1])
         slots = torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n)
-        self._store(slots, k.gather(2, gather), v.gather(2, gather))
+        self.storage.write(slots, k.gather(2, gather), v.gather(2, gather))
         self.pos[:, :, :n] = input_pos[keep]
         self.mask[:, :, 0, :n] = True
         self.inserted.fill_(T)
@@ -123,7 +119,7 @@ class KVCache(nn.Module):
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
-        self._store(head_slot[..., None], k, v)
+        self.storage.write(head_slot[..., None], k, v)
         self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, slot.shape[1], 1))
         self.mask.scatter_(3, head_slot[..., None, None], True)
         self.inserted += 1

@@ -143,7 +143,7 @@ class HybridCache(KVCache):
         idx = top.indices
         n = idx.shape[-1]
         gather = idx[..., None].expand(B, H, n, D)
-        self._store(torch.arange(n, device=k.device).expand(B, H, n), k.gather(2, gather), v.gather(2, gather))
+        self.storage.write(torch.arange(n, device=k.device).expand(B, H, n), k.gather(2, gather), v.gather(2, gather))
         self.pos[:, :, :n] = torch.where(valid, input_pos[idx], -1)
         self.mask[:, :, 0, :n] = valid
         self.slot_special[:, :, :n] = ((is_special & self._use("special")[..., None])
@@ -181,7 +181,7 @@ class HybridCache(KVCache):
         evict = scores.masked_fill(~held, float("inf")).argmin(dim=-1)
         slot = torch.where(admitted, torch.where(can_grow, first_empty, evict), L)  # [B, H]
 
-        self._store(slot[..., None], k, v)
+        self.storage.write(slot[..., None], k, v)
         self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, H, 1))
         self.mask.scatter_(3, slot[..., None, None], True)
         self.slot_special.scatter_(2, slot[..., None], new_is_special[..., None])

@@ -255,6 +255,7 @@ def resolve_cache_spec(
         budgets = [tokens_from_budget(v, total, "--max_cache_length") for v in raw]
         budgets = expand_to_layers(budgets, n_layer, args.cache_length_pattern, "--max_cache_length")
     check_cache_flags(args)
+    storage = storage_spec(args)
     compressors = expand_to_layers(list(args.prompt_compression_strategy), n_layer, args.cache_strategy_pattern,
                                    "--prompt_compression_strategy")
     specs = []
@@ -280,7 +281,7 @@ def resolve_cache_spec(
                 "tokens and prompt compression 'full' keeps everything: choose a --prompt_compression_strategy "
                 "or pass --feed_long_prompts"
             )
-        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage_spec(args)))
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage))
     return specs
 
 
