@@ -306,7 +306,8 @@ class L2NormCache(KVCache):
 
     def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, *args, **kwargs)
-        self.register_buffer("key_norm", torch.zeros(batch_size, n_kv_heads, self.max_cache_length))
+        shape = (batch_size, n_kv_heads, self.max_cache_length)
+        self.register_buffer("key_norm", torch.zeros(shape, device=self.pos.device))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return -self.key_norm  # the largest norm is evicted first
@@ -336,11 +337,12 @@ class HeavyHitterCache(KVCache):
         B, H, L = batch_size, n_kv_heads, self.max_cache_length
         self.window = int(self.hparams.get("history_window_size", 1))
         self.thresholding = bool(self.hparams.get("attn_thresholding", False))
-        self.register_buffer("attn_sum", torch.zeros(B, H, L))  # whole-history sum (window 1)
-        self.register_buffer("attn_steps", torch.zeros(B, H, L))  # steps each slot has been attended from
+        kw = dict(device=self.pos.device)
+        self.register_buffer("attn_sum", torch.zeros(B, H, L, **kw))  # whole-history sum (window 1)
+        self.register_buffer("attn_steps", torch.zeros(B, H, L, **kw))  # steps each slot has been attended from
         if self.window > 1:
-            self.register_buffer("attn_history", torch.zeros(B, H, L, self.window))
-            self.register_buffer("step", torch.zeros((), dtype=torch.long))
+            self.register_buffer("attn_history", torch.zeros(B, H, L, self.window, **kw))
+            self.register_buffer("step", torch.zeros((), dtype=torch.long, **kw))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         if self.window > 1:

@@ -63,7 +63,7 @@ class HybridCache(KVCache):
     needs_attention = True
     needs_token_ids = True
     needs_token_classes = True
-    token_classes: dict[str, Tensor] | None = None  # set through configure(); shared by all layers
+    token_classes: dict[str, Tensor] | None = None  # set through configure(); moved to the cache's device
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,
                  *args: object, **kwargs: object) -> None:
@@ -71,17 +71,27 @@ class HybridCache(KVCache):
         super().__init__(batch_size, n_kv_heads, head_dim, max_cache_length + 1, *args, **kwargs)
         self.max_cache_length = max_cache_length
         B, H, L1 = batch_size, n_kv_heads, max_cache_length + 1
+        kw = dict(device=self.pos.device)
         self.policies = [parse_policy(p) for p in self.hparams.get("hybrid_policies", DEFAULT_HYBRID_POLICIES)]
         self.min_recovery = float(self.hparams.get("min_recovery_frac", 0.95))
         self.recent_frac = float(self.hparams.get("hybrid_recent_frac", 0.3))
         self.heavy_frac = float(self.hparams.get("hybrid_heavy_frac", 0.3))
-        self.register_buffer("policy", torch.zeros(B, H, dtype=torch.long))  # chosen index per head
-        self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool))  # its components
-        self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool))  # special or punct
-        self.register_buffer("attn_sum", torch.zeros(B, H, L1))
-        self.register_buffer("attn_steps", torch.zeros(B, H, L1))
-        self.register_buffer("current_token", torch.zeros(B, 1, dtype=torch.long))
+        self.register_buffer("policy", torch.zeros(B, H, dtype=torch.long, **kw))  # chosen index per head
+        self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool, **kw))  # its components
+        self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool, **kw))  # special or punct
+        self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))
+        self.register_buffer("attn_steps", torch.zeros(B, H, L1, **kw))
+        self.register_buffer("current_token", torch.zeros(B, 1, dtype=torch.long, **kw))
         self.prompt_ids: Tensor | None = None
+
+    def configure(self, **settings: object) -> None:
+        # The vocabulary masks live on the cache's device: a host tensor read every decode step would be a
+        # host-to-device copy per step (and cannot be captured in a CUDA graph).
+        classes = settings.pop("token_classes", None)
+        if classes is not None:
+            device = self.pos.device
+            settings["token_classes"] = {name: mask.to(device) for name, mask in classes.items()}
+        super().configure(**settings)
 
     def _use(self, component: str) -> Tensor:
         return self.uses[..., COMPONENTS.index(component)]
@@ -95,7 +105,7 @@ class HybridCache(KVCache):
     def _classes(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         if self.token_classes is None:
             raise UserError("the hybrid cache needs token classes from the tokenizer (cache_spec.build_caches)")
-        return self.token_classes["special"].to(ids.device)[ids], self.token_classes["punct"].to(ids.device)[ids]
+        return self.token_classes["special"][ids], self.token_classes["punct"][ids]
 
     def _component_keep(self, seen: int, pos: Tensor, is_special: Tensor, is_punct: Tensor,
                         attn: Tensor) -> dict[str, Tensor]:

@@ -235,8 +235,6 @@ class Transformer(nn.Module):
         """(Re)build the RoPE tables in float32 on the embedding's device; call after `.to(dtype)`,
         which would otherwise round the angles of late positions."""
         device = self.tok_embeddings.weight.device
-        if device.type == "meta":
-            return
         cos, sin = rope_tables(self.args)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 

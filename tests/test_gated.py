@@ -27,7 +27,7 @@ from gates import (
 from generate import compile_decode_step, decode_one_token, setup_caches
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import write_tiny_checkpoint
-from tests.test_strategies import NEW, PROMPT, TOTAL, attach, cache_args, held_positions, inner, run, token_ids
+from tests.strategy_matrix import NEW, PROMPT, TOTAL, attach, cache_args, held_positions, inner, run, token_ids
 
 
 def reference_log_gates(model, ids) -> torch.Tensor:  # noqa: ANN001

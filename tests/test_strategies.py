@@ -14,62 +14,27 @@ import math
 import pytest
 import torch
 
-from cache import CACHE_STRATEGIES, KVCache
-from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
-from debug_cache import DebugCache
-from errors import CliParser
-from gates import attach_random_gates
+from cache import KVCache
 from generate import compile_decode_step, decode_one_token, prefill
 from model import apply_rope
 from tests.conftest import make_tiny_model
-
-PROMPT, NEW = 24, 16
-TOTAL = PROMPT + NEW
-GLOBAL, RECENT = 2, 4
-BUDGETS = {"fraction": "0.5", "absolute": "16"}  # 20 and 16 tokens of 40
-VOCAB = 256
-TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40)}
-# K/V storages; KIVI with small groups and residual so flushes, and evictions from both stores, happen.
-STORAGES = {"dense": [], "4bit": ["--cache_bits", "4"],
-            "kivi4": ["--cache_bits", "4", "--cache_quantization", "kivi", "--q_group_size", "4",
-                      "--residual_length", "8"]}
-STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fraction"), ("kivi4", "absolute")]
-STRATEGIES = sorted(CACHE_STRATEGIES)
-ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
-
-
-def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
-    parser = CliParser()
-    add_cache_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
-                              str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
-
-
-def attach(model, args) -> list[KVCache]:  # noqa: ANN001
-    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, NEW)
-    if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
-        attach_random_gates(model, seed=0)
-    a = model.args
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, TOTAL, torch.float32, "cpu",
-                          token_classes=TOKEN_CLASSES)
-    model.setup_caches(caches)
-    return caches
-
-
-def inner(cache: KVCache) -> KVCache:
-    return cache.shadow if isinstance(cache, DebugCache) else cache
-
-
-def held_positions(cache: KVCache) -> list[set[int]]:
-    """Positions held per KV head (batch 0)."""
-    c = inner(cache)
-    pos = c.pos[0].expand(c.n_kv_heads, -1)
-    return [set(pos[h][c.mask[0, h, 0]].tolist()) for h in range(c.n_kv_heads)]
-
-
-def token_ids(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, TOTAL), generator=torch.Generator().manual_seed(seed))
+from tests.strategy_matrix import (
+    ALL,
+    BUDGETS,
+    GLOBAL,
+    PROMPT,
+    RECENT,
+    STORAGE_BUDGETS,
+    STRATEGIES,
+    TOKEN_CLASSES,
+    TOTAL,
+    attach,
+    cache_args,
+    held_positions,
+    inner,
+    run,
+    token_ids,
+)
 
 
 def reference_kv(model, ids):  # noqa: ANN001
@@ -100,15 +65,6 @@ def naive_probs(q: torch.Tensor, keys: torch.Tensor, positions: list[int], n_kv:
         for p, a in zip(positions, torch.softmax(scores, 0), strict=True):
             out[p][g] += a / rep
     return out
-
-
-def run(model, ids, step_fn, check) -> None:  # noqa: ANN001
-    model.reset_caches()
-    prefill(model, ids[:, :PROMPT])
-    check(PROMPT - 1)
-    for p in range(PROMPT, TOTAL):
-        step_fn(model, ids[:, p : p + 1], torch.tensor([p]))
-        check(p)
 
 
 def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, storage: str) -> None:  # noqa: ANN001

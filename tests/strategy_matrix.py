@@ -1,0 +1,73 @@
+"""The strategy test matrix's shared pieces: every registered strategy and its debug_ twin, the storages,
+the budgets, and how a matrix case builds its caches and runs a short prompt + decode on the tiny model.
+
+Lists come from the registry, so a strategy is in every matrix the moment it is registered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache import CACHE_STRATEGIES, KVCache
+from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
+from debug_cache import DebugCache
+from errors import CliParser
+from gates import attach_random_gates
+from generate import prefill
+
+PROMPT, NEW = 24, 16
+TOTAL = PROMPT + NEW
+GLOBAL, RECENT = 2, 4
+BUDGETS = {"fraction": "0.5", "absolute": "16"}  # 20 and 16 tokens of 40
+VOCAB = 256
+TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40)}
+# K/V storages; KIVI with small groups and residual so flushes, and evictions from both stores, happen.
+STORAGES = {"dense": [], "4bit": ["--cache_bits", "4"],
+            "kivi4": ["--cache_bits", "4", "--cache_quantization", "kivi", "--q_group_size", "4",
+                      "--residual_length", "8"]}
+STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fraction"), ("kivi4", "absolute")]
+STRATEGIES = sorted(CACHE_STRATEGIES)
+ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
+
+
+def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
+    parser = CliParser()
+    add_cache_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
+                              str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
+
+
+def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[KVCache]:  # noqa: ANN001
+    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, NEW)
+    if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
+        attach_random_gates(model, seed=0)
+    a = model.args
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, TOTAL, dtype, device,
+                          token_classes=TOKEN_CLASSES)
+    model.setup_caches(caches)
+    return caches
+
+
+def inner(cache: KVCache) -> KVCache:
+    return cache.shadow if isinstance(cache, DebugCache) else cache
+
+
+def held_positions(cache: KVCache) -> list[set[int]]:
+    """Positions held per KV head (batch 0)."""
+    c = inner(cache)
+    pos = c.pos[0].expand(c.n_kv_heads, -1)
+    return [set(pos[h][c.mask[0, h, 0]].tolist()) for h in range(c.n_kv_heads)]
+
+
+def token_ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, TOTAL), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, ids, step_fn, check) -> None:  # noqa: ANN001
+    model.reset_caches()
+    prefill(model, ids[:, :PROMPT])
+    check(PROMPT - 1)
+    for p in range(PROMPT, TOTAL):
+        step_fn(model, ids[:, p : p + 1], torch.tensor([p], device=ids.device))
+        check(p)

@@ -1,0 +1,36 @@
+"""A CPU-only guard against device bugs: every strategy of the matrix (and its debug_ twin) on every
+storage is built, prefilled and decoded with the model and its caches on the `meta` device.
+
+Meta tensors carry shapes and dtypes but no data, and PyTorch refuses to mix them with CPU tensors in
+an operation, exactly as it refuses to mix CUDA and CPU tensors. So a buffer registered without
+`device=`, or a temporary created on the default (CPU) device inside a cache, fails here on a machine
+without a GPU, where it would otherwise fail only on a GPU ("expected self and mask to be on the same
+device"). Statistics (which read values back to the host) are not exercised: they have no data here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from generate import decode_one_token, prefill
+from tests.conftest import make_tiny_model
+from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+@pytest.mark.parametrize("strategy", ALL)
+def test_prefill_and_decode_keep_every_tensor_on_the_model_device(strategy, storage, dtype):
+    model = make_tiny_model().to(device="meta", dtype=dtype)
+    model.init_rope_tables()
+    caches = attach(model, cache_args(strategy, "0.5", storage), device="meta", dtype=dtype)
+    ids = token_ids().to("meta")
+    with torch.inference_mode():
+        prefill(model, ids[:, :PROMPT])
+        for p in range(PROMPT, PROMPT + 3):
+            logits = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p], device="meta"))
+    assert logits.device.type == "meta" and logits.shape == (1, model.args.vocab_size)
+    for cache in caches:
+        on_cpu = [name for name, buf in cache.named_buffers() if buf.device.type != "meta"]
+        assert not on_cpu, f"{strategy}: buffers left on the host: {on_cpu}"
