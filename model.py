@@ -14,6 +14,7 @@ Two entry points share one forward:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -262,11 +263,14 @@ class Transformer(nn.Module):
         for cache in self.caches():
             cache.reset()
 
-    def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False) -> Tensor:
-        """idx: [B, T] token ids; input_pos: [T] absolute positions.
+    def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
+                run_block: Callable[..., Tensor] | None = None) -> Tensor:
+        """idx: [B, T] token ids; input_pos: [T] absolute positions (a device tensor).
 
         Returns float32 logits [B, T, vocab], or [B, 1, vocab] with `last_logits_only` (a prefill needs
         only the last position, and the vocabulary projection is the largest matmul of a long prompt).
+        `run_block(layer, x, cos, sin, input_pos)` replaces each block's call: the compiled decode step
+        passes one compiled function that every layer shares (generate.CompiledDecodeStep).
         """
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         for cache in self.caches():
@@ -274,7 +278,7 @@ class Transformer(nn.Module):
                 cache.observe_tokens(idx)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos)
+            x = layer(x, cos, sin, input_pos) if run_block is None else run_block(layer, x, cos, sin, input_pos)
         if last_logits_only:
             x = x[:, -1:]
         return self.output(self.norm(x)).float()
