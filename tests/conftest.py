@@ -21,6 +21,7 @@ TINY_ARGS = dict(n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: end-to-end tests of a minute or more (run by default)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one; run with -m cuda)")
 
 
 @pytest.fixture(scope="session")

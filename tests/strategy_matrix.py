@@ -22,7 +22,7 @@ BUDGETS = {"fraction": "0.5", "absolute": "16"}  # 20 and 16 tokens of 40
 VOCAB = 256
 TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40)}
 # K/V storages; KIVI with small groups and residual so flushes, and evictions from both stores, happen.
-STORAGES = {"dense": [], "4bit": ["--cache_bits", "4"],
+STORAGES = {"dense": [], "2bit": ["--cache_bits", "2"], "4bit": ["--cache_bits", "4"], "8bit": ["--cache_bits", "8"],
             "kivi4": ["--cache_bits", "4", "--cache_quantization", "kivi", "--q_group_size", "4",
                       "--residual_length", "8"]}
 STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fraction"), ("kivi4", "absolute")]

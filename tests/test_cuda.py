@@ -1,0 +1,96 @@
+"""On a CUDA device (`pytest -m cuda`; skipped where there is none): the strategy x storage matrix, eager
+and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for step, in float32; the
+compiled step does not recompile over 256 steps; and logits match transformers on CUDA for small random
+models built with transformers' own classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_spec import build_caches, resolve_cache_spec
+from checkpoint import load_checkpoint
+from generate import compile_decode_step, decode_one_token, prefill
+from tests.conftest import make_tiny_model
+from tests.strategy_matrix import ALL, PROMPT, STORAGES, STRATEGIES, attach, cache_args, held_positions, run, token_ids
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LOGIT_ATOL = 1e-3  # float32 on both sides, TF32 off
+
+
+def kept_per_step(strategy: str, storage: str, device: str, step=decode_one_token) -> list:  # noqa: ANN001
+    model = make_tiny_model().to(device)
+    model.init_rope_tables()
+    ids = token_ids().to(device)
+    caches = attach(model, cache_args(strategy, "0.5", storage), device=device)
+    if hasattr(step, "prepare"):
+        step.prepare(model)
+    kept = []
+    with torch.inference_mode():
+        run(model, ids, step, lambda p: kept.append([held_positions(c) for c in caches]))
+    return kept
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+@pytest.mark.parametrize("strategy", ALL)
+def test_cuda_eager_keeps_what_the_cpu_keeps(strategy, storage):
+    assert kept_per_step(strategy, storage, "cuda") == kept_per_step(strategy, storage, "cpu")
+
+
+# Compiled on CUDA: every strategy and debug_ twin on dense storage, every storage under heavy_hitter.
+COMPILED = [(s, "dense") for s in ALL] + [("heavy_hitter", s) for s in sorted(STORAGES) if s != "dense"]
+
+
+@pytest.mark.parametrize(("strategy", "storage"), COMPILED)
+def test_cuda_graph_keeps_what_the_cpu_keeps(strategy, storage):
+    torch._dynamo.reset()
+    compiled = kept_per_step(strategy, storage, "cuda", compile_decode_step())
+    assert compiled == kept_per_step(strategy, storage, "cpu")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_step_does_not_recompile_over_256_steps(strategy):
+    """The compiled block without the graph (dynamo runs its guards every step), on a budget of 16 that
+    evicts at every one of the 256 steps."""
+    model = make_tiny_model().to("cuda")
+    model.init_rope_tables()
+    prompt = PROMPT
+    attach(model, cache_args(strategy, "16"), device="cuda")
+    ids = torch.randint(0, 256, (1, prompt + 256), device="cuda")
+    step = compile_decode_step(cuda_graph=False)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        model.reset_caches()
+        prefill(model, ids[:, :prompt])
+        step(model, ids[:, prompt : prompt + 1], torch.tensor([prompt], device="cuda"))  # compiles
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for p in range(prompt + 1, prompt + 256):
+                logits = step(model, ids[:, p : p + 1], torch.tensor([p], device="cuda"))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_logits_match_transformers_on_cuda(tmp_path, model_type):
+    import transformers
+
+    from tests.hf_tiny import save_tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    directory = save_tiny_model(tmp_path / model_type, model_type)
+    ours, _ = load_checkpoint(directory, "cuda", torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to("cuda").eval()
+    ids = torch.randint(0, 300, (1, 48), generator=torch.Generator().manual_seed(0)).to("cuda")
+    specs = resolve_cache_spec(cache_args("full", "1.0"), ours.args.n_layer, 16, 32)
+    a = ours.args
+    ours.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, 48, torch.float32, "cuda"))
+    with torch.inference_mode():
+        reference = theirs(ids).logits.float()[0, 15:]
+        ours.reset_caches()
+        rows = [prefill(ours, ids[:, :16])[0]]
+        for p in range(16, 48):  # prefill + 32 decode steps through the cache
+            rows.append(decode_one_token(ours, ids[:, p : p + 1], torch.tensor([p], device="cuda"))[0])
+    got = torch.stack(rows)  # positions 15 .. 47
+    assert (got - reference).abs().max().item() < LOGIT_ATOL
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
