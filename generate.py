@@ -94,27 +94,27 @@ class CompiledDecodeStep:
     def __init__(self, cuda_graph: bool = True) -> None:
         self.block = torch.compile(_run_block, fullgraph=True, dynamic=False)
         self.cuda_graph = cuda_graph
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.prepared_for: tuple[int, ...] | None = None  # ids of the caches the warm-up / graph belong to
-        self.static: tuple[Tensor, Tensor, Tensor] | None = None  # graph inputs (token, position) and logits
+        # Per set of caches (their ids): the captured graph, its static inputs (token, position) and logits.
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        self.prepared: set[tuple[int, ...]] = set()
         self.compile_seconds = 0.0
 
     def compiled_step(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-        return model(token, input_pos, run_block=self.block)[:, -1]
+        # Layers may differ in strategy or budget (patterns, debug shadows): one graph per kind of layer.
+        limit = max(torch._dynamo.config.recompile_limit, 2 * model.args.n_layer)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return model(token, input_pos, run_block=self.block)[:, -1]
 
     def prepare(self, model: Transformer, batch_size: int = 1) -> None:
         caches = tuple(id(c) for c in model.caches())
-        if caches == self.prepared_for:
+        if caches in self.prepared:
             return
         started = time.perf_counter()
         device = model.tok_embeddings.weight.device
-        token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        input_pos = torch.zeros(1, dtype=torch.long, device=device)
-        # Layers may differ in strategy or budget (patterns, debug shadows): one graph per kind of layer.
-        limit = max(torch._dynamo.config.recompile_limit, 2 * model.args.n_layer)
-        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=limit):
+        with torch.inference_mode():  # inputs made here are inference tensors, like the loop's (no guard miss)
+            token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+            input_pos = torch.zeros(1, dtype=torch.long, device=device)
             model.reset_caches()
-            self.graph = None
             if device.type == "cuda" and self.cuda_graph:
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -125,25 +125,24 @@ class CompiledDecodeStep:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     logits = self.compiled_step(model, token, input_pos)
-                self.graph, self.static = graph, (token, input_pos, logits)
+                self.graphs[caches] = (graph, token, input_pos, logits)
                 torch.cuda.synchronize(device)
             else:
                 for _ in range(2):
                     self.compiled_step(model, token, input_pos)
             model.reset_caches()
-        self.prepared_for = caches
+        self.prepared.add(caches)
         self.compile_seconds += time.perf_counter() - started
 
     def __call__(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-        if self.graph is not None and self.prepared_for == tuple(id(c) for c in model.caches()):
-            static_token, static_pos, logits = self.static
-            static_token.copy_(token)
-            static_pos.copy_(input_pos)
-            self.graph.replay()
-            return logits  # overwritten by the next replay: sample from it before then
-        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit,
-                                                            2 * model.args.n_layer)):
+        captured = self.graphs.get(tuple(id(c) for c in model.caches())) if self.graphs else None
+        if captured is None:
             return self.compiled_step(model, token, input_pos)
+        graph, static_token, static_pos, logits = captured
+        static_token.copy_(token)
+        static_pos.copy_(input_pos)
+        graph.replay()
+        return logits  # overwritten by the next replay: sample from it before then
 
 
 def compile_decode_step(cuda_graph: bool = True) -> CompiledDecodeStep:
@@ -300,13 +299,15 @@ def setup_caches(
     tokenizer: Tokenizer | None = None,
     snapkv_window: int = 32,
     snapkv_kernel: int = 7,
+    classes: dict[str, Tensor] | None = None,
 ) -> None:
-    """Build and attach one cache per layer; the tokenizer is needed by hybrid caches only. Gated caches
-    get the model's learned gates: --gates_path, else those already attached, else the shipped file."""
+    """Build and attach one cache per layer; the tokenizer (or its `classes`, cache_hybrid.token_classes)
+    is needed by hybrid caches only. Gated caches get the model's learned gates: --gates_path, else those
+    already attached, else the shipped file."""
     a = model.args
     w = model.tok_embeddings.weight
-    classes = None
-    if tokenizer is not None and any(getattr(get_strategy(s.strategy), "needs_token_classes", False) for s in specs):
+    needs_classes = any(getattr(get_strategy(s.strategy), "needs_token_classes", False) for s in specs)
+    if classes is None and tokenizer is not None and needs_classes:
         classes = token_classes(tokenizer, a.vocab_size)
     caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device,
                           snapkv_window, snapkv_kernel, classes)

@@ -48,16 +48,47 @@ from torch._dynamo.utils import counters
 
 from cache import CACHE_STRATEGIES, cache_statistics
 from cache_spec import add_cache_arguments, resolve_cache_spec
-from checkpoint import bundled_checkpoint_path, load_checkpoint, parse_dtype
+from checkpoint import bundled_checkpoint_path, hf_model_args, load_checkpoint, parse_dtype
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
-from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic
+from generate import (
+    compile_decode_step,
+    decode_one_token,
+    generate,
+    prefill,
+    resolve_device,
+    setup_caches,
+    write_json_atomic,
+)
+from gates import attach_random_gates
+from model import Transformer
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
           "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
           "kv_bytes_read_per_step", "bound_tokens_per_second", "fraction_of_bound", "same_size_full_median_ms",
           "overhead_vs_same_size_full", "speedup_vs_full", "bound_speedup_vs_full", "recompilations",
-          "recompile_check_steps", "compile_seconds", "peak_rss_mb"]
+          "recompile_check_steps", "compile_seconds", "peak_rss_mb", "peak_device_memory_mb"]
+
+# `--random_weights`: real models' shapes as their Hugging Face configs (read by the same code as a checkpoint's
+# config.json). Decode speed depends on the shapes only, so nothing is downloaded.
+RANDOM_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                       rope_theta=1000000.0, tie_word_embeddings=False),
+}
 
 # The issue's targets, checked in the summary (bench.json "targets", bench.md).
 TARGET_COMPILED_OVER_HF = 3.0  # compiled full-cache decode tok/s over HF generate, at 2048 context
@@ -77,16 +108,50 @@ EST_STEP_A, EST_STEP_B, EST_EAGER_FACTOR = 0.033, 3.2e-6, 1.4
 EST_HF_STEP_A, EST_HF_STEP_B = 0.039, 2.5e-5
 
 
-def measure_read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a streaming read (a sum over a buffer much larger than the caches), best of n."""
-    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+def measure_read_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a streaming read (a sum over a buffer much larger than the caches and the
+    device's last-level cache), best of n, on `device`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        megabytes = max(megabytes, 4096)
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     x.sum()
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         t = time.perf_counter()
         x.sum()
+        synchronize(device)
         best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+    del x
+    return megabytes * 2**20 / best
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_device_memory_mb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None
+
+
+def random_weight_model(shape: str, device: str, dtype: torch.dtype) -> Transformer:
+    """Our model with `shape`'s config (RANDOM_SHAPES) and random weights, built on `device` in `dtype`."""
+    args = hf_model_args(RANDOM_SHAPES[shape])
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in dtype directly: an 8B model in float32 first would need 32 GB
+    try:
+        with torch.device(device):
+            model = Transformer(args)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(std=0.02)
+    model.init_rope_tables()
+    return model.eval().requires_grad_(False)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -128,15 +193,18 @@ def recompile_check_shape(slots: int, capacity: int, steps: int) -> tuple[int, i
 
 
 def _decode_block(model, step, state: dict, steps: int, times: list[float]) -> None:  # noqa: ANN001
-    """`steps` greedy decode steps on the caches in `state` (attached here), timing each like `generate`."""
+    """`steps` greedy decode steps on the caches in `state` (attached here): the block's time per step is
+    appended `steps` times (one host synchronisation per block, none per step, as in `generate`)."""
     model.setup_caches(state["caches"])
     token, pos = state["token"], state["pos"]
+    device = token.device
+    synchronize(device)
+    s = time.perf_counter()
     for _ in range(steps):
-        s = time.perf_counter()
-        token = step(model, token.view(1, 1), torch.tensor([pos])).argmax(dim=-1, keepdim=True)
-        int(token)
-        times.append(time.perf_counter() - s)
-        pos += 1
+        token = step(model, token.view(1, 1), pos).argmax(dim=-1, keepdim=True)
+        pos = pos + 1
+    synchronize(device)
+    times.extend([(time.perf_counter() - s) / steps] * steps)
     state["token"], state["pos"] = token, pos
 
 
@@ -148,11 +216,9 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
     The strategy's caches are prefilled with min(slots, prompt) tokens, so with a budget below the sequence
     every step evicts (as in the timed run); the full cache holds `slots` slots with (slots - steps) prompt
     tokens, so it never evicts and attention, weights and K/V reads are the same size. `ref_caches`: that full
-    cache from the reference row, whose compiled graph is then reused (under --inductor_freezing new cache
-    modules would mean a new graph)."""
-    from generate import prefill
-
+    cache from the reference row, whose compiled graph is then reused."""
     steps = max(2, min(steps, slots - 1))
+    device = model.tok_embeddings.weight.device
     if ref_caches is None:
         full_specs = resolve_cache_spec(cache_args("full", 1.0), model.args.n_layer, slots - steps, steps)
         setup_caches(model, full_specs, slots, tokenizer)
@@ -162,13 +228,16 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
     with torch.inference_mode():
         for state, n in ((ours, min(slots, len(ids))), (ref, slots - steps)):
             model.setup_caches(state["caches"])
+            if hasattr(step, "prepare"):  # both caches decode through a CUDA graph of their own on a GPU
+                step.prepare(model)
             model.reset_caches()
-            state["token"] = prefill(model, torch.tensor([ids[:n]])).argmax(dim=-1, keepdim=True)
-            state["pos"] = n
+            state["token"] = prefill(model, torch.tensor([ids[:n]], device=device)).argmax(dim=-1, keepdim=True)
+            state["pos"] = torch.tensor([n], device=device)
         _decode_block(model, step, ref, 1, [])  # compiles the reference graph unless its row just did
         _decode_block(model, step, ours, 1, [])
         graphs_before = counters["stats"]["unique_graphs"]
         times: dict[int, list[float]] = {id(ours): [], id(ref): []}
+        blocks = max(1, min(blocks, steps - 1))  # 1 + blocks × per_block ≤ steps: the full cache never overflows
         per_block = max(1, (steps - 1) // blocks)
         for b in range(blocks):
             for state in (ours, ref) if b % 2 == 0 else (ref, ours):
@@ -180,36 +249,37 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
 
 def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,  # noqa: ANN001
                bandwidth: float, recompile_steps: int = 0, engine: str | None = None, pair_blocks: int = 0,
-               reset: bool = True, full_caches: dict | None = None) -> dict:
-    """One row: build the caches, (compile on a short throwaway run,) time prefill + `new` tokens; with
-    `recompile_steps`, run that many more decode steps on the same compiled graph (fill, then evict) and
+               reset: bool = True, full_caches: dict | None = None, keep_as_reference: bool = False,
+               classes: dict | None = None) -> dict:
+    """One row: build the caches, (compile and capture before the prompt,) time prefill + `new` tokens; with
+    `recompile_steps`, run that many more decode steps on the same compiled step (fill, then evict) and
     count new graphs over both runs; with `pair_blocks`, measure the overhead over a same-size full cache
-    (`paired_overhead`). `reset=False` keeps the graphs compiled so far, so that the pairing reuses the same-size
-    reference row's graph rather than compiling it again (a cold compile with --inductor_freezing).
-    `full_caches` maps (compiled, slots) to the caches of same-size reference rows: filled by them, read by
-    the pairing."""
+    (`paired_overhead`). `reset=False` keeps the graphs compiled so far, so that the pairing reuses the
+    same-size reference row's graph. `full_caches` maps (compiled, slots) to the caches of same-size reference
+    rows: filled by the rows with `keep_as_reference`, read by the pairing."""
+    device = model.tok_embeddings.weight.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     specs = resolve_cache_spec(cache_args(strategy, budget), model.args.n_layer, len(ids), new)
     capacity = len(ids) + new
-    setup_caches(model, specs, capacity, tokenizer)
+    setup_caches(model, specs, capacity, tokenizer, classes=classes)
     slots = max(s.max_cache_length for s in specs)
-    compile_seconds = None
     step = decode_one_token
     if compiled:
         if reset:
             torch._dynamo.reset()
         step = compile_decode_step()
-        t = time.perf_counter()
-        generate(model, ids[:WARMUP_PROMPT_TOKENS], 3, [], step)  # cold compile on a throwaway run
-        compile_seconds = round(time.perf_counter() - t, 1)
     graphs_before = counters["stats"]["unique_graphs"]
-    result = generate(model, ids, new, [], step)
+    result = generate(model, ids, new, [], step)  # a compiled step is compiled and captured first (prepare)
     stats = cache_statistics(model.caches())
     kv = kv_bytes_read(model.caches())
     check_steps = None
     if compiled and recompile_steps > 0:
         prompt, steps = recompile_check_shape(slots, capacity, recompile_steps)
         check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
-    recompilations = counters["stats"]["unique_graphs"] - graphs_before if compiled else None
+    # The graphs of the timed run itself (one per kind of layer, compiled in prepare) are not recompilations.
+    layer_kinds = len({(type(c), c.max_cache_length) for c in model.caches()})
+    recompilations = counters["stats"]["unique_graphs"] - graphs_before - layer_kinds if compiled else None
     ref_ms = overhead = None
     if pair_blocks > 0:
         ref_caches = (full_caches or {}).get((compiled, slots))
@@ -218,32 +288,56 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
         ref_ms, overhead = round(1000 * ref_s, 2), round(ours_s / ref_s - 1, 3)
         if compiled:
             recompilations += graphs
-    elif strategy == "full" and full_caches is not None and engine and engine.endswith("(same-size ref)"):
+    elif keep_as_reference and full_caches is not None:
         full_caches[(compiled, slots)] = model.caches()
     bound = bandwidth / (weight_bytes(model) + kv)
     tok_s = result.decode_steps / result.decode_seconds
     return {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
             "budget": budget, "context": len(ids), "new_tokens": new, "cache_slots": slots,
             "prefill_tokens_per_second": round(len(ids) / result.prefill_seconds, 1),
-            "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 2),
-            "median_ms_per_step": round(1000 * statistics.median(result.step_seconds), 2),
+            "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 3),
+            "median_ms_per_step": round(1000 / tok_s, 3),
             "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
             "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
             "fraction_of_bound": round(tok_s / bound, 3), "same_size_full_median_ms": ref_ms,
             "overhead_vs_same_size_full": overhead, "speedup_vs_full": None, "bound_speedup_vs_full": None,
             "recompilations": recompilations, "recompile_check_steps": check_steps,
-            "compile_seconds": compile_seconds, "peak_rss_mb": peak_rss_mb()}
+            "compile_seconds": round(result.compile_seconds, 1) if compiled else None, "peak_rss_mb": peak_rss_mb(),
+            "peak_device_memory_mb": peak_device_memory_mb(device)}
 
 
-def bench_hf(ids: list[int], new: int, dtype: torch.dtype, bandwidth: float) -> dict | None:
-    """transformers' generate with its default cache on the same GGUF; None when transformers is absent.
-
-    A logits processor timestamps every step, so one generate call gives the prefill (up to the first
-    step's logits) and each decode step."""
+def load_hf_model(source: dict, dtype: torch.dtype, device: str):  # noqa: ANN201
+    """transformers' model for the same checkpoint (a directory or the bundled GGUF) or, for random weights,
+    the same config with transformers' own random initialisation; None when transformers is absent."""
     try:
         import transformers
     except ImportError:
         return None
+    if source.get("random_weights"):
+        config = dict(RANDOM_SHAPES[source["random_weights"]])
+        config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    elif source.get("checkpoint_path") and Path(source["checkpoint_path"]).is_dir():
+        model = transformers.AutoModelForCausalLM.from_pretrained(source["checkpoint_path"], dtype=dtype)
+    else:
+        path = Path(source.get("checkpoint_path") or bundled_checkpoint_path())
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.to(device).eval()
+
+
+def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device: str, bandwidth: float,
+             static_compiled: bool = False) -> dict | None:
+    """transformers' generate on the same model: its default dynamic cache, or (`static_compiled`) its
+    documented recipe for speed, a static cache with the forward compiled (mode "reduce-overhead": CUDA graphs),
+    timed after a first, compiling generate. None when transformers is absent.
+
+    A logits processor timestamps every step, so one generate call gives the prefill (up to the first
+    step's logits) and each decode step."""
+    model = load_hf_model(source, dtype, device)
+    if model is None:
+        return None
+    import transformers
 
     class Clock(transformers.LogitsProcessor):
         def __init__(self) -> None:
@@ -253,30 +347,46 @@ def bench_hf(ids: list[int], new: int, dtype: torch.dtype, bandwidth: float) -> 
             self.times.append(time.perf_counter())
             return scores
 
-    path = bundled_checkpoint_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    model.eval()
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=device)
+    kwargs = dict(attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                  pad_token_id=0)
+    compile_seconds = None
+    if static_compiled:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(x, **kwargs)
+        compile_seconds = round(time.perf_counter() - t, 1)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     clock = Clock()
     with torch.inference_mode():
         t = time.perf_counter()
-        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=0, logits_processor=transformers.LogitsProcessorList([clock]))
-    prefill = clock.times[0] - t
+        model.generate(x, **kwargs, logits_processor=transformers.LogitsProcessorList([clock]))
+    prefill_s = clock.times[0] - t
     steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
     tok_s = len(steps) / (clock.times[-1] - clock.times[0])
     a = model.config
-    kv = 2 * a.num_hidden_layers * a.num_key_value_heads * (a.hidden_size // a.num_attention_heads) * (
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    kv = 2 * a.num_hidden_layers * a.num_key_value_heads * head_dim * (
         len(ids) + new // 2) * torch.empty((), dtype=dtype).element_size()  # K/V read per step, on average
     bound = bandwidth / (weight_bytes(model) + kv)
+    peak = peak_device_memory_mb(dev)
     del model
+    torch._dynamo.reset()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     row = dict.fromkeys(FIELDS)
-    row.update({"engine": "hf generate", "strategy": "full (DynamicCache)", "budget": 1.0, "context": len(ids),
-                "new_tokens": new, "prefill_tokens_per_second": round(len(ids) / prefill, 1),
-                "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 2),
-                "median_ms_per_step": round(1000 * statistics.median(steps), 2), "compression_ratio": 0.0,
+    row.update({"engine": "hf generate, static cache compiled" if static_compiled else "hf generate",
+                "strategy": "full (StaticCache)" if static_compiled else "full (DynamicCache)", "budget": 1.0,
+                "context": len(ids), "new_tokens": new, "prefill_tokens_per_second": round(len(ids) / prefill_s, 1),
+                "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 3),
+                "median_ms_per_step": round(1000 * statistics.median(steps), 3), "compression_ratio": 0.0,
                 "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
-                "fraction_of_bound": round(tok_s / bound, 3), "peak_rss_mb": peak_rss_mb()})
+                "fraction_of_bound": round(tok_s / bound, 3), "compile_seconds": compile_seconds,
+                "peak_rss_mb": peak_rss_mb(), "peak_device_memory_mb": peak})
     return row
 
 
@@ -285,7 +395,7 @@ def bench_hf(ids: list[int], new: int, dtype: torch.dtype, bandwidth: float) -> 
 
 @dataclass
 class Job:
-    kind: str  # "hf", "full" (a context's full-cache row), "ref" (same-size full reference), "strategy"
+    kind: str  # "hf", "hf_static", "full" (a context's full-cache row), "ref" (same-size full reference), "strategy"
     context: int  # prompt tokens
     strategy: str = "full"
     budget: float = 1.0
@@ -298,6 +408,8 @@ class Job:
     def engine(self) -> str:
         if self.kind == "hf":
             return "hf generate"
+        if self.kind == "hf_static":
+            return "hf generate, static cache compiled"
         mode = "ours compiled" if self.compiled else "ours eager"
         return f"{mode} (same-size ref)" if self.kind == "ref" else mode
 
@@ -348,6 +460,8 @@ def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, co
     for context in map(fit, args.contexts):
         if not args.no_hf:
             plan.append(Job("hf", context, new_tokens=new))
+            if args.hf_static:
+                plan.append(Job("hf_static", context, new_tokens=new))
         full_row(context, False)
         if compiled:
             full_row(context, True)
@@ -524,6 +638,15 @@ def build_parser() -> CliParser:
                         "oneDNN; faster decode here, but each compile is cold and keeps ~250 MB in the process)")
     p.add_argument("--no_compile", action="store_true", help="eager rows only")
     p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face rows")
+    p.add_argument("--hf_static", action="store_true",
+                   help="also transformers' static cache with its forward compiled (its documented recipe for speed; "
+                        "CUDA graphs on a GPU), at each of --contexts")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--checkpoint_path", default=None,
+                   help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
+                   help="random weights with a real model's shapes instead of a checkpoint (decode speed depends on "
+                        "the shapes only; nothing is downloaded); prompts are random token ids")
     p.add_argument("--quick", action="store_true", help="~1 minute: context 256, 16 tokens, eager, 2 strategies")
     p.add_argument("--dry_run", action="store_true", help="print the plan and its estimated duration, run nothing")
     p.add_argument("--out_dir", default="results/bench")
@@ -546,10 +669,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for s in strategies + args.speedup_strategies + [b for b in args.budget_strategies if b != "all"]:
         if s not in CACHE_STRATEGIES:
             raise UserError(f"unknown strategy {s!r}; available: {', '.join(CACHE_STRATEGIES)}")
-    dtype = parse_dtype(args.dtype)
+    if args.random_weights and args.checkpoint_path:
+        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
     out_dir = Path(args.out_dir)
     if args.dry_run:
-        model, _ = load_checkpoint(None, "cpu", dtype)
+        model, _ = load_model(args, "meta" if args.random_weights else "cpu", dtype)
         plan = build_plan(args, strategies, model.args.n_layer, model.args.context_length)
         for job in plan:
             print(f"{job.engine():<30} {job.strategy:<14} budget {job.budget:<5g} context {job.context:<6} "
@@ -566,42 +692,64 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_grad_enabled(False)
     if args.inductor_freezing:
         torch._inductor.config.freezing = True
-    bandwidth = measure_read_bandwidth()
+    bandwidth = measure_read_bandwidth(device)
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
-    model, tokenizer = load_checkpoint(None, "cpu", dtype)
-    plan = build_plan(args, strategies, model.args.n_layer, model.args.context_length)
+    source = {"random_weights": args.random_weights, "checkpoint_path": args.checkpoint_path}
+    model_args = load_model(args, "meta", dtype)[0].args if args.random_weights else None
+    model = tokenizer = None
+    if model_args is None:
+        model, tokenizer = load_model(args, device, dtype)
+        model_args = model.args
+    plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
     print(plan_summary(plan), flush=True)
     max_context = max(j.context for j in plan)
-    corpus = pydoc_corpus()
-    corpus_ids = tokenizer.encode(corpus[: 40 * max_context])
+    if tokenizer is None:  # random weights: random token ids (the speed does not depend on them)
+        generator = torch.Generator().manual_seed(0)
+        corpus_ids = torch.randint(0, model_args.vocab_size, (max_context,), generator=generator).tolist()
+    else:
+        corpus_ids = tokenizer.encode(pydoc_corpus()[: 40 * max_context])
     if len(corpus_ids) < max_context:
         raise UserError(f"the corpus has {len(corpus_ids)} tokens, fewer than the longest context {max_context}")
+    # Without a tokenizer, the hybrid cache's special / punctuation classes are empty.
+    classes = None if tokenizer is not None else {
+        name: torch.zeros(model_args.vocab_size, dtype=torch.bool) for name in ("special", "punct")}
     rows: list[dict] = []
     from tqdm import tqdm
 
     started = time.perf_counter()
     group = None  # compiled graphs are kept from a same-size reference through the strategy rows of its size
     full_caches: dict = {}
+    partial = out_dir / "bench.partial.jsonl"  # each row as it is measured: a run cut short keeps its rows
+    partial.write_text("")
+    # transformers' rows first, each with its own model, then ours: peak device memory is one model's.
+    plan = [j for j in plan if j.kind.startswith("hf")] + [j for j in plan if not j.kind.startswith("hf")]
     for job in tqdm(plan, desc="bench"):
         ids = corpus_ids[: job.context]
-        if job.kind == "hf":
-            row = bench_hf(ids, job.new_tokens, dtype, bandwidth)
+        if job.kind.startswith("hf"):
+            row = bench_hf(source, ids, job.new_tokens, dtype, device, bandwidth, job.kind == "hf_static")
         else:
+            if model is None:
+                model, _ = load_model(args, device, dtype)
             key = job.slots if job.kind in ("ref", "strategy") else None
             # A group holds the reference and each strategy's graph; allow them all without recompiling.
             with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
                 row = bench_ours(model, tokenizer, ids, job.new_tokens, job.strategy, job.budget, job.compiled,
                                  bandwidth, job.recompile_steps, job.engine(), job.pair_blocks,
-                                 reset=key is None or key != group, full_caches=full_caches)
+                                 reset=key is None or key != group, full_caches=full_caches,
+                                 keep_as_reference=job.kind == "ref", classes=classes)
             group = key
         if row is not None:
             rows.append(row)
             tqdm.write(json.dumps(row))
+            with partial.open("a") as f:
+                f.write(json.dumps(row) + "\n")
     fill_comparisons(rows)
     targets = summarize_targets(rows, args.speedup_budget)
     table = format_table(rows) + "\n\n" + format_targets(targets)
     print(table)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+            "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "weight_bytes": weight_bytes(model), "argv": argv, "wall_seconds": round(time.perf_counter() - started),
@@ -616,7 +764,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tmp.write_text(buffer.getvalue())
     tmp.replace(out_dir / "bench.csv")
     (out_dir / "bench.md").write_text(table + "\n")
+    partial.unlink()
     return rows
+
+
+def load_model(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[Transformer, object]:
+    """(model, tokenizer): `--random_weights` (no tokenizer), else `--checkpoint_path` or the bundled model."""
+    if args.random_weights:
+        model = random_weight_model(args.random_weights, device, dtype)
+        attach_random_gates(model)  # the gated strategy's gates: random too (no trained gates for random weights)
+        return model, None
+    return load_checkpoint(args.checkpoint_path, device, dtype)
 
 
 if __name__ == "__main__":
