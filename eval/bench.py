@@ -51,6 +51,7 @@ from cache_spec import add_cache_arguments, resolve_cache_spec
 from checkpoint import bundled_checkpoint_path, hf_model_args, load_checkpoint, parse_dtype
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
+from gates import attach_random_gates
 from generate import (
     compile_decode_step,
     decode_one_token,
@@ -60,7 +61,6 @@ from generate import (
     setup_caches,
     write_json_atomic,
 )
-from gates import attach_random_gates
 from model import Transformer
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
@@ -695,11 +695,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bandwidth = measure_read_bandwidth(device)
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     source = {"random_weights": args.random_weights, "checkpoint_path": args.checkpoint_path}
-    model_args = load_model(args, "meta", dtype)[0].args if args.random_weights else None
     model = tokenizer = None
-    if model_args is None:
+    if args.random_weights:  # built on the device when its first row runs; its shapes from a meta copy now
+        shapes = load_model(args, "meta", dtype)[0]
+        model_args, total_weight_bytes = shapes.args, weight_bytes(shapes)
+    else:
         model, tokenizer = load_model(args, device, dtype)
-        model_args = model.args
+        model_args, total_weight_bytes = model.args, weight_bytes(model)
     plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
     print(plan_summary(plan), flush=True)
     max_context = max(j.context for j in plan)
@@ -721,12 +723,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     full_caches: dict = {}
     partial = out_dir / "bench.partial.jsonl"  # each row as it is measured: a run cut short keeps its rows
     partial.write_text("")
-    # transformers' rows first, each with its own model, then ours: peak device memory is one model's.
-    plan = [j for j in plan if j.kind.startswith("hf")] + [j for j in plan if not j.kind.startswith("hf")]
+    # Ours first, then transformers' rows with our model released: peak device memory is one model's.
+    plan = [j for j in plan if not j.kind.startswith("hf")] + [j for j in plan if j.kind.startswith("hf")]
     for job in tqdm(plan, desc="bench"):
         ids = corpus_ids[: job.context]
         if job.kind.startswith("hf"):
-            row = bench_hf(source, ids, job.new_tokens, dtype, device, bandwidth, job.kind == "hf_static")
+            if model is not None:
+                model = full_caches = None
+                torch._dynamo.reset()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            try:
+                row = bench_hf(source, ids, job.new_tokens, dtype, device, bandwidth, job.kind == "hf_static")
+            except Exception as e:  # another library's failure costs its row, not the run's other rows
+                tqdm.write(f"warning: {job.engine()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                row = None
         else:
             if model is None:
                 model, _ = load_model(args, device, dtype)
@@ -752,7 +763,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
             "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-            "weight_bytes": weight_bytes(model), "argv": argv, "wall_seconds": round(time.perf_counter() - started),
+            "weight_bytes": total_weight_bytes, "argv": argv, "wall_seconds": round(time.perf_counter() - started),
             "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
             "inductor_freezing": bool(torch._inductor.config.freezing)}
     write_json_atomic(out_dir / "bench.json", {"meta": meta, "targets": targets, "rows": rows}, overwrite=True)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The prepared GPU check, run once on a CUDA machine (about 8 minutes on an H200):
+#   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
+#      CPU's kept positions, no recompilation over 256 steps, logits parity with transformers;
+#   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: transformers' generate (default
+#      cache and its static-cache compiled recipe), ours eager and compiled, every strategy at 10% at 4k,
+#      10% vs full at 16k and 32k; decode tok/s, ms/step, compile seconds, peak GPU memory, fraction of
+#      the bandwidth bound (measured in the same run).
+# Writes gpu_check.md (and the raw files) into $OUT (default results/gpu_check). Nothing is downloaded.
+#   bash benchmarks/gpu_check.sh [out_dir]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-results/gpu_check}}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+REPORT="$OUT_DIR/gpu_check.md"
+{
+  echo "# GPU check, $(date -u +%Y-%m-%d)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  echo '```'
+} > "$REPORT"
+
+start=$(date +%s)
+timeout 200 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rfE > "$OUT_DIR/cuda_tests.txt" 2>&1
+tests_rc=$?
+{
+  echo
+  echo "## CUDA tests (pytest -m cuda tests/test_cuda.py, exit $tests_rc, $(( $(date +%s) - start )) s)"
+  echo
+  echo '```'
+  grep -E "passed|failed|error|FAILED|ERROR" "$OUT_DIR/cuda_tests.txt" | tail -40
+  echo '```'
+} >> "$REPORT"
+
+start=$(date +%s)
+timeout 330 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+  --contexts 4096 --hf_static --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
+  --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 \
+  --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1
+bench_rc=$?
+{
+  echo
+  echo "## eval.bench, llama-3.1-8b shapes, random bf16 weights (exit $bench_rc, $(( $(date +%s) - start )) s)"
+  echo
+  if [ -f "$OUT_DIR/bench/bench.md" ]; then
+    grep -E "read bandwidth" "$OUT_DIR/bench_log.txt"
+    echo
+    cat "$OUT_DIR/bench/bench.md"
+  else
+    echo "The run did not finish; the rows it measured:"
+    echo '```'
+    cat "$OUT_DIR/bench/bench.partial.jsonl" 2>/dev/null
+    echo '```'
+  fi
+  echo
+  echo '```'
+  grep -iE "warning|error|Traceback" "$OUT_DIR/bench_log.txt" | tail -20
+  echo '```'
+} >> "$REPORT"
+cat "$REPORT"
