@@ -281,8 +281,21 @@ class RandomCache(KVCache):
     name = "random"
     hyperparameters = ("global_tokens", "recent_window", "seed")
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        # The per-layer seed is a buffer, not a Python int: layers then share one compiled graph.
+        self.register_buffer("seed", torch.zeros((), dtype=torch.long, device=self.pos.device))
+
+    def configure(self, **settings: object) -> None:
+        super().configure(**settings)
+        self.seed.fill_(random_seed(self))
+
+    def reset(self) -> None:
+        super().reset()
+        self.seed.fill_(random_seed(self))
+
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return hashed_scores(self.pos, input_pos, random_seed(self))
+        return hashed_scores(self.pos, input_pos, self.seed)
 
 
 @register_strategy

@@ -69,7 +69,7 @@ def random_seed(cache) -> int:  # noqa: ANN001
     return int(cache.hparams.get("seed", 0)) * 1_000_003 + cache.layer_idx
 
 
-def hashed_scores(pos: Tensor, step: Tensor, seed: int) -> Tensor:
+def hashed_scores(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
     """Pseudo-random scores in [0, 2^32) from (position, step, seed): a murmur-style integer finaliser.
 
     Deterministic for a seed, the same eager and compiled, and free of generator state in the graph.

@@ -38,12 +38,12 @@ def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
                               str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
 
 
-def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[KVCache]:  # noqa: ANN001
-    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, NEW)
+def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32, new: int = NEW) -> list[KVCache]:  # noqa: ANN001
+    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, new)
     if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
         attach_random_gates(model, seed=0)
     a = model.args
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, TOTAL, dtype, device,
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device,
                           token_classes=TOKEN_CLASSES)
     model.setup_caches(caches)
     return caches
