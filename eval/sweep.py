@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> Path:
     devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
         else [None]
     planned = plan_jobs(grid_jobs(sweep, rest))
-    pending = [(job, path) for job, path in planned if sweep.overwrite or not results.is_finished(path)]
+    # Finished means finished with today's inputs (model, data, code): a stale run is run again.
+    pending = [(job, path) for job, path in planned if sweep.overwrite or not cli.job_is_current(job)]
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
     bar = tqdm(total=len(planned), initial=len(planned) - len(pending), desc="sweep", unit="run")
     failures: dict[int, str] = {}
