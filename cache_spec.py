@@ -72,8 +72,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hybrid_policies", nargs="+", default=list(DEFAULT_HYBRID_POLICIES),
                    help="hybrid: candidate policies, cheapest first (components joined by +: "
                         "special, punct, frequent, local, full)")
-    g.add_argument("--hybrid_recent_frac", type=finite_float, default=0.3, help="hybrid: local window, fraction of tokens")
-    g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3, help="hybrid: heavy hitters, fraction of tokens")
+    g.add_argument("--hybrid_recent_frac", type=finite_float, default=0.3,
+                   help="hybrid: local window, fraction of tokens")
+    g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3,
+                   help="hybrid: heavy hitters, fraction of tokens")
     g.add_argument("--gates_path", default=None,
                    help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
@@ -144,9 +146,8 @@ def _scalar_word(action: argparse.Action, key: str, value: object, source: str) 
     """One YAML scalar as the word argparse will parse, refused unless its YAML type fits the flag's type."""
     kind = getattr(action.type, "__name__", "str") if action.type is not None else "str"
     if isinstance(value, bool) or value is None or isinstance(value, dict | list):
-        shown = "no value" if value is None else f"{value!r}"
-        raise UserError(f"{source}: {key} takes {'an integer' if kind == 'int' else 'a number' if 'float' in kind else 'a string'}"
-                        f", got {shown}")
+        wanted = "an integer" if kind == "int" else "a number" if "float" in kind else "a string"
+        raise UserError(f"{source}: {key} takes {wanted}, got {'no value' if value is None else repr(value)}")
     if kind == "int":
         if not isinstance(value, int):
             raise UserError(f"{source}: {key} takes an integer, got {value!r}")
