@@ -158,7 +158,8 @@ def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dic
         return None, "run"
     dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
     inputs = results.input_fingerprints(args, task.options)
-    if metrics["identity"] == results.content_id(results.run_identity(args, task.name, task.options, dtype), inputs):
+    identity = results.run_identity(args, task.name, task.options, dtype)
+    if metrics.get("identity") == results.content_id(identity, inputs):
         return metrics, "skip (finished)"
     return None, f"rerun (changed since the finished run: {', '.join(results.changed_inputs(path, inputs))})"
 

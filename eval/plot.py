@@ -202,6 +202,8 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = build_parser().parse_args(argv)
+    if args.smooth < 1:
+        raise UserError(f"--smooth must be ≥ 1, got {args.smooth}")
     out_dir = Path(args.out_dir)
     if not out_dir.is_dir():
         raise UserError(f"results directory not found: {out_dir}")

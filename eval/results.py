@@ -47,8 +47,9 @@ LEADING_COLUMNS = ["model", "task", "strategy", "budget", "storage", "query_awar
 TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "decode_step_ms_median", "prefill_seconds",
                     "decode_seconds", "seconds",
                     "peak_memory_mb", "run_id", "identity", "run_dir"]
-# metrics.json without these is not a run (a stray or damaged file): skipped with a warning.
-REQUIRED_KEYS = ("model", "task", "strategy", "budget", "identity")
+# metrics.json without these is not a run (a stray or damaged file): skipped with a warning. Runs written
+# before identities existed have none: they stay in the table and plots, and eval runs them again.
+REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 # Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
 NOT_COMPUTE = ("eval/plot.py", "eval/sweep.py", "eval/bench.py", "train_gates.py")
 

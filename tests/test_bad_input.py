@@ -235,6 +235,7 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
     "plot missing dir": (PLOT, lambda w: ["--out_dir", str(w.root / "nothing")], "not found", True),
     "plot only damaged runs": (PLOT, lambda w: ["--out_dir", w.file("damaged/m/t/r/metrics.json", "{")[:-len(
         "/m/t/r/metrics.json")]], "no finished runs", True),
+    "plot smooth 0": (PLOT, lambda w: ["--out_dir", w.results, "--smooth", "0"], "--smooth", True),
     # ---- train_gates.py ----------------------------------------------------------------------------------
     "train lr nan": (TRAIN, lambda w: ["--lr", "nan", "--out", str(w.root / "g.safetensors")], "finite", True),
     "train capacity inf": (TRAIN, lambda w: ["--capacity", "inf", "--out", str(w.root / "g.safetensors")],
