@@ -74,7 +74,7 @@ def atomic_target(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
             if overwrite:
                 os.replace(tmp, path)
             else:
-                os.link(tmp, path)
+                _link_or_replace(tmp, path)
         except FileExistsError:
             raise UserError(f"{path} exists; pass --overwrite to replace it") from None
         except OSError as e:
@@ -82,6 +82,21 @@ def atomic_target(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
         _fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link_or_replace(tmp: Path, path: Path) -> None:
+    """Put `tmp` at `path` unless something is there: a hard link fails instead of replacing. File
+    systems without hard links get a check and a rename (a narrow race instead of none)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS):
+            raise
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(path)) from None
+        os.replace(tmp, path)
 
 
 def atomic_write(path: str | Path, data: str | bytes, overwrite: bool = False) -> Path:
