@@ -5,7 +5,8 @@
     python -m eval --tasks qa --dataset data.jsonl --prompt_column question --answer_column answer
 
 Every cache flag is shared with generate.py (defined once in cache_spec.py). Results land in
-`--out_dir` (see eval/results.py); a finished run is skipped unless --overwrite.
+`--out_dir` (see eval/results.py); a finished run is skipped unless --overwrite, and run again when
+the model file, data files or code it was computed with have changed.
 """
 
 from __future__ import annotations

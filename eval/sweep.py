@@ -6,10 +6,12 @@
 
 Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters).
 A grid file holds the same keys (strategies, budgets, tasks, seeds, cache_configs) plus `args:`, a mapping
-of eval flags; flags typed on the command line win. `cache_configs` adds one configuration per preset.
+of eval flags; values are typed by the flags' own definitions (cache_spec.mapping_to_argv) and flags
+typed on the command line win. `cache_configs` adds one configuration per preset.
 
-Resumable: each run is finished once its metrics.json exists (written last, atomically), so after a
-crash or SIGKILL the same command runs only what is missing. `--workers N` runs N processes, each
+Resumable: a run directory is swapped in only when complete, so after a crash or SIGKILL the same
+command runs only what is missing, or stale (finished with another model file, data or code; see
+eval/results.py). `--workers N` runs N processes, each
 loading the model once; `--devices` spreads them over GPUs (worker i uses device i mod len).
 """
 
