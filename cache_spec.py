@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,18 +32,29 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PYRAMID_SLOPE = 0.5
 
 
+def finite_float(text: str) -> float:
+    """argparse type: a float that is neither NaN nor infinite (float() accepts 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """The cache flags (cold-compress names). The single definition of every cache hyper-parameter."""
     g = parser.add_argument_group("KV cache")
     g.add_argument("--cache_strategy", nargs="+", default=["full"],
                    help="strategy per layer (a list is expanded by --cache_strategy_pattern)")
     g.add_argument("--cache_strategy_pattern", choices=["tile", "repeat"], default="tile")
-    g.add_argument("--max_cache_length", nargs="+", type=float, default=[1.0],
+    g.add_argument("--max_cache_length", nargs="+", type=finite_float, default=[1.0],
                    help="budget per layer: fraction of |prompt|+max_new_tokens (≤ 1) or tokens (> 1)")
     g.add_argument("--cache_length_pattern", choices=["tile", "repeat", "funnel", "pyramid"], default="tile")
     g.add_argument("--global_tokens", type=int, default=4,
                    help="first tokens never evicted (attention sinks)")
-    g.add_argument("--recent_window", type=float, default=10,
+    g.add_argument("--recent_window", type=finite_float, default=10,
                    help="most recent tokens never evicted: a count (> 1) or a fraction of the budget (< 1)")
     g.add_argument("--prompt_compression_strategy", nargs="+", default=["auto"],
                    help="per layer, when the prompt exceeds the budget (auto: the cache strategy's own; "
@@ -54,13 +67,15 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="heavy_hitter: average attention over the last W steps (1 = whole history)")
     g.add_argument("--attn_thresholding", action="store_true",
                    help="heavy_hitter: count steps with at least uniform attention instead of summing")
-    g.add_argument("--min_recovery_frac", type=float, default=0.95,
+    g.add_argument("--min_recovery_frac", type=finite_float, default=0.95,
                    help="hybrid: a head takes the first policy recovering this much of its attention")
     g.add_argument("--hybrid_policies", nargs="+", default=list(DEFAULT_HYBRID_POLICIES),
                    help="hybrid: candidate policies, cheapest first (components joined by +: "
                         "special, punct, frequent, local, full)")
-    g.add_argument("--hybrid_recent_frac", type=float, default=0.3, help="hybrid: local window, fraction of tokens")
-    g.add_argument("--hybrid_heavy_frac", type=float, default=0.3, help="hybrid: heavy hitters, fraction of tokens")
+    g.add_argument("--hybrid_recent_frac", type=finite_float, default=0.3,
+                   help="hybrid: local window, fraction of tokens")
+    g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3,
+                   help="hybrid: heavy hitters, fraction of tokens")
     g.add_argument("--gates_path", default=None,
                    help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
@@ -113,29 +128,92 @@ def _preset_path(name: str) -> Path:
     raise UserError(f"cache config not found: {name} (a file, or one of: {available})")
 
 
-def _preset_to_argv(path: Path, parser: argparse.ArgumentParser) -> list[str]:
-    try:
-        preset = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"malformed YAML in {path}: {str(e).splitlines()[0]}") from None
-    if preset is None:
-        return []
-    if not isinstance(preset, dict):
-        raise UserError(f"{path} must be a mapping of cache flags to values")
-    by_dest = {a.dest: a for a in parser._actions}
-    argv: list[str] = []
-    for key, value in preset.items():
-        action = by_dest.get(key)
-        if action is None or key == "cache_config":
-            raise UserError(f"{path}: unknown cache flag {key!r}")
-        flag = action.option_strings[-1]
-        if isinstance(value, bool) and action.nargs == 0:
-            if value:
-                argv.append(flag)
-            continue
+# ---- one typed schema for presets, grids and the command line --------------------------------------------
+# A YAML value is checked against the argparse action of its flag (the single definition of each flag),
+# then turned into command-line words and parsed by the same parser: the same types, choices and errors.
+
+NOT_PRESET_KEYS = ("cache_config", "print_cache_spec")  # not cache settings: a preset cannot set them
+
+
+def cache_flag_names() -> list[str]:
+    """The destinations of the cache flags a preset may set."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_cache_arguments(probe)
+    return [a.dest for a in probe._actions if a.dest not in NOT_PRESET_KEYS]
+
+
+def _scalar_word(action: argparse.Action, key: str, value: object, source: str) -> str:
+    """One YAML scalar as the word argparse will parse, refused unless its YAML type fits the flag's type."""
+    kind = getattr(action.type, "__name__", "str") if action.type is not None else "str"
+    if isinstance(value, bool) or value is None or isinstance(value, dict | list):
+        wanted = "an integer" if kind == "int" else "a number" if "float" in kind else "a string"
+        raise UserError(f"{source}: {key} takes {wanted}, got {'no value' if value is None else repr(value)}")
+    if kind == "int":
+        if not isinstance(value, int):
+            raise UserError(f"{source}: {key} takes an integer, got {value!r}")
+        return str(value)
+    if "float" in kind:
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise UserError(f"{source}: {key} takes a finite number, got {value!r}")
+        return repr(float(value))
+    if not isinstance(value, str | int | float):
+        raise UserError(f"{source}: {key} takes a string, got {value!r}")
+    return str(value)
+
+
+def value_to_argv(action: argparse.Action, key: str, value: object, source: str) -> list[str]:
+    """Command-line words for `key: value`: booleans must be YAML booleans, list flags take a list (a
+    single value is a one-element list, never a string split into characters), numbers are finite."""
+    if action.nargs == 0:  # a switch: store_true or --x/--no-x
+        if not isinstance(value, bool):
+            raise UserError(f"{source}: {key} takes true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [next(f for f in action.option_strings if f.startswith("--no-") == (not value))]
+        return [action.option_strings[0]] if value == (action.const is True) else []
+    if action.nargs in ("+", "*"):
         values = value if isinstance(value, list) else [value]
-        argv += [flag, *map(str, values)]
+        if not values:
+            raise UserError(f"{source}: {key} needs at least one value")
+        return [action.option_strings[0], *(_scalar_word(action, key, v, source) for v in values)]
+    if isinstance(value, list):
+        raise UserError(f"{source}: {key} takes one value, got a list {value!r}")
+    return [f"{action.option_strings[0]}={_scalar_word(action, key, value, source)}"]
+
+
+def mapping_to_argv(mapping: object, parser: argparse.ArgumentParser, allowed: Iterable[str], source: str,
+                    what: str = "flag") -> list[str]:
+    """Validate a YAML mapping of flags (by destination name) and return it as command-line words."""
+    if not isinstance(mapping, dict):
+        raise UserError(f"{source} must be a mapping of {what}s to values, got {type(mapping).__name__}")
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings}
+    allowed = set(allowed)
+    argv: list[str] = []
+    for key, value in mapping.items():
+        if not isinstance(key, str) or key not in allowed or key not in by_dest:
+            raise UserError(f"{source}: unknown {what} {key!r}")
+        argv += value_to_argv(by_dest[key], key, value, source)
     return argv
+
+
+def read_yaml(path: Path, what: str) -> object:
+    """A YAML document, or one UserError for a file that is unreadable, not UTF-8, malformed or empty."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"malformed YAML in {what} {path}: {str(e).splitlines()[0]}") from None
+    if data is None:
+        raise UserError(f"{what} {path} is empty")
+    return data
+
+
+def _preset_to_argv(path: Path, parser: argparse.ArgumentParser) -> list[str]:
+    return mapping_to_argv(read_yaml(path, "cache config"), parser, cache_flag_names(), str(path), "cache flag")
 
 
 def parse_args_with_preset(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -168,6 +246,10 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--global_tokens must be ≥ 0, got {args.global_tokens}")
     if args.recent_window < 0:
         raise UserError(f"--recent_window must be ≥ 0, got {args.recent_window:g}")
+    if args.recent_window >= 1 and args.recent_window != int(args.recent_window):
+        # 1.5 would silently become 1 token: a count must be whole, a fraction of the budget below 1
+        raise UserError(f"--recent_window is a token count (an integer) or a fraction below 1, "
+                        f"got {args.recent_window:g}")
     for value in args.max_cache_length:
         if value <= 0:
             raise UserError(f"--max_cache_length must be positive, got {value:g}")

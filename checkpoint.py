@@ -233,7 +233,11 @@ def read_hf_directory(directory: Path) -> tuple[ModelArgs, dict[str, torch.Tenso
         raise UserError(f"{directory} has no *.safetensors weights (pickled checkpoints are never loaded)")
     state = {}
     for file in files:
-        for key, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except Exception as e:  # safetensors' own error type: garbage, a truncated file, a bad header
+            raise UserError(f"cannot read {file}: {str(e).splitlines()[0]}") from None
+        for key, tensor in tensors.items():
             if not tensor.is_floating_point():
                 raise UserError(f"unsupported tensor type {tensor.dtype} for {key} in {file.name}")
             if key in _HF_TOP_NAMES:

@@ -19,13 +19,13 @@ A fine-tune of the same base model may pass the probe: pass --gates_path to be e
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from atomic_files import atomic_target
 from errors import UserError
 from model import Transformer
 
@@ -122,10 +122,15 @@ def identity_mismatch(metadata: dict[str, str], model: Transformer) -> str | Non
         probe = json.loads(metadata["weight_probe"])
     except (KeyError, json.JSONDecodeError):
         return "it has no model identity in its metadata"
+    if not isinstance(shape, dict) or set(shape) != set(SHAPE_KEYS):
+        return "its model identity in the metadata is malformed"
     if shape != model_shape(model):
         return f"it was trained for a model with {describe(shape)}, this one has {describe(model_shape(model))}"
     ours = torch.tensor(weight_probe(model))
-    theirs = torch.tensor(probe, dtype=ours.dtype)
+    try:
+        theirs = torch.tensor(probe, dtype=ours.dtype)
+    except (TypeError, ValueError, RuntimeError):
+        return "its weight probe in the metadata is malformed"
     if theirs.shape != ours.shape or not torch.allclose(ours, theirs, rtol=PROBE_RTOL, atol=1e-6):
         return "its model has the same shape but different weights"
     return None
@@ -147,28 +152,40 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 def save_gates(gates: list[Gate], model: Transformer, path: str | Path, info: dict, overwrite: bool = False) -> Path:
     """Write the gates with the model's identity and `info` (how they were trained) as metadata.
 
-    Atomic (a temporary file renamed over the target), and an existing file is kept unless `overwrite`.
+    Atomic (atomic_files.atomic_target), and an existing file is kept unless `overwrite`.
     """
     from safetensors.torch import save_file
 
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise UserError(f"{path} exists; pass --overwrite to replace it")
     tensors = {}
     for i, gate in enumerate(gates):
         tensors[f"layers.{i}.weight"] = gate.proj.weight.detach().float().cpu().contiguous()
         tensors[f"layers.{i}.bias"] = gate.proj.bias.detach().float().cpu().contiguous()
     metadata = {"format": FORMAT, "model_shape": json.dumps(model_shape(model)),
                 "weight_probe": json.dumps(weight_probe(model)), "info": json.dumps(info, sort_keys=True)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with atomic_target(path, overwrite) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, 0o644)  # safetensors creates the file owner-only; it is data meant to be shared
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
+
+
+def checked_tensors(tensors: dict[str, Tensor], model: Transformer, path: Path) -> None:
+    """Every gate tensor present, of the model's shape, and finite: NaN gates would evict at random (a
+    NaN score never compares lowest) while the run reports success. The tensor is named."""
+    a = model.args
+    expected = {}
+    for i in range(a.n_layer):
+        expected[f"layers.{i}.weight"] = (a.n_kv_head, a.dim)
+        expected[f"layers.{i}.bias"] = (a.n_kv_head,)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise UserError(f"gates file {path}: tensor {name} is missing")
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise UserError(f"gates file {path}: tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"gates file {path}: tensor {name} has non-finite values (NaN or inf) or is not float")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise UserError(f"gates file {path}: unexpected tensor {extra[0]}")
 
 
 def load_gates(path: str | Path, model: Transformer) -> list[Gate]:
@@ -183,17 +200,22 @@ def load_gates(path: str | Path, model: Transformer) -> list[Gate]:
         raise UserError(f"{path} is not a gates file (format {metadata.get('format')!r}, expected {FORMAT!r})")
     why = identity_mismatch(metadata, model)
     if why:
-        info = json.loads(metadata.get("info", "{}"))
+        try:
+            info = json.loads(metadata.get("info", "{}"))
+        except json.JSONDecodeError:
+            info = {}
+        info = info if isinstance(info, dict) else {}
         raise UserError(f"the gates in {path} ({info.get('model_name', 'unknown model')}) do not fit this model: "
                         f"{why}; {TRAIN_HINT}")
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type for truncated or garbled data
+        raise UserError(f"cannot read gates file {path}: {str(e).splitlines()[0]}") from None
+    checked_tensors(tensors, model, path)
     gates = new_gates(model)
     for i, gate in enumerate(gates):
-        try:
-            gate.proj.weight.data.copy_(tensors[f"layers.{i}.weight"])
-            gate.proj.bias.data.copy_(tensors[f"layers.{i}.bias"])
-        except (KeyError, RuntimeError):
-            raise UserError(f"{path}: layer {i}'s gate is missing or has the wrong shape") from None
+        gate.proj.weight.data.copy_(tensors[f"layers.{i}.weight"])
+        gate.proj.bias.data.copy_(tensors[f"layers.{i}.bias"])
         gate.requires_grad_(False)
     return gates
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from atomic_files import atomic_write, check_writable
 from cache import cache_statistics, get_strategy
 from cache_hybrid import token_classes
 from cache_spec import (
@@ -24,6 +25,7 @@ from cache_spec import (
     add_cache_arguments,
     build_caches,
     check_cache_flags,
+    finite_float,
     format_cache_spec,
     parse_args_with_preset,
     resolve_cache_spec,
@@ -244,9 +246,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="generate.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt", required=True, help="the prompt text, or a path to a .txt file")
+    parser.add_argument("--prompt", required=True, help="the prompt text, or the path of an existing text file")
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="apply the checkpoint's chat template (default: when it has one)")
@@ -258,14 +260,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompt(prompt: str) -> str:
-    if prompt.endswith(".txt"):
-        path = Path(prompt)
-        if not path.is_file():
-            raise UserError(f"prompt file not found: {prompt}")
-        prompt = path.read_text()
+    """The prompt text: the content of `prompt` when it names an existing file (any extension, read as
+    UTF-8), else `prompt` itself. A single word ending in .txt that is not a file is a missing file,
+    while text that merely mentions one ("summarize notes.txt") is a prompt."""
+    path = Path(prompt)
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError):  # too long for a file name, or a NUL byte: it can only be text
+        is_file = is_dir = False
+    if is_dir:
+        raise UserError(f"--prompt {prompt} is a directory, not a prompt file")
+    if is_file:
+        try:
+            prompt = path.read_bytes().decode("utf-8")
+        except OSError as e:
+            raise UserError(f"cannot read prompt file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"prompt file {path} is not UTF-8 text (byte {e.start})") from None
+        if not prompt.strip():
+            raise UserError(f"prompt file {path} is empty")
+        return prompt
+    if prompt.endswith(".txt") and not any(c.isspace() for c in prompt):
+        raise UserError(f"prompt file not found: {prompt}")
     if not prompt.strip():
         raise UserError("the prompt is empty")
     return prompt
+
+
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """Sampling flags, checked before anything is loaded (a negative temperature is not greedy decoding)."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UserError(f"--temperature must be a finite number ≥ 0 (0 = greedy), got {temperature:g}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top_k must be ≥ 1, got {top_k}")
 
 
 def resolve_device(name: str) -> str:
@@ -327,13 +354,8 @@ def prefill_length_for(specs: list[LayerCacheSpec], prompt_length: int, feed_lon
 
 
 def write_json_atomic(path: str | Path, payload: dict, overwrite: bool) -> None:
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise UserError(f"{path} exists; pass --overwrite to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    """The JSON file replaces `path` in one step once complete; an existing file only with `overwrite`."""
+    atomic_write(path, json.dumps(payload, indent=2) + "\n", overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -342,9 +364,12 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     check_cache_flags(args)
+    check_sampling(args.temperature, args.top_k)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
     prompt_text = read_prompt(args.prompt)
-    if args.stats_json and Path(args.stats_json).exists() and not args.overwrite:
-        raise UserError(f"{args.stats_json} exists; pass --overwrite to replace it")
+    if args.stats_json:  # before the model loads: a failed write after the run would lose the statistics
+        check_writable(args.stats_json, args.overwrite, "--stats_json")
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()

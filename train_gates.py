@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from atomic_files import check_writable
+from cache_spec import finite_float
 from checkpoint import bundled_checkpoint_path, load_checkpoint, read_gguf_metadata
 from errors import CliParser, UserError, run_cli
 from gates import GATES_DIR, attach_gates, new_gates, save_gates
@@ -81,12 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--steps", type=int, default=240, help="optimizer steps, one sequence each")
     p.add_argument("--seq_len", type=int, default=256, help="tokens per training sequence")
-    p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate of the gate weights")
-    p.add_argument("--bias_lr", type=float, default=0.05,
+    p.add_argument("--lr", type=finite_float, default=0.01, help="Adam learning rate of the gate weights")
+    p.add_argument("--bias_lr", type=finite_float, default=0.05,
                    help="Adam learning rate of the gate biases (they start far out at +6, where the gates ≈ 1)")
-    p.add_argument("--capacity", type=float, default=32,
+    p.add_argument("--capacity", type=finite_float, default=32,
                    help="M: soft number of decayable tokens a query may still see before the capacity term acts")
-    p.add_argument("--capacity_weight", type=float, default=0.5, help="λ, the weight of the capacity term")
+    p.add_argument("--capacity_weight", type=finite_float, default=0.5, help="λ, the weight of the capacity term")
     p.add_argument("--global_tokens", type=int, default=4, help="keys never decayed (attention sinks), as in the cache")
     p.add_argument("--recent_window", type=int, default=10, help="newest keys never decayed, as in the cache")
     p.add_argument("--max_train_tokens", type=int, default=None, help="use only the first N training tokens")
@@ -110,6 +112,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError("--lr and --bias_lr must be positive")
     if args.threads < 0:
         raise UserError(f"--threads must be ≥ 0, got {args.threads}")
+    if args.max_train_tokens is not None and args.max_train_tokens < args.seq_len:
+        raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
 
 
 def training_windows(tokenizer, seq_len: int, max_tokens: int | None) -> Tensor:  # noqa: ANN001
@@ -162,8 +166,7 @@ def main(argv: list[str] | None = None) -> Path:
     check_args(args)
     stem, name = model_name(args.checkpoint_path)
     out = Path(args.out) if args.out else GATES_DIR / f"{stem}.safetensors"
-    if out.exists() and not args.overwrite:
-        raise UserError(f"{out} exists; pass --overwrite to replace it")
+    check_writable(out, args.overwrite, "--out")  # now, not after minutes of training
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

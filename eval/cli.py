@@ -5,7 +5,8 @@
     python -m eval --tasks qa --dataset data.jsonl --prompt_column question --answer_column answer
 
 Every cache flag is shared with generate.py (defined once in cache_spec.py). Results land in
-`--out_dir` (see eval/results.py); a finished run is skipped unless --overwrite.
+`--out_dir` (see eval/results.py); a finished run is skipped unless --overwrite, and run again when
+the model file, data files or code it was computed with have changed.
 """
 
 from __future__ import annotations
@@ -105,8 +106,14 @@ def plan(args: argparse.Namespace) -> list[tuple[Task, argparse.Namespace, Path]
 
 
 def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | None = None) -> dict:
-    """Run one task under one configuration and write its directory; returns metrics.json's content."""
+    """Run one task under one configuration and write its directory; returns metrics.json's content.
+
+    The run is written beside `path` and swapped in when complete: until then a previous result (an
+    --overwrite, or one whose inputs changed) stays as it was, also when the run is interrupted."""
     dtype = parse_dtype(args.dtype, args.device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    identity = results.run_identity(args, task.name, task.options, dtype_name)
+    inputs = results.input_fingerprints(args, task.options)  # before the run: what it is about to read
     model, tokenizer = load_model(args.checkpoint_path, args.device, dtype)
     step = decode_one_token
     if args.compile:
@@ -115,32 +122,53 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
     torch.manual_seed(args.seed)
-    results.start_run(path)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = task.run(Runtime(model, tokenizer, args, step, progress))
-    seconds = time.perf_counter() - t0
-    dtype_name = str(dtype).removeprefix("torch.")
-    identity = results.run_identity(args, task.name, task.options, dtype_name)
-    scalars = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
-    budgets = out.stats.get("cache_budget_per_layer") or []
-    metrics = {
-        "model": identity["model"], "task": task.name, "strategy": results.strategy_label(args),
-        "budget": results.budget_value(args), "storage": storage_spec(args).describe(),
-        "query_aware": task.options.get("query_aware"),
-        "seed": args.seed, "n_items": len({p.get("window", p.get("index")) for p in out.predictions}),
-        **scalars, "budget_tokens_mean": sum(budgets) / len(budgets) if budgets else None,
-        **out.metrics, **out.timings.to_dict(), "seconds": seconds,
-        "peak_memory_mb": peak_memory_mb(torch.device(args.device)), "run_id": results.run_id(identity),
-        "per_layer": {k: v for k, v in out.stats.items() if isinstance(v, list)},
-    }
-    config = {
-        "run_id": metrics["run_id"], "identity": identity, "flags": vars(args), "task_options": task.options,
-        **out.config, "model_args": model.args.to_dict(), "versions": results.package_versions(),
-        "git_commit": results.git_commit(), "command": sys.argv,
-    }
-    results.finish_run(path, json.loads(json.dumps(config, default=str)), out.predictions, metrics)
+    tmp = results.start_run(path)
+    try:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = task.run(Runtime(model, tokenizer, args, step, progress))
+        seconds = time.perf_counter() - t0
+        scalars = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
+        budgets = out.stats.get("cache_budget_per_layer") or []
+        metrics = {
+            "model": identity["model"], "task": task.name, "strategy": results.strategy_label(args),
+            "budget": results.budget_value(args), "storage": storage_spec(args).describe(),
+            "query_aware": task.options.get("query_aware"),
+            "seed": args.seed, "n_items": len({p.get("window", p.get("index")) for p in out.predictions}),
+            **scalars, "budget_tokens_mean": sum(budgets) / len(budgets) if budgets else None,
+            **out.metrics, **out.timings.to_dict(), "seconds": seconds,
+            "peak_memory_mb": peak_memory_mb(torch.device(args.device)), "run_id": results.run_id(identity),
+            "identity": results.content_id(identity, inputs),
+            "per_layer": {k: v for k, v in out.stats.items() if isinstance(v, list)},
+        }
+        config = {
+            "run_id": metrics["run_id"], "identity": identity, "inputs": inputs, "flags": vars(args),
+            "task_options": task.options, **out.config, "model_args": model.args.to_dict(),
+            "versions": results.package_versions(), "git_commit": results.git_commit(), "command": sys.argv,
+        }
+        results.finish_run(tmp, path, json.loads(json.dumps(config, default=str)), out.predictions, metrics)
+    finally:
+        results.abandon_run(tmp)  # a no-op after finish_run; on any failure or Ctrl-C, no leftovers
     return metrics
+
+
+def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dict | None, str]:
+    """(finished metrics, None when there are none or they are for other inputs; why it must run)."""
+    metrics = results.read_metrics(path)
+    if metrics is None:
+        return None, "run"
+    dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
+    inputs = results.input_fingerprints(args, task.options)
+    identity = results.run_identity(args, task.name, task.options, dtype)
+    if metrics.get("identity") == results.content_id(identity, inputs):
+        return metrics, "skip (finished)"
+    return None, f"rerun (changed since the finished run: {', '.join(results.changed_inputs(path, inputs))})"
+
+
+def job_is_current(job: list[str]) -> bool:
+    """Whether the eval run of `job` (one task, one configuration) is finished with today's inputs."""
+    ((task, config, path),) = plan(parse_args(job))
+    return current_state(task, config, path)[0] is not None
 
 
 def headline(task: Task, metrics: dict) -> str:
@@ -154,11 +182,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     done = []
     for task, config, path in plan(args):
         label = f"{task.name} {results.strategy_label(config)} budget={results.budget_value(config)}"
-        if results.is_finished(path) and not args.overwrite:
-            print(f"skip (finished): {label} -> {path}", file=sys.stderr)
-            metrics = json.loads((path / "metrics.json").read_text())
+        metrics, state = current_state(task, config, path)
+        if metrics is not None and not args.overwrite:
+            print(f"{state}: {label} -> {path}", file=sys.stderr)
         else:
-            print(f"run: {label}", file=sys.stderr)
+            print(f"{'run' if metrics is not None else state}: {label}", file=sys.stderr)
             metrics = execute(task, config, path)
         done.append(metrics)
         print(f"{label}: {headline(task, metrics)} compression_ratio={metrics.get('compression_ratio')} "

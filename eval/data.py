@@ -36,7 +36,12 @@ def read_text_file(path: str | Path) -> str:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"text file not found: {path}")
-    text = path.read_text(errors="replace")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise UserError(f"cannot read text file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # scoring replacement characters would measure nothing real
+        raise UserError(f"text file {path} is not UTF-8 text (byte {e.start})") from None
     if not text.strip():
         raise UserError(f"text file is empty: {path}")
     return text

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from atomic_files import atomic_write
 from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.tasks import TASKS
@@ -112,7 +114,9 @@ def kl_position_plot(runs: list[dict], out_dir: Path, model: str, plots_dir: Pat
     for run in sorted(runs, key=lambda r: (r["strategy"], -float(r["budget"]) if _is_number(r["budget"]) else 0)):
         if run["task"] != "fidelity" or run["strategy"] == "full":
             continue
-        rows = [json.loads(line) for line in (out_dir / run["run_dir"] / "predictions.jsonl").open()]
+        rows = read_predictions(out_dir / run["run_dir"])
+        if rows is None:
+            continue
         per_position = pd.DataFrame(rows).groupby("position")["kl"].mean()
         curve = per_position.rolling(smooth, min_periods=1).mean()
         ax.plot(curve.index, curve.values, label=f"{run['strategy']} b={run['budget']} s={run['seed']}", lw=1)
@@ -131,6 +135,19 @@ def kl_position_plot(runs: list[dict], out_dir: Path, model: str, plots_dir: Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def read_predictions(run_dir: Path) -> list[dict] | None:
+    """A fidelity run's per-position rows, or None with a warning naming the run when they are damaged."""
+    try:
+        rows = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_bytes().decode().splitlines()]
+        if not rows or not all(isinstance(r, dict) and "position" in r and "kl" in r for r in rows):
+            raise ValueError("no per-position rows")
+    except (OSError, ValueError) as e:
+        print(f"warning: skipping damaged run {run_dir}: predictions.jsonl: {str(e).splitlines()[0][:120]}",
+              file=sys.stderr)
+        return None
+    return rows
 
 
 def _is_number(value: object) -> bool:
@@ -185,17 +202,19 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = build_parser().parse_args(argv)
+    if args.smooth < 1:
+        raise UserError(f"--smooth must be ≥ 1, got {args.smooth}")
     out_dir = Path(args.out_dir)
     if not out_dir.is_dir():
         raise UserError(f"results directory not found: {out_dir}")
-    frame = results.results_frame(out_dir)
+    runs = results.load_runs(out_dir)  # damaged runs are skipped with a warning naming them
+    frame = results.results_frame(out_dir, runs)
     if frame.empty:
         raise UserError(f"no finished runs in {out_dir}")
     plots_dir = results.check_out_dir(args.plots_dir or out_dir / "plots")
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
-    runs = results.load_runs(out_dir)
     figures: list[Path] = []
     for (model, task), group in frame.groupby(["model", "task"]):
         figures.append(quality_plot(group, model, task, plots_dir))
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         figures.append(kl_position_plot(model_runs, out_dir, model, plots_dir, args.smooth))
     figures = [f for f in figures if f is not None]
     summary = out_dir / "summary.md"
-    summary.write_text(summary_markdown(frame, figures, out_dir))
+    atomic_write(summary, summary_markdown(frame, figures, out_dir), overwrite=True)
     for path in [*figures, summary]:
         print(path)
     return [*figures, summary]

@@ -1,14 +1,21 @@
-"""Where results go: one directory per (model, task, configuration), written atomically, and one tidy table.
+"""Where results go: one directory per (model, task, configuration), swapped in whole when complete, and one
+tidy table.
 
     <out_dir>/<model>/<task>/<strategy>-b<budget>-s<seed>-<id>/
-        config.json        the flags, the resolved per-layer cache spec, package versions, git commit
+        config.json        the flags, the resolved per-layer cache spec, the input fingerprints, versions
         predictions.jsonl  one line per item (per scored position for fidelity)
-        metrics.json       written last: its presence marks the run finished
+        metrics.json       its `identity` says which inputs produced the numbers
     <out_dir>/results.csv  one row per finished run, rebuilt from every metrics.json
 
-A run's id hashes what determines its numbers (model, dtype, task options, cache flags, seed), so
-re-running the same configuration finds the finished run and skips it. Cache hyper-parameters that none
-of the run's strategies reads are left out of the id: with `full`, the budget does not matter.
+The directory's id hashes the configuration (model name, dtype, task options, cache flags, seed); cache
+hyper-parameters that none of the run's strategies reads are left out (with `full`, the budget does not
+matter). The run's `identity` hashes that configuration together with what the flags only name: the
+model files' content, data files (--text_file, --dataset, --haystack, gates), and the code (the sources
+that compute the numbers, Python and torch versions). A finished run is reused only when its identity
+is the current one; otherwise it is run again and replaced.
+
+A run is written into a hidden directory beside its final place and swapped in only when complete, so an
+interrupted run (Ctrl-C, SIGKILL, --overwrite included) leaves the previous result as it was.
 """
 
 from __future__ import annotations
@@ -17,19 +24,20 @@ import argparse
 import fcntl
 import hashlib
 import json
-import os
 import platform
+import shutil
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
 
+from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftovers, replace_dir, temp_dir_beside
 from cache import CACHE_STRATEGIES, get_strategy
-from checkpoint import BUNDLED_GGUF
+from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
 from eval.harness import cache_flag_defaults
-from generate import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "numpy", "pandas", "datasets", "tokenizers", "gguf", "safetensors", "rouge-score", "matplotlib")
@@ -38,7 +46,13 @@ LEADING_COLUMNS = ["model", "task", "strategy", "budget", "storage", "query_awar
                    "compression_ratio", "cache_bytes", "budget_tokens_mean"]
 TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "decode_step_ms_median", "prefill_seconds",
                     "decode_seconds", "seconds",
-                    "peak_memory_mb", "run_id", "run_dir"]
+                    "peak_memory_mb", "run_id", "identity", "run_dir"]
+# metrics.json without these is not a run (a stray or damaged file): skipped with a warning. Runs written
+# before identities existed have none: they stay in the table and plots, and eval runs them again.
+REQUIRED_KEYS = ("model", "task", "strategy", "budget")
+# Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
+NOT_COMPUTE = ("eval/plot.py", "eval/sweep.py", "eval/bench.py", "train_gates.py")
+
 
 
 def cache_identity(args: argparse.Namespace) -> dict:
@@ -106,38 +120,146 @@ def check_out_dir(path: str | Path) -> Path:
     return path
 
 
+# ---- what the numbers depend on beyond the flags --------------------------------------------------------
+
+_FILE_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's content, computed once per process for a given (path, size, mtime)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_HASHES:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        _FILE_HASHES[key] = digest.hexdigest()
+    return _FILE_HASHES[key]
+
+
+def path_fingerprint(path: str | Path) -> dict | None:
+    """Content hashes of a file, or of every file in a directory (a Hugging Face checkpoint); None when
+    the path does not exist (the run will say so)."""
+    path = Path(path)
+    if path.is_file():
+        return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    if path.is_dir():
+        return {p.relative_to(path).as_posix(): file_sha256(p) for p in sorted(path.rglob("*"))
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)}
+    return None
+
+
+def code_version(root: Path = ROOT) -> dict:
+    """The code that computes the numbers: a hash of its Python sources (a git commit would miss
+    uncommitted edits), and the Python (pydoc_data differs between versions) and torch versions."""
+    digest = hashlib.sha256()
+    files = sorted([*root.glob("*.py"), *root.glob("eval/**/*.py")])
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        if rel not in NOT_COMPUTE:
+            digest.update(rel.encode() + b"\0" + file_sha256(path).encode() + b"\0")
+    return {"sources_sha256": digest.hexdigest(), "python": platform.python_version(),
+            "torch": _version("torch")}
+
+
+def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
+    """Content hashes of every file the run reads: model, task data, gates; and the code version."""
+    model = bundled_checkpoint_path() if args.checkpoint_path is None else Path(args.checkpoint_path)
+    data = {}
+    for key in ("text_file", "dataset", "haystack"):
+        value = task_options.get(key)
+        if value and Path(value).exists():  # otherwise a name: pydoc, noise, a hub dataset
+            data[key] = path_fingerprint(value)
+    if "gates_path" in {hp for name in args.cache_strategy for hp in get_strategy(name).hyperparameters}:
+        from gates import GATES_DIR
+
+        data["gates"] = path_fingerprint(args.gates_path or GATES_DIR)
+    return {"model": path_fingerprint(model), "data": data, "code": code_version()}
+
+
+def content_id(identity: dict, inputs: dict) -> str:
+    """The run's identity: its configuration and the content of everything it read."""
+    blob = json.dumps({"config": identity, "inputs": inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def read_metrics(path: Path) -> dict | None:
+    """A run directory's metrics.json, or None with a warning naming it when it is damaged."""
+    file = path / "metrics.json"
+    try:
+        metrics = json.loads(file.read_bytes().decode("utf-8"))
+        if not isinstance(metrics, dict):
+            raise ValueError("not a JSON object")
+        missing = [k for k in REQUIRED_KEYS if k not in metrics]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        print(f"warning: skipping damaged run {path}: metrics.json: {str(e).splitlines()[0][:120]}",
+              file=sys.stderr)
+        return None
+    return metrics
+
+
+def changed_inputs(path: Path, inputs: dict) -> list[str]:
+    """Which recorded inputs of a finished run differ from `inputs` (for the message)."""
+    try:
+        old = json.loads((path / "config.json").read_text()).get("inputs") or {}
+    except (OSError, ValueError, AttributeError):
+        return ["unknown (no readable config.json)"]
+    names = {"model": "model file", "code": "code"}
+    changed = [names[k] for k in names if old.get(k) != inputs.get(k)]
+    old_data, new_data = old.get("data") or {}, inputs.get("data") or {}
+    changed += [f"--{k}" for k in sorted(set(old_data) | set(new_data)) if old_data.get(k) != new_data.get(k)]
+    return changed or ["configuration"]
+
+
 # ---- writing one run ------------------------------------------------------------------------------------
 
 
-def start_run(path: Path) -> None:
-    """Forget an unfinished or overwritten attempt: the marker first, then leftovers of killed writers."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "metrics.json").unlink(missing_ok=True)
-    for leftover in path.glob(".*.tmp*"):
-        leftover.unlink(missing_ok=True)
+def start_run(path: Path) -> Path:
+    """A fresh hidden directory beside `path` for a new attempt; the finished result (if any) stays in
+    place until finish_run swaps the complete new one in. Leftovers of killed writers are cleared."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(path)
+    remove_leftovers(path.parent, path.name)
+    return temp_dir_beside(path)
 
 
-def write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w") as f:
+def write_jsonl_atomic(path: Path, rows: list[dict], overwrite: bool = True) -> None:
+    with atomic_target(path, overwrite) as tmp, tmp.open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
-def finish_run(path: Path, config: dict, predictions: list[dict], metrics: dict) -> None:
-    write_json_atomic(path / "config.json", config, overwrite=True)
-    write_jsonl_atomic(path / "predictions.jsonl", predictions)
-    write_json_atomic(path / "metrics.json", metrics, overwrite=True)  # last: the run is finished
+def finish_run(tmp: Path, path: Path, config: dict, predictions: list[dict], metrics: dict) -> None:
+    """Write the run into `tmp` (from start_run) and swap it in for `path`; `tmp` is gone afterwards."""
+    try:
+        atomic_write(tmp / "config.json", json.dumps(config, indent=2) + "\n", overwrite=True)
+        write_jsonl_atomic(tmp / "predictions.jsonl", predictions)
+        atomic_write(tmp / "metrics.json", json.dumps(metrics, indent=2) + "\n", overwrite=True)
+        replace_dir(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def abandon_run(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def package_versions() -> dict:
     versions = {"python": platform.python_version()}
     for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+        versions[name] = _version(name)
     return versions
 
 
@@ -163,17 +285,24 @@ def git_commit(root: Path = ROOT) -> str | None:
 
 
 def load_runs(out_dir: Path) -> list[dict]:
+    """Every finished run's metrics (with its `run_dir`); a damaged one is skipped with a warning."""
     runs = []
     for path in sorted(out_dir.glob("*/*/*/metrics.json")):
-        metrics = json.loads(path.read_text())
-        metrics["run_dir"] = str(path.parent.relative_to(out_dir))
+        run = path.parent
+        if any(part.startswith(".") for part in run.relative_to(out_dir).parts):
+            continue  # a run being written, or the leftover of a killed one
+        metrics = read_metrics(run)
+        if metrics is None:
+            continue
+        metrics["run_dir"] = str(run.relative_to(out_dir))
         runs.append(metrics)
     return runs
 
 
-def results_frame(out_dir: Path) -> pd.DataFrame:
+def results_frame(out_dir: Path, runs: list[dict] | None = None) -> pd.DataFrame:
     """One row per finished run with every scalar of its metrics.json (lists stay in the JSON)."""
-    rows = [{k: v for k, v in run.items() if not isinstance(v, dict | list)} for run in load_runs(out_dir)]
+    runs = load_runs(out_dir) if runs is None else runs
+    rows = [{k: v for k, v in run.items() if not isinstance(v, dict | list)} for run in runs]
     if not rows:
         return pd.DataFrame(columns=LEADING_COLUMNS + TRAILING_COLUMNS)
     frame = pd.DataFrame(rows)
@@ -192,8 +321,6 @@ def write_results_table(out_dir: Path) -> Path:
     with open(out_dir / ".results.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         frame = results_frame(out_dir)
-        path = out_dir / "results.csv"
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        frame.to_csv(tmp, index=False)
-        os.replace(tmp, path)
-    return path
+        with atomic_target(out_dir / "results.csv", overwrite=True) as tmp:
+            frame.to_csv(tmp, index=False)
+    return out_dir / "results.csv"

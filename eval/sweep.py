@@ -6,10 +6,12 @@
 
 Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters).
 A grid file holds the same keys (strategies, budgets, tasks, seeds, cache_configs) plus `args:`, a mapping
-of eval flags; flags typed on the command line win. `cache_configs` adds one configuration per preset.
+of eval flags; values are typed by the flags' own definitions (cache_spec.mapping_to_argv) and flags
+typed on the command line win. `cache_configs` adds one configuration per preset.
 
-Resumable: each run is finished once its metrics.json exists (written last, atomically), so after a
-crash or SIGKILL the same command runs only what is missing. `--workers N` runs N processes, each
+Resumable: a run directory is swapped in only when complete, so after a crash or SIGKILL the same
+command runs only what is missing, or stale (finished with another model file, data or code; see
+eval/results.py). `--workers N` runs N processes, each
 loading the model once; `--devices` spreads them over GPUs (worker i uses device i mod len).
 """
 
@@ -25,9 +27,9 @@ import traceback
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm import tqdm
 
+from cache_spec import finite_float, mapping_to_argv, read_yaml
 from errors import CliParser, UserError, run_cli
 from eval import cli, results
 from generate import resolve_device
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="python -m eval.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--grid", default=None, help="YAML file with the grid (flags typed here win)")
     parser.add_argument("--strategies", nargs="+", default=["full"])
-    parser.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.1],
+    parser.add_argument("--budgets", nargs="+", type=finite_float, default=[0.5, 0.25, 0.1],
                         help="fractions of |prompt|+new tokens (≤ 1) or tokens (> 1)")
     parser.add_argument("--cache_configs", nargs="+", default=[], help="presets, one configuration each")
     parser.add_argument("--tasks", nargs="+", default=["fidelity"])
@@ -51,26 +53,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Eval flags the sweep sets for each run: a grid's `args:` may not set them.
+SET_BY_SWEEP = ("cache_strategy", "max_cache_length", "seed", "baseline", "tasks", "out_dir", "overwrite", "help")
+
+
 def read_grid(path: str) -> dict:
-    try:
-        grid = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise UserError(f"cannot read grid {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"malformed YAML in {path}: {str(e).splitlines()[0]}") from None
-    if not isinstance(grid, dict) or set(grid) - set(GRID_KEYS):
-        raise UserError(f"{path}: a grid is a mapping with keys among {', '.join(GRID_KEYS)}")
+    """The grid file as a mapping with known keys (one UserError for anything else)."""
+    grid = read_yaml(Path(path), "grid")
+    if not isinstance(grid, dict):
+        raise UserError(f"grid {path} must be a mapping with keys among {', '.join(GRID_KEYS)}")
+    for key in grid:
+        if key not in GRID_KEYS:
+            raise UserError(f"grid {path}: unknown key {key!r}; keys: {', '.join(GRID_KEYS)}")
     return grid
 
 
-def flags_from_mapping(mapping: dict) -> list[str]:
-    argv = []
-    for key, value in mapping.items():
-        if isinstance(value, bool):
-            argv.append(f"--{key}" if value else f"--no-{key}")
-        else:
-            argv += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
-    return argv
+def grid_values(grid: dict, parser: argparse.ArgumentParser, path: str) -> dict:
+    """The grid's sweep keys, typed by the sweep's own flags (a single value is a one-element list)."""
+    keys = {k: v for k, v in grid.items() if k != "args"}
+    argv = mapping_to_argv(keys, parser, [k for k in GRID_KEYS if k != "args"], f"grid {path}", "grid key")
+    try:
+        typed = parser.parse_args(argv)
+    except UserError as e:
+        raise UserError(f"grid {path}: {e}") from None
+    return {k: getattr(typed, k) for k in keys}
+
+
+def grid_args(mapping: object, path: str) -> list[str]:
+    """The grid's `args:` (a mapping of eval flags) as command-line words, checked against eval's flags."""
+    source = f"grid {path}: args"
+    if not isinstance(mapping, dict):
+        raise UserError(f"{source} must be a mapping of eval flags to values, got {type(mapping).__name__}")
+    for key in mapping:
+        if key in SET_BY_SWEEP:
+            raise UserError(f"{source}: {key} is set by the sweep (use strategies, budgets, tasks, seeds, "
+                            "or the sweep's own flags)")
+    parser = cli.build_parser()
+    allowed = [a.dest for a in parser._actions if a.dest not in SET_BY_SWEEP]
+    return mapping_to_argv(mapping, parser, allowed, source, "eval flag")
 
 
 def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -80,9 +100,9 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     sweep, rest = parser.parse_known_args(argv)
     if sweep.grid:
         grid = read_grid(sweep.grid)
-        parser.set_defaults(**{k: v for k, v in grid.items() if k != "args"})
+        parser.set_defaults(**grid_values(grid, build_parser(), sweep.grid))
         sweep, rest = parser.parse_known_args(argv)
-        rest = flags_from_mapping(grid.get("args") or {}) + rest
+        rest = (grid_args(grid["args"], sweep.grid) if "args" in grid else []) + rest
     for flag in ("--cache_strategy", "--max_cache_length", "--seed", "--baseline", "--no-baseline"):
         if flag in rest:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
@@ -189,7 +209,8 @@ def main(argv: list[str] | None = None) -> Path:
     devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
         else [None]
     planned = plan_jobs(grid_jobs(sweep, rest))
-    pending = [(job, path) for job, path in planned if sweep.overwrite or not results.is_finished(path)]
+    # Finished means finished with today's inputs (model, data, code): a stale run is run again.
+    pending = [(job, path) for job, path in planned if sweep.overwrite or not cli.job_is_current(job)]
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
     bar = tqdm(total=len(planned), initial=len(planned) - len(pending), desc="sweep", unit="run")
     failures: dict[int, str] = {}

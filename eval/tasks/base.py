@@ -68,10 +68,11 @@ class Task:
         self.args = args
         self.options = {k: self.defaults.get(k) if getattr(args, k, None) is None else getattr(args, k)
                         for k in self.reads}
-        for key in ("limit", "seq_len", "max_new_tokens"):
+        for key, least in (("limit", 1), ("seq_len", 1), ("max_new_tokens", 1), ("prefill_tokens", 1),
+                           ("text_offset", 0)):
             value = self.options.get(key)
-            if value is not None and value < 1:
-                raise UserError(f"--{key} must be ≥ 1, got {value}")
+            if value is not None and value < least:
+                raise UserError(f"--{key} must be ≥ {least}, got {value}")
 
     def run(self, rt: Runtime) -> TaskResult:
         raise NotImplementedError

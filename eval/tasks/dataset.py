@@ -52,12 +52,48 @@ def dataset_rows(task: Task, required: tuple[str, ...]) -> list[dict]:
     return rows[: o["limit"]] if o["limit"] else rows
 
 
-def row_example(task: Task, row: dict) -> Example:
+def text_cell(task: Task, row: dict, index: int, flag: str) -> str:
+    """The row's value in the column of --flag as text; a missing or non-text value names the row."""
+    column = task.options[flag]
+    value = row.get(column)
+    if value is None or isinstance(value, bool | dict | list) or (isinstance(value, str) and not value.strip()):
+        raise UserError(f"row {index} of {task.options['dataset']}: column {column!r} (--{flag}) has no text "
+                        f"(got {value!r})")
+    return str(value)
+
+
+def row_example(task: Task, row: dict, index: int) -> Example:
     o = task.options
-    question = f"Question: {row[o['prompt_column']]}\n"
+    question = f"Question: {text_cell(task, row, index, 'prompt_column')}\n"
     if o["context_column"]:
-        return Example(f"{row[o['context_column']]}\n\n", question, "Answer:")
+        return Example(f"{text_cell(task, row, index, 'context_column')}\n\n", question, "Answer:")
     return Example(question, "", "Answer:")  # nothing to hold back: the whole prompt is context
+
+
+def answer_list(task: Task, row: dict, index: int) -> list[str]:
+    """Reference answers: a string or a list of strings; an empty or missing one names the row (it would
+    otherwise be scored against the text "None")."""
+    column = task.options["answer_column"]
+    value = row.get(column)
+    values = value if isinstance(value, list) else [value]
+    if not values or any(v is None or isinstance(v, bool | dict | list) or not str(v).strip() for v in values):
+        raise UserError(f"row {index} of {task.options['dataset']}: column {column!r} (--answer_column) has no "
+                        f"reference answer (got {value!r})")
+    return [str(v) for v in values]
+
+
+def choice_list(task: Task, row: dict, index: int) -> list[str]:
+    """The options of a multiple-choice row: a list of at least two texts (a string is not a list)."""
+    column = task.options["choices_column"]
+    value = row.get(column)
+    where = f"row {index} of {task.options['dataset']}: column {column!r} (--choices_column)"
+    if not isinstance(value, list):
+        raise UserError(f"{where} must be a list of options, got {type(value).__name__} {value!r:.60}")
+    if len(value) < 2:
+        raise UserError(f"{where} has fewer than two choices")
+    if any(v is None or isinstance(v, bool | dict | list) for v in value):
+        raise UserError(f"{where} has an option that is not text: {value!r:.80}")
+    return [str(v) for v in value]
 
 
 @register_task
@@ -69,13 +105,10 @@ class QA(GenerationTask):
 
     def examples(self, rt: Runtime) -> list[Example]:
         examples = []
-        for row in dataset_rows(self, ("prompt_column", "answer_column")):
-            answer = row[self.options["answer_column"]]
-            answers = [str(a) for a in answer] if isinstance(answer, list) else [str(answer)]
-            if not answers:
-                raise UserError(f"a row of {self.options['dataset']} has no reference answer")
-            examples.append(row_example(self, row))
-            examples[-1].answers = answers
+        for index, row in enumerate(dataset_rows(self, ("prompt_column", "answer_column"))):
+            example = row_example(self, row, index)
+            example.answers = answer_list(self, row, index)
+            examples.append(example)
         return examples
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
@@ -86,8 +119,8 @@ class QA(GenerationTask):
                 "rouge_l": rouge_l(first_line, example.answers)}
 
 
-def choice_label(answer: object, choices: list[str]) -> int:
-    if isinstance(answer, int) and 0 <= answer < len(choices):
+def choice_label(answer: object, choices: list[str], where: str = "") -> int:
+    if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices):
         return answer
     text = str(answer).strip()
     if text in choices:
@@ -96,7 +129,7 @@ def choice_label(answer: object, choices: list[str]) -> int:
         return ord(text.upper()) - ord("A")
     if text.isdigit() and int(text) < len(choices):
         return int(text)
-    raise UserError(f"answer {answer!r} is neither an index, a letter nor the text of one of {choices}")
+    raise UserError(f"{where}answer {answer!r} is neither an index, a letter nor the text of one of {choices}")
 
 
 @register_task
@@ -110,13 +143,12 @@ class MultipleChoice(Task):
         rows = dataset_rows(self, ("prompt_column", "answer_column", "choices_column"))
         chat, o = use_chat(rt), self.options
         items = []
-        for row in rows:
-            choices = [str(c) for c in row[o["choices_column"]]]
-            if len(choices) < 2:
-                raise UserError(f"a row of {o['dataset']} has fewer than two choices")
-            ids, n_context = encode_example(rt.tokenizer, row_example(self, row), chat)
+        for index, row in enumerate(rows):
+            choices = choice_list(self, row, index)
+            label = choice_label(row.get(o["answer_column"]), choices, f"row {index} of {o['dataset']}: ")
+            ids, n_context = encode_example(rt.tokenizer, row_example(self, row, index), chat)
             options = [continuation_ids(rt.tokenizer, " " + c) for c in choices]
-            items.append((ids, n_context, choices, options, choice_label(row[o["answer_column"]], choices)))
+            items.append((ids, n_context, choices, options, label))
         longest = max(len(ids) for ids, *_ in items)
         max_option = max(len(opt) for *_, options, _ in items for opt in options)
         if longest + max_option > rt.model.args.context_length:

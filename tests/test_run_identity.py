@@ -1,0 +1,251 @@
+"""Results you can trust: runs keyed by what they computed, results that survive an interrupted --overwrite,
+damaged run directories skipped, atomic writes, presets and grids typed like the command line, and prompts
+read from any existing file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import generate
+from atomic_files import atomic_write, check_writable
+from cache_spec import parse_args_with_preset
+from errors import UserError
+from eval import cli, plot, results, sweep
+from tests.conftest import ROOT
+from tests.eval_helpers import (
+    PYDOC_EXCERPT,
+    one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    write_tiny_checkpoint,
+)
+
+
+def flags(checkpoint: Path, out_dir: Path, text: Path = PYDOC_EXCERPT, *more: str) -> list[str]:
+    return ["--tasks", "fidelity", "--checkpoint_path", str(checkpoint), "--text_file", str(text),
+            "--seq_len", "96", "--prefill_tokens", "16", "--out_dir", str(out_dir), "--no-baseline",
+            "--cache_strategy", "recent_global", "--max_cache_length", "0.5", *more]
+
+
+def run_dirs(out_dir: Path) -> list[Path]:
+    return sorted(p.parent for p in out_dir.glob("*/*/*/metrics.json") if not p.parent.name.startswith("."))
+
+
+def table(out_dir: Path) -> pd.DataFrame:
+    return pd.read_csv(out_dir / "results.csv")
+
+
+# ---- content-addressed runs -----------------------------------------------------------------------------
+
+
+def test_another_model_at_the_same_path_is_run_again_not_reused(tmp_path, capsys):
+    model = write_tiny_checkpoint(tmp_path / "model", seed=0)
+    (first,) = cli.main(flags(model, tmp_path / "out"))
+    assert len(first["identity"]) == 16 and table(tmp_path / "out")["identity"].tolist() == [first["identity"]]
+    (again,) = cli.main(flags(model, tmp_path / "out"))
+    assert again == first and "skip (finished)" in capsys.readouterr().err
+    write_tiny_checkpoint(model, seed=1)  # other weights under the same name
+    cli.load_model.cache_clear()
+    (second,) = cli.main(flags(model, tmp_path / "out"))
+    assert "rerun (changed since the finished run: model file)" in capsys.readouterr().err
+    assert second["identity"] != first["identity"] and second["kl_mean"] != first["kl_mean"]
+    (run,) = run_dirs(tmp_path / "out")  # replaced in place: one run, one row, no stale numbers
+    assert json.loads((run / "metrics.json").read_text())["identity"] == second["identity"]
+    rows = table(tmp_path / "out")
+    assert len(rows) == 1 and rows["identity"][0] == second["identity"]
+    assert rows["kl_mean"][0] == pytest.approx(second["kl_mean"])
+
+
+def test_an_edited_text_file_is_run_again(tmp_path, capsys):
+    model = write_tiny_checkpoint(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(PYDOC_EXCERPT.read_text())
+    (first,) = cli.main(flags(model, tmp_path / "out", text))
+    text.write_text(PYDOC_EXCERPT.read_text()[500:])  # edited in place
+    (second,) = cli.main(flags(model, tmp_path / "out", text))
+    assert "changed since the finished run: --text_file" in capsys.readouterr().err
+    assert second["identity"] != first["identity"] and second["kl_mean"] != first["kl_mean"]
+    assert len(run_dirs(tmp_path / "out")) == 1 and len(table(tmp_path / "out")) == 1
+
+
+def test_identity_covers_model_data_and_code(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "model")
+    args = cli.parse_args(flags(model, tmp_path / "out"))
+    ((task, config, path),) = cli.plan(args)
+    inputs = results.input_fingerprints(config, task.options)
+    assert set(inputs["model"]) == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert inputs["data"]["text_file"]["sha256"] == results.file_sha256(PYDOC_EXCERPT)
+    assert len(inputs["code"]["sources_sha256"]) == 64 and inputs["code"]["torch"].startswith("2.13")
+    identity = results.run_identity(config, task.name, task.options, "float32")
+    changed = {**inputs, "code": {**inputs["code"], "sources_sha256": "0" * 64}}
+    assert results.content_id(identity, inputs) != results.content_id(identity, changed)
+
+
+# ---- --overwrite never loses the finished result --------------------------------------------------------
+
+
+def test_overwrite_interrupted_in_process_keeps_the_old_result(tmp_path, monkeypatch):
+    model = write_tiny_checkpoint(tmp_path / "model")
+    cli.main(flags(model, tmp_path / "out"))
+    (run,) = run_dirs(tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    csv_before = (tmp_path / "out" / "results.csv").read_bytes()
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("eval.tasks.fidelity.teacher_force", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(flags(model, tmp_path / "out", PYDOC_EXCERPT, "--overwrite"))
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert (tmp_path / "out" / "results.csv").read_bytes() == csv_before
+    assert [p.name for p in run.parent.iterdir()] == [run.name]  # the half-written attempt is gone
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_signal_during_overwrite_leaves_the_old_result(tmp_path, sig):
+    model = write_tiny_checkpoint(tmp_path / "model")
+    out = tmp_path / "out"
+    long_run = flags(model, out, PYDOC_EXCERPT, "--seq_len", "1000", "--limit", "4")  # seconds: time to interrupt
+    cli.main(long_run)
+    (run,) = run_dirs(out)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    csv_before = (out / "results.csv").read_bytes()
+    proc = subprocess.Popen([sys.executable, "-m", "eval", *long_run, "--overwrite"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(run.parent.glob(f".{run.name}.tmp*")):  # the new attempt has started writing
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.02)
+    time.sleep(0.3)  # into the computation
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    proc.send_signal(sig)
+    code = proc.wait(timeout=60)
+    err = proc.stderr.read()
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert (out / "results.csv").read_bytes() == csv_before
+    if sig == signal.SIGINT:
+        assert code == 130 and err.strip().splitlines()[-1] == "error: interrupted", err
+        assert [p.name for p in run.parent.iterdir()] == [run.name]  # temporaries removed on the way out
+    else:
+        assert code == -signal.SIGKILL
+    assert len(results.load_runs(out)) == 1  # a leftover of the killed writer is not a run
+    cli.main(long_run)  # finished with the same inputs: skipped, and the killed writer's leftovers cleared
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+# ---- damaged run directories ----------------------------------------------------------------------------
+
+
+def test_a_damaged_run_never_blocks_the_others(tmp_path, capsys):
+    model = write_tiny_checkpoint(tmp_path / "model")
+    out = tmp_path / "out"
+    cli.main(flags(model, out))
+    cli.main(flags(model, out)[:-1] + ["0.25"])
+    damaged = next(d for d in run_dirs(out) if "-b0.5-" in d.name)
+    good = next(d for d in run_dirs(out) if "-b0.25-" in d.name)
+    (damaged / "metrics.json").write_text('{"model": "tiny", "task": ')
+    capsys.readouterr()
+    runs = results.load_runs(out)
+    assert [r["run_dir"] for r in runs] == [str(good.relative_to(out))]
+    assert f"warning: skipping damaged run {damaged}" in capsys.readouterr().err
+    figures = plot.main(["--out_dir", str(out)])
+    assert (out / "summary.md") in figures and f"skipping damaged run {damaged}" in capsys.readouterr().err
+    (good / "predictions.jsonl").write_bytes(b"\xff\x00")  # a damaged curve: that plot skips it too
+    (damaged / "metrics.json").unlink()
+    plot.main(["--out_dir", str(out)])
+    assert f"skipping damaged run {good}" in capsys.readouterr().err
+    # The damaged run is simply run again by eval (its metrics are unreadable, so it is not finished).
+    (metrics,) = cli.main(flags(model, out))
+    assert json.loads((damaged / "metrics.json").read_text())["identity"] == metrics["identity"]
+
+
+# ---- atomic writes --------------------------------------------------------------------------------------
+
+
+def test_atomic_write_refuses_replaces_and_cleans_up(tmp_path):
+    target = tmp_path / "a" / "b.json"
+    atomic_write(target, "one")
+    with pytest.raises(UserError, match="--overwrite"):
+        atomic_write(target, "two")
+    atomic_write(target, "two", overwrite=True)
+    assert target.read_text() == "two"
+    with pytest.raises(UserError, match="directory"):
+        atomic_write(tmp_path / "a", "x", overwrite=True)
+    with pytest.raises(UserError, match="directory"):
+        check_writable(tmp_path / "a", overwrite=True)
+
+    class Boom(Exception):
+        pass
+
+    from atomic_files import atomic_target
+
+    with pytest.raises(Boom), atomic_target(target, overwrite=True) as tmp:
+        tmp.write_text("half")
+        raise Boom
+    assert target.read_text() == "two" and sorted(p.name for p in target.parent.iterdir()) == ["b.json"]
+
+
+def test_stats_json_into_a_directory_fails_before_generating(tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(generate, "load_checkpoint", lambda *a, **k: loaded.append(1))
+    with pytest.raises(UserError, match="is a directory"):
+        generate.main(["--prompt", "Hi", "--stats_json", str(tmp_path), "--overwrite"])
+    assert not loaded
+
+
+# ---- one schema, and precedence: command line > preset (or grid) > defaults ----------------------------
+
+
+def test_preset_values_are_typed_and_the_command_line_wins(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("cache_strategy: heavy_hitter\nattn_thresholding: true\nmax_cache_length: 0.5\n"
+                      "hybrid_policies: full\n")
+    parser = generate.build_parser()
+    args = parse_args_with_preset(parser, ["--prompt", "x", "--cache_config", str(preset)])
+    assert args.cache_strategy == ["heavy_hitter"] and args.attn_thresholding is True
+    assert args.max_cache_length == [0.5] and args.hybrid_policies == ["full"]  # a scalar is one item
+    assert args.global_tokens == 4  # not in the preset: the default
+    args = parse_args_with_preset(parser, ["--prompt", "x", "--cache_config", str(preset), "--max_cache_length",
+                                           "0.25"])
+    assert args.max_cache_length == [0.25] and args.cache_strategy == ["heavy_hitter"]
+    preset.write_text("attn_thresholding: false\n")
+    assert parse_args_with_preset(parser, ["--prompt", "x", "--cache_config", str(preset)]).attn_thresholding is False
+
+
+def test_grid_values_are_typed_and_the_command_line_wins(tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text("strategies: recent_global\nbudgets: 0.5\nseeds: 1\n"
+                    "args: {chat: true, query_aware: true, seq_len: 64, feed_long_prompts: true}\n")
+    args, rest = sweep.parse_sweep(["--grid", str(grid)])
+    assert args.strategies == ["recent_global"] and args.budgets == [0.5] and args.seeds == [1]
+    parsed = cli.parse_args(rest)
+    assert parsed.chat is True and parsed.query_aware is True and parsed.seq_len == 64 and parsed.feed_long_prompts
+    args, rest = sweep.parse_sweep(["--grid", str(grid), "--budgets", "0.25", "--no-chat", "--no-query_aware"])
+    parsed = cli.parse_args(rest)
+    assert args.budgets == [0.25] and parsed.chat is False and parsed.query_aware is False
+    assert args.strategies == ["recent_global"]  # from the grid; the default is full
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+
+
+def test_prompt_is_a_file_when_it_names_one_and_text_otherwise(tmp_path, monkeypatch):
+    notes = tmp_path / "notes.md"
+    notes.write_text("Kurze Notiz über Caches.\n")
+    assert generate.read_prompt(str(notes)) == "Kurze Notiz über Caches.\n"
+    monkeypatch.chdir(tmp_path)
+    assert generate.read_prompt("summarize notes.txt") == "summarize notes.txt"
+    assert generate.read_prompt("notes.md") == "Kurze Notiz über Caches.\n"
+    assert generate.read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
+    with pytest.raises(UserError, match="not found"):
+        generate.read_prompt("missing.txt")
