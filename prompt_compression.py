@@ -47,20 +47,32 @@ def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
 
 
 def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256) -> Tensor:
-    """Attention each prompt key receives from all prompt queries, summed: [B, n_kv, T].
+    """Attention each prompt key receives from all prompt queries, averaged over the query heads of each
+    KV group and summed over queries: [B, n_kv, T].
 
     With `count_above_uniform`, the number of queries that gave the key at least uniform attention
-    (1 / number of keys the query sees) instead. Computed in query chunks: memory stays O(chunk × T)
-    instead of O(T²), since explicit attention over a long prompt at once is too expensive.
+    (1 / number of keys the query sees) instead. Computed in query chunks, each over the keys it can see
+    only (causal: chunk [s, e) reads keys [0, e)), so memory stays O(chunk × T) and the work is half of a
+    full T × T pass; the query heads of a group are rows of one matmul against their shared keys.
     """
-    B, _, T, _ = q.shape
-    received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    rep = H // n_kv
+    received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)
+    scale = 1.0 / D**0.5
     for start in range(0, T, chunk):
-        rows = torch.arange(start, min(start + chunk, T), device=q.device)
-        attn = prompt_attention(q, k, rows)
-        if count_above_uniform:
-            attn = above_uniform(attn, rows)
-        received += attn.sum(dim=2)
+        end = min(start + chunk, T)
+        rows = torch.arange(start, end, device=q.device)
+        qc = q[:, :, start:end].reshape(B, n_kv, rep * (end - start), D)
+        scores = (qc @ k[:, :, :end].transpose(-1, -2)).float().mul_(scale)  # [B, n_kv, rep*rows, end]
+        future = torch.arange(end, device=q.device) > rows[:, None]  # [rows, end]
+        scores.masked_fill_(future.repeat(rep, 1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if count_above_uniform:  # the group's mean attention against uniform, as at decode (above_uniform)
+            mean = probs.view(B, n_kv, rep, end - start, end).mean(dim=2)
+            received[:, :, :end] += above_uniform(mean, rows).sum(dim=2)
+        else:
+            received[:, :, :end] += probs.sum(dim=2) / rep
     return received
 
 
