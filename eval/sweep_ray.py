@@ -1,0 +1,266 @@
+"""`python -m eval.sweep --backend ray`: the same sweep spread over a Ray cluster, one actor per device.
+
+    python -m eval.sweep --strategies full recent_global --budgets 0.5 0.25 --backend ray          # local Ray
+    python -m eval.sweep --grid grid.yaml --backend ray --ray_address auto --gpus_per_run 1     # a cluster
+
+Each actor holds one device (`--gpus_per_run` of a GPU, or one CPU core when it is 0) and keeps the model
+loaded across its runs: `eval.cli.load_model` caches it per process. An actor runs eval's own `execute`
+into a scratch directory on its node and sends the run's files back; the driver writes them into
+`--out_dir` with `results.finish_run` and rebuilds `results.csv` with `results.write_results_table`, as
+the local backend does, so both backends give the same directories, the same table and the same resume
+(a run is finished once its metrics.json exists). Nothing has to be shared between the nodes but the
+code, the environment and the files named in the flags, at the same paths.
+
+A worker that dies mid-run (killed, out of memory, its node lost) loses that run only: Ray restarts the
+actor, and the run is sent again up to `--max_retries` times, after which it is recorded as failed (in
+`<out_dir>/failed.csv` and at the end of the sweep, exit status 2). A run that raises is not retried: the
+same flags on the same code fail the same way.
+
+Ray is optional (requirements-ray.txt): this module imports it only when `--backend ray` is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from checkpoint import parse_dtype
+from errors import UserError
+from eval import cli, results
+
+DEFAULT_MAX_RETRIES = 2
+FAILED_TABLE = "failed.csv"
+INSTALL_HINT = "pip install -r requirements-ray.txt"
+
+
+def import_ray() -> ModuleType:
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"--backend ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def check_flags(sweep: argparse.Namespace) -> None:
+    """Flags that belong to the other backend are an error, not silently ignored; fills Ray's defaults."""
+    ray_flags = {"--ray_address": sweep.ray_address, "--gpus_per_run": sweep.gpus_per_run,
+                 "--max_retries": sweep.max_retries}
+    if sweep.backend == "local":
+        given = [flag for flag, value in ray_flags.items() if value is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} need --backend ray")
+        return
+    if sweep.workers != 1 or sweep.devices:
+        raise UserError("--workers and --devices are for --backend local; Ray runs one worker per device of the "
+                        "cluster (--gpus_per_run of a GPU each, or one CPU core each when it is 0)")
+    sweep.gpus_per_run = 0.0 if sweep.gpus_per_run is None else sweep.gpus_per_run
+    sweep.max_retries = DEFAULT_MAX_RETRIES if sweep.max_retries is None else sweep.max_retries
+    if sweep.gpus_per_run < 0:
+        raise UserError(f"--gpus_per_run must be ≥ 0, got {sweep.gpus_per_run:g}")
+    if sweep.max_retries < 0:
+        raise UserError(f"--max_retries must be ≥ 0, got {sweep.max_retries}")
+    import_ray()
+
+
+def worker_device(sweep: argparse.Namespace) -> str:
+    return "cuda" if sweep.gpus_per_run > 0 else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+
+
+def pin_dtype(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
+    """Resolve `--dtype auto` for the workers' device before the runs are planned.
+
+    A run's id (its directory) hashes the resolved dtype, and the driver, which plans the runs and checks
+    which are finished, may have no GPU: planned on the CPU, a GPU run would land in another directory
+    than the one resume looks for.
+    """
+    if sweep.backend != "ray" or worker_device(sweep) == "cpu":  # the driver resolves it the same way
+        return rest
+    known, _ = cli.build_parser().parse_known_args(rest)
+    if known.dtype != "auto":
+        return rest
+    return [*rest, "--dtype", str(parse_dtype("auto", worker_device(sweep))).removeprefix("torch.")]
+
+
+# ---- the worker: one actor per device ---------------------------------------------------------------
+
+
+class SweepWorker:
+    """Runs sweep jobs one at a time in one Ray worker process; the model stays loaded between them."""
+
+    def __init__(self, cwd: str, argv: list[str], threads: int = 1) -> None:
+        # One torch thread per reserved core: more threads than cores stall at every op (see README).
+        torch.set_num_threads(threads)
+        if os.path.isdir(cwd):
+            os.chdir(cwd)  # relative paths in the flags mean what they mean to the driver
+        sys.argv = list(argv)  # config.json records the sweep's command, as the local workers do
+        self.scratch = Path(tempfile.mkdtemp(prefix="kv-evict-sweep-"))
+
+    def run(self, job: list[str], device: str, out_dir: str) -> dict:
+        """One run into a fresh scratch directory; its files (as data), or the error, go back to the driver."""
+        from eval.sweep import run_job
+
+        scratch = self.scratch / uuid.uuid4().hex
+        reply: dict = {}
+        try:
+            run_job([*job, "--out_dir", str(scratch)], device, progress=True)  # the last --out_dir wins
+            (metrics_path,) = scratch.glob("*/*/*/metrics.json")
+            path = metrics_path.parent
+            config = json.loads((path / "config.json").read_text())
+            config["flags"]["out_dir"] = out_dir  # the scratch directory is a detail: record the real one
+            reply = {"run_dir": str(path.relative_to(scratch)), "config": config,
+                     "predictions": [json.loads(line) for line in (path / "predictions.jsonl").open()],
+                     "metrics": json.loads(metrics_path.read_text())}
+        except UserError as e:
+            reply = {"error": str(e)}
+        except Exception:  # reported with the run, which is recorded as failed; the worker goes on
+            reply = {"error": traceback.format_exc()}
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return {**reply, "pid": os.getpid(), "model_loads": cli.load_model.cache_info().misses}
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+
+
+def connect(ray: ModuleType, address: str | None) -> bool:
+    """Join the cluster at `address`, or start Ray on this machine; True when this call started it."""
+    if ray.is_initialized():  # a caller (a notebook, the tests) already has a session: use it
+        return False
+    quiet = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+        else:
+            ray.init(num_cpus=len(os.sched_getaffinity(0)), **quiet)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"the Ray cluster at {address}" if address else "a local Ray"
+        raise UserError(f"cannot start or join {where}: {str(e).strip().splitlines()[0]}") from None
+    return True
+
+
+def start_workers(ray: ModuleType, sweep: argparse.Namespace, n_runs: int) -> list:
+    """As many actors as the cluster has devices for (never more than runs), each reserving its device."""
+    resources = ray.cluster_resources()
+    if sweep.gpus_per_run > 0:
+        n = int(resources.get("GPU", 0) / sweep.gpus_per_run + 1e-9)
+        if n == 0:
+            raise UserError(f"the Ray cluster has {resources.get('GPU', 0):g} GPUs: none fits --gpus_per_run "
+                            f"{sweep.gpus_per_run:g} (0 runs on CPUs)")
+    else:
+        n = int(resources.get("CPU", 0))
+        if resources.get("GPU", 0):
+            print(f"note: the Ray cluster has {resources['GPU']:g} GPUs, unused: --gpus_per_run is 0",
+                  file=sys.stderr)
+        if n == 0:
+            raise UserError("the Ray cluster has no CPU to run on")
+    # max_restarts=-1: Ray brings a killed actor back (reloading the model) and the driver re-sends its
+    # run; max_task_retries=0: the driver, not Ray, counts the attempts, so --max_retries holds.
+    actor = ray.remote(SweepWorker).options(num_cpus=1, num_gpus=sweep.gpus_per_run, max_restarts=-1,
+                                            max_task_retries=0)
+    return [actor.remote(os.getcwd(), sys.argv) for _ in range(min(n, n_runs))]
+
+
+def worker_died(ray: ModuleType) -> tuple[type[Exception], ...]:
+    """The errors that mean the worker process is gone, not that the run failed."""
+    names = ("RayActorError", "WorkerCrashedError", "NodeDiedError", "OutOfMemoryError")
+    return tuple(getattr(ray.exceptions, n) for n in names if hasattr(ray.exceptions, n))
+
+
+def short_error(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def write_failed_table(out_dir: Path, rows: list[dict]) -> None:
+    """failed.csv: this sweep's failed runs (rewritten after each failure; removed when there is none)."""
+    path = out_dir / FAILED_TABLE
+    if not rows:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    pd.DataFrame(rows, columns=["run_dir", "attempts", "error", "command"]).to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def record(out_dir: Path, path: Path, reply: dict) -> str | None:
+    """Write a finished run exactly as eval's `execute` would have; the error when the run failed."""
+    if "error" in reply:
+        return reply["error"]
+    expected = str(path.relative_to(out_dir))
+    if reply["run_dir"] != expected:  # a worker with other code or flags would file it elsewhere
+        return f"the worker computed run directory {reply['run_dir']}, the driver {expected}: same code on every node?"
+    results.start_run(path)
+    results.finish_run(path, reply["config"], reply["predictions"], reply["metrics"])
+    return None
+
+
+def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, bar: tqdm) -> dict[int, str]:
+    """Run the pending jobs on Ray actors; returns {index in pending: error} of the runs that failed."""
+    ray = import_ray()
+    out_dir = Path(sweep.out_dir)
+    write_failed_table(out_dir, [])  # the last sweep's failures are being retried now
+    if not pending:
+        return {}
+    started = connect(ray, sweep.ray_address)
+    died = worker_died(ray)
+    device = worker_device(sweep)
+    failures: dict[int, str] = {}
+    failed_rows: list[dict] = []
+    attempts: collections.Counter[int] = collections.Counter()
+    queue = collections.deque(range(len(pending)))
+    retried = 0
+    actors: list = []
+    try:
+        actors = start_workers(ray, sweep, len(pending))
+        idle = list(actors)
+        in_flight: dict = {}
+        while queue or in_flight:
+            while queue and idle:  # one run per actor at a time: a dying actor takes one run with it
+                index, actor = queue.popleft(), idle.pop()
+                attempts[index] += 1
+                in_flight[actor.run.remote(pending[index][0], device, sweep.out_dir)] = (actor, index)
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+            for ref in ready:
+                actor, index = in_flight.pop(ref)
+                idle.append(actor)
+                try:
+                    reply = ray.get(ref)
+                except died as e:
+                    if attempts[index] <= sweep.max_retries:
+                        queue.appendleft(index)
+                        retried += 1
+                        bar.set_postfix(failed=len(failures), retried=retried)
+                        continue
+                    reply = {"error": f"the worker died on each of {attempts[index]} attempts "
+                                      f"(--max_retries {sweep.max_retries}): {short_error(e)}"}
+                except ray.exceptions.RayError as e:
+                    reply = {"error": short_error(e)}
+                job, path = pending[index]
+                error = record(out_dir, path, reply)
+                if error:
+                    failures[index] = error
+                    failed_rows.append({"run_dir": str(path.relative_to(out_dir)), "attempts": attempts[index],
+                                        "error": error.strip(), "command": " ".join(job)})
+                    write_failed_table(out_dir, failed_rows)
+                results.write_results_table(out_dir)  # after every run: the table is current even if killed
+                bar.set_postfix(failed=len(failures), retried=retried)
+                bar.update()
+    finally:
+        for actor in actors:  # in a session the caller keeps, idle actors would hold their devices
+            ray.kill(actor)
+        if started:
+            ray.shutdown()
+    return failures
