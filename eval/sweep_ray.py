@@ -11,8 +11,8 @@ the local backend does, so both backends give the same directories, the same tab
 (a run is finished once its metrics.json exists). Nothing has to be shared between the nodes but the
 code, the environment and the files named in the flags, at the same paths.
 
-A worker that dies mid-run (killed, out of memory, its node lost) loses that run only: Ray restarts the
-actor, and the run is sent again up to `--max_retries` times, after which it is recorded as failed (in
+A worker that dies mid-run (killed, out of memory, its node lost) loses that run only: a new actor takes its
+place, and the run is sent again up to `--max_retries` times, after which it is recorded as failed (in
 `<out_dir>/failed.csv` and at the end of the sweep, exit status 2). A run that raises is not retried: the
 same flags on the same code fail the same way.
 
@@ -151,8 +151,16 @@ def connect(ray: ModuleType, address: str | None) -> bool:
     return True
 
 
+def new_worker(ray: ModuleType, sweep: argparse.Namespace) -> object:
+    """An actor reserving its device. A dead one is replaced, not restarted by Ray: calls sent to an actor
+    while Ray restarts it fail at once, whereas calls to one being created wait for it."""
+    actor = ray.remote(SweepWorker).options(num_cpus=1, num_gpus=sweep.gpus_per_run, max_restarts=0,
+                                            max_task_retries=0)  # the driver counts the attempts
+    return actor.remote(os.getcwd(), sys.argv)
+
+
 def start_workers(ray: ModuleType, sweep: argparse.Namespace, n_runs: int) -> list:
-    """As many actors as the cluster has devices for (never more than runs), each reserving its device."""
+    """As many actors as the cluster has devices for (never more than runs)."""
     resources = ray.cluster_resources()
     if sweep.gpus_per_run > 0:
         n = int(resources.get("GPU", 0) / sweep.gpus_per_run + 1e-9)
@@ -166,11 +174,7 @@ def start_workers(ray: ModuleType, sweep: argparse.Namespace, n_runs: int) -> li
                   file=sys.stderr)
         if n == 0:
             raise UserError("the Ray cluster has no CPU to run on")
-    # max_restarts=-1: Ray brings a killed actor back (reloading the model) and the driver re-sends its
-    # run; max_task_retries=0: the driver, not Ray, counts the attempts, so --max_retries holds.
-    actor = ray.remote(SweepWorker).options(num_cpus=1, num_gpus=sweep.gpus_per_run, max_restarts=-1,
-                                            max_task_retries=0)
-    return [actor.remote(os.getcwd(), sys.argv) for _ in range(min(n, n_runs))]
+    return [new_worker(ray, sweep) for _ in range(min(n, n_runs))]
 
 
 def worker_died(ray: ModuleType) -> tuple[type[Exception], ...]:
@@ -222,6 +226,7 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
     attempts: collections.Counter[int] = collections.Counter()
     queue = collections.deque(range(len(pending)))
     retried = 0
+    model_loads: dict[int, int] = {}  # per worker process: how often it loaded a model
     actors: list = []
     try:
         actors = start_workers(ray, sweep, len(pending))
@@ -235,19 +240,27 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
             for ref in ready:
                 actor, index = in_flight.pop(ref)
-                idle.append(actor)
                 try:
                     reply = ray.get(ref)
+                    idle.append(actor)
                 except died as e:
+                    ray.kill(actor)  # whatever is left of it
+                    actor = new_worker(ray, sweep)
+                    actors.append(actor)
+                    idle.append(actor)
                     if attempts[index] <= sweep.max_retries:
                         queue.appendleft(index)
                         retried += 1
                         bar.set_postfix(failed=len(failures), retried=retried)
                         continue
-                    reply = {"error": f"the worker died on each of {attempts[index]} attempts "
-                                      f"(--max_retries {sweep.max_retries}): {short_error(e)}"}
+                    tries = f"{attempts[index]} attempt{'s' if attempts[index] > 1 else ''}"
+                    reply = {"error": f"its worker died mid-run ({tries}, --max_retries {sweep.max_retries}): "
+                                      f"{short_error(e)}"}
                 except ray.exceptions.RayError as e:
+                    idle.append(actor)
                     reply = {"error": short_error(e)}
+                if "pid" in reply:
+                    model_loads[reply["pid"]] = reply["model_loads"]
                 job, path = pending[index]
                 error = record(out_dir, path, reply)
                 if error:
@@ -263,4 +276,6 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
             ray.kill(actor)
         if started:
             ray.shutdown()
+    print(f"ray: {len(pending)} runs on {len(model_loads)} worker processes, which loaded the model "
+          f"{sum(model_loads.values())} times; {retried} re-sent after their worker died", file=sys.stderr)
     return failures
