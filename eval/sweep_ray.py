@@ -26,6 +26,7 @@ import collections
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import traceback
@@ -73,6 +74,8 @@ def check_flags(sweep: argparse.Namespace) -> None:
     if sweep.max_retries < 0:
         raise UserError(f"--max_retries must be ≥ 0, got {sweep.max_retries}")
     import_ray()
+    if sweep.ray_address and sweep.ray_address != "auto":
+        check_reachable(sweep.ray_address)
 
 
 def worker_device(sweep: argparse.Namespace) -> str:
@@ -135,10 +138,22 @@ class SweepWorker:
 # ---- the driver -------------------------------------------------------------------------------------
 
 
+def check_reachable(address: str) -> None:
+    """Fail at once on a HOST:PORT where nothing listens: Ray itself retries it for many minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UserError(f"--ray_address must be auto or HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        raise UserError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+
+
 def connect(ray: ModuleType, address: str | None) -> bool:
     """Join the cluster at `address`, or start Ray on this machine; True when this call started it."""
     if ray.is_initialized():  # a caller (a notebook, the tests) already has a session: use it
         return False
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")  # Ray's C++ side warns on stderr otherwise
     quiet = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         if address:
@@ -147,7 +162,10 @@ def connect(ray: ModuleType, address: str | None) -> bool:
             ray.init(num_cpus=len(os.sched_getaffinity(0)), **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray"
-        raise UserError(f"cannot start or join {where}: {str(e).strip().splitlines()[0]}") from None
+        hint = ""
+        if address and "RAY_AUTH_MODE" not in os.environ:  # `ray start` turns token authentication on
+            hint = " (if the cluster uses token authentication, set RAY_AUTH_MODE=token; see README)"
+        raise UserError(f"cannot start or join {where}: {str(e).strip().splitlines()[0]}{hint}") from None
     return True
 
 
@@ -276,6 +294,6 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
             ray.kill(actor)
         if started:
             ray.shutdown()
-    print(f"ray: {len(pending)} runs on {len(model_loads)} worker processes, which loaded the model "
-          f"{sum(model_loads.values())} times; {retried} re-sent after their worker died", file=sys.stderr)
+    tqdm.write(f"ray: {len(pending)} runs on {len(model_loads)} worker processes, which loaded the model "
+               f"{sum(model_loads.values())} times; {retried} re-sent after their worker died", file=sys.stderr)
     return failures
