@@ -119,7 +119,7 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if sweep.workers < 1:
         raise UserError(f"--workers must be ≥ 1, got {sweep.workers}")
     sweep_ray.check_flags(sweep)
-    return sweep, sweep_ray.pin_dtype(sweep, rest)
+    return sweep, sweep_ray.worker_flags(sweep, rest)
 
 
 def grid_jobs(sweep: argparse.Namespace, rest: list[str]) -> list[list[str]]:

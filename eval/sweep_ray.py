@@ -30,7 +30,6 @@ import socket
 import sys
 import tempfile
 import traceback
-import uuid
 from pathlib import Path
 from types import ModuleType
 
@@ -82,17 +81,20 @@ def worker_device(sweep: argparse.Namespace) -> str:
     return "cuda" if sweep.gpus_per_run > 0 else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
 
 
-def pin_dtype(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
-    """Resolve `--dtype auto` for the workers' device before the runs are planned.
+def worker_flags(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The eval flags of every run under Ray: no --device (the backend picks it), `--dtype auto` resolved.
 
     A run's id (its directory) hashes the resolved dtype, and the driver, which plans the runs and checks
     which are finished, may have no GPU: planned on the CPU, a GPU run would land in another directory
     than the one resume looks for.
     """
-    if sweep.backend != "ray" or worker_device(sweep) == "cpu":  # the driver resolves it the same way
+    if sweep.backend != "ray":
         return rest
     known, _ = cli.build_parser().parse_known_args(rest)
-    if known.dtype != "auto":
+    if "--device" in rest:
+        raise UserError("--device is set by --backend ray: each worker uses its own GPU with --gpus_per_run > 0, "
+                        "else the CPU")
+    if worker_device(sweep) == "cpu" or known.dtype != "auto":  # on the CPU the driver resolves it the same
         return rest
     return [*rest, "--dtype", str(parse_dtype("auto", worker_device(sweep))).removeprefix("torch.")]
 
@@ -103,19 +105,19 @@ def pin_dtype(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
 class SweepWorker:
     """Runs sweep jobs one at a time in one Ray worker process; the model stays loaded between them."""
 
-    def __init__(self, cwd: str, argv: list[str], threads: int = 1) -> None:
-        # One torch thread per reserved core: more threads than cores stall at every op (see README).
-        torch.set_num_threads(threads)
+    def __init__(self, cwd: str, argv: list[str]) -> None:
+        # One torch thread for the one core the worker reserves: more threads than cores stall at every
+        # op when the cores are shared (see README).
+        torch.set_num_threads(1)
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative paths in the flags mean what they mean to the driver
         sys.argv = list(argv)  # config.json records the sweep's command, as the local workers do
-        self.scratch = Path(tempfile.mkdtemp(prefix="kv-evict-sweep-"))
 
     def run(self, job: list[str], device: str, out_dir: str) -> dict:
         """One run into a fresh scratch directory; its files (as data), or the error, go back to the driver."""
         from eval.sweep import run_job
 
-        scratch = self.scratch / uuid.uuid4().hex
+        scratch = Path(tempfile.mkdtemp(prefix="kv-evict-sweep-"))
         reply: dict = {}
         try:
             run_job([*job, "--out_dir", str(scratch)], device, progress=True)  # the last --out_dir wins
@@ -123,8 +125,9 @@ class SweepWorker:
             path = metrics_path.parent
             config = json.loads((path / "config.json").read_text())
             config["flags"]["out_dir"] = out_dir  # the scratch directory is a detail: record the real one
+            lines = (path / "predictions.jsonl").read_text().splitlines()
             reply = {"run_dir": str(path.relative_to(scratch)), "config": config,
-                     "predictions": [json.loads(line) for line in (path / "predictions.jsonl").open()],
+                     "predictions": [json.loads(line) for line in lines],
                      "metrics": json.loads(metrics_path.read_text())}
         except UserError as e:
             reply = {"error": str(e)}

@@ -140,6 +140,7 @@ def test_bad_flags_and_missing_ray_are_one_line_and_status_2(tmp_path, monkeypat
         (["--backend", "ray", "--devices", "cpu"], "--workers and --devices are for --backend local"),
         (["--backend", "ray", "--max_retries", "-1"], "--max_retries must be ≥ 0, got -1"),
         (["--backend", "ray", "--gpus_per_run", "-0.5"], "--gpus_per_run must be ≥ 0, got -0.5"),
+        (["--backend", "ray", "--device", "cuda"], "--device is set by --backend ray"),
         (["--backend", "ray", "--ray_address", "head"], "--ray_address must be auto or HOST:PORT, got 'head'"),
         (["--backend", "ray", "--ray_address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1: "),
     ]:
