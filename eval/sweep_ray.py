@@ -44,6 +44,8 @@ from eval import cli, results
 DEFAULT_MAX_RETRIES = 2
 FAILED_TABLE = "failed.csv"
 INSTALL_HINT = "pip install -r requirements-ray.txt"
+# A run's scratch directory on a worker's node, <pid>-<random>, removed after the run.
+SCRATCH = Path(tempfile.gettempdir()) / f"kv-evict-sweep-{os.getuid()}"
 
 
 def import_ray() -> ModuleType:
@@ -102,6 +104,16 @@ def worker_flags(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
 # ---- the worker: one actor per device ---------------------------------------------------------------
 
 
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 class SweepWorker:
     """Runs sweep jobs one at a time in one Ray worker process; the model stays loaded between them."""
 
@@ -112,12 +124,17 @@ class SweepWorker:
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative paths in the flags mean what they mean to the driver
         sys.argv = list(argv)  # config.json records the sweep's command, as the local workers do
+        SCRATCH.mkdir(exist_ok=True)
+        for old in SCRATCH.iterdir():  # a worker killed mid-run had no chance to remove its scratch
+            pid = old.name.split("-")[0]
+            if pid.isdigit() and not process_exists(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
 
     def run(self, job: list[str], device: str, out_dir: str) -> dict:
         """One run into a fresh scratch directory; its files (as data), or the error, go back to the driver."""
         from eval.sweep import run_job
 
-        scratch = Path(tempfile.mkdtemp(prefix="kv-evict-sweep-"))
+        scratch = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=SCRATCH))
         reply: dict = {}
         try:
             run_job([*job, "--out_dir", str(scratch)], device, progress=True)  # the last --out_dir wins

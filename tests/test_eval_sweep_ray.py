@@ -22,6 +22,7 @@ import pytest
 from errors import UserError, run_cli
 from eval import sweep
 from eval.results import TRAILING_COLUMNS
+from eval.sweep_ray import SCRATCH
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
@@ -62,7 +63,7 @@ def process_titles() -> dict[int, tuple[bytes, int]]:
             continue
         try:
             title = (entry / "cmdline").read_bytes()
-            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[4])
+            session = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])  # state ppid pgrp session
         except (OSError, IndexError, ValueError):
             continue
         found[int(entry.name)] = (title, session)
@@ -191,6 +192,7 @@ def test_driver_killed_mid_sweep_resumes_with_the_same_command(tiny_dir, referen
         while finished(out_dir) == 0:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
+        assert any(title.startswith(b"ray::SweepWorker") for title in ray_processes().values())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         for _ in range(300):  # the workers go with the Ray that the driver started
@@ -258,7 +260,7 @@ def test_worker_killed_without_retries_fails_that_run_only_then_resumes(ray_sess
     out_dir = tmp_path / "results"
     argv = [*sweep_flags(tiny_dir, out_dir), "--backend", "ray", "--max_retries", "0"]
     thread, outcome = sweep_in_thread(argv)
-    kill_a_worker_mid_run(thread)
+    killed = kill_a_worker_mid_run(thread)
     thread.join(timeout=300)
     assert isinstance(outcome.get("error"), UserError), outcome
     assert str(outcome["error"]).startswith(f"1 of {RUNS} runs failed")
@@ -272,6 +274,8 @@ def test_worker_killed_without_retries_fails_that_run_only_then_resumes(ray_sess
     assert f"{RUNS} runs in the grid, {RUNS - 1} already finished" in capsys.readouterr().err
     assert_same_rows(out_dir, reference)
     assert not (out_dir / "failed.csv").exists()
+    # The killed worker's scratch directory is gone too (removed by the next worker to start).
+    assert not [d for d in SCRATCH.iterdir() if d.name.startswith(f"{killed}-")]
 
 
 def test_gpus_per_run_on_a_cluster_without_gpus(ray_session, tiny_dir, tmp_path):
