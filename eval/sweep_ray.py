@@ -208,8 +208,8 @@ def start_workers(ray: ModuleType, sweep: argparse.Namespace, n_runs: int) -> li
     else:
         n = int(resources.get("CPU", 0))
         if resources.get("GPU", 0):
-            print(f"note: the Ray cluster has {resources['GPU']:g} GPUs, unused: --gpus_per_run is 0",
-                  file=sys.stderr)
+            tqdm.write(f"note: the Ray cluster has {resources['GPU']:g} GPUs, unused: --gpus_per_run is 0",
+                       file=sys.stderr)
         if n == 0:
             raise UserError("the Ray cluster has no CPU to run on")
     return [new_worker(ray, sweep) for _ in range(min(n, n_runs))]
