@@ -8,8 +8,9 @@ loaded across its runs: `eval.cli.load_model` caches it per process. An actor ru
 into a scratch directory on its node and sends the run's files back; the driver writes them into
 `--out_dir` with `results.finish_run` and rebuilds `results.csv` with `results.write_results_table`, as
 the local backend does, so both backends give the same directories, the same table and the same resume
-(a run is finished once its metrics.json exists). Nothing has to be shared between the nodes but the
-code, the environment and the files named in the flags, at the same paths.
+(a run directory is swapped in whole when complete, and reused while its inputs are unchanged). Nothing
+has to be shared between the nodes but the code, the environment and the files named in the flags, at
+the same paths: a run computed from other files than the driver's is reported as failed.
 
 A worker that dies mid-run (killed, out of memory, its node lost) loses that run only: a new actor takes its
 place, and the run is sent again up to `--max_retries` times, after which it is recorded as failed (in
@@ -237,15 +238,23 @@ def write_failed_table(out_dir: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def record(out_dir: Path, path: Path, reply: dict) -> str | None:
+def record(out_dir: Path, job: list[str], path: Path, reply: dict) -> str | None:
     """Write a finished run exactly as eval's `execute` would have; the error when the run failed."""
     if "error" in reply:
         return reply["error"]
     expected = str(path.relative_to(out_dir))
     if reply["run_dir"] != expected:  # a worker with other code or flags would file it elsewhere
         return f"the worker computed run directory {reply['run_dir']}, the driver {expected}: same code on every node?"
-    results.start_run(path)
-    results.finish_run(path, reply["config"], reply["predictions"], reply["metrics"])
+    tmp = results.start_run(path)
+    try:
+        results.finish_run(tmp, path, reply["config"], reply["predictions"], reply["metrics"])
+    finally:
+        results.abandon_run(tmp)  # a no-op after finish_run; if the driver is interrupted, no leftovers
+    if not cli.job_is_current(job):  # the worker hashed other files than the driver: resume would redo it
+        ((task, config, _),) = cli.plan(cli.parse_args(job))
+        changed = ", ".join(results.changed_inputs(path, results.input_fingerprints(config, task.options)))
+        return (f"the worker's inputs differ from the driver's ({changed}; the run was written but counts as "
+                "stale): every node needs the same model, data and code at the same paths")
     return None
 
 
@@ -300,7 +309,7 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
                 if "pid" in reply:
                     model_loads[reply["pid"]] = reply["model_loads"]
                 job, path = pending[index]
-                error = record(out_dir, path, reply)
+                error = record(out_dir, job, path, reply)
                 if error:
                     failures[index] = error
                     failed_rows.append({"run_dir": str(path.relative_to(out_dir)), "attempts": attempts[index],

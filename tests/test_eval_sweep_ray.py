@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 from errors import UserError, run_cli
-from eval import sweep
+from eval import cli, sweep, sweep_ray
 from eval.results import TRAILING_COLUMNS
 from eval.sweep_ray import SCRATCH
 from tests.conftest import ROOT
@@ -32,7 +32,7 @@ from tests.eval_helpers import (
 )
 
 RUNS = 3  # the full cache, then recent_global at two budgets: more runs than the 2 workers
-TIMING_KEYS = [c for c in TRAILING_COLUMNS if c not in ("run_id", "run_dir")]
+TIMING_KEYS = [c for c in TRAILING_COLUMNS if c not in ("run_id", "identity", "run_dir")]
 RUN_TITLE = b"ray::SweepWorker.run"  # Ray's process title while an actor executes SweepWorker.run
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -173,6 +173,26 @@ def test_the_local_backend_does_not_import_ray(tiny_dir, reference, tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"{RUNS} runs in the grid, {RUNS} already finished" in done.stderr
+
+
+def test_the_driver_refuses_a_run_filed_elsewhere_or_computed_from_other_inputs(tiny_dir, reference, tmp_path):
+    """What a worker with other code, model or data sends back is not taken for the run the driver planned."""
+    sweep_args, rest = sweep.parse_sweep([*sweep_flags(tiny_dir, tmp_path), "--backend", "ray"])
+    job, path = sweep.plan_jobs(sweep.grid_jobs(sweep_args, rest))[0]
+    source = reference / path.relative_to(tmp_path)
+    reply = {"run_dir": str(path.relative_to(tmp_path)), "config": json.loads((source / "config.json").read_text()),
+             "predictions": [json.loads(line) for line in (source / "predictions.jsonl").read_text().splitlines()],
+             "metrics": json.loads((source / "metrics.json").read_text())}
+    error = sweep_ray.record(tmp_path, job, path, {**reply, "run_dir": "tiny/fidelity/elsewhere"})
+    assert error.startswith("the worker computed run directory tiny/fidelity/elsewhere") and not path.exists()
+    other_code = json.loads(json.dumps(reply))
+    other_code["config"]["inputs"]["code"]["sources_sha256"] = "0" * 64
+    other_code["metrics"]["identity"] = "0" * 16
+    error = sweep_ray.record(tmp_path, job, path, other_code)
+    assert error.startswith("the worker's inputs differ from the driver's (code;"), error
+    assert sweep_ray.record(tmp_path, job, path, reply) is None
+    assert cli.job_is_current(job) and (path / "predictions.jsonl").read_bytes() == (
+        source / "predictions.jsonl").read_bytes()
 
 
 def test_driver_killed_mid_sweep_resumes_with_the_same_command(tiny_dir, reference, tmp_path):
