@@ -70,16 +70,16 @@ def process_titles() -> dict[int, tuple[bytes, int]]:
     return found
 
 
-def kill_a_worker_mid_run(alive: threading.Thread | subprocess.Popen) -> int:
-    """SIGKILL the first Ray worker seen executing a run; its pid."""
-    deadline = time.monotonic() + 120
+def kill_a_worker_mid_run(sweeping: threading.Thread) -> int:
+    """SIGKILL the first worker of this process's Ray seen executing a run; its pid."""
+    deadline, ours = time.monotonic() + 120, os.getsid(0)  # Ray started here keeps this session
     while True:
-        running = [pid for pid, (title, _) in process_titles().items() if title.startswith(RUN_TITLE)]
+        running = [pid for pid, (title, sid) in process_titles().items() if title.startswith(RUN_TITLE) and sid == ours]
         if running:
             os.kill(running[0], signal.SIGKILL)
             return running[0]
         assert time.monotonic() < deadline, "no worker started a run"
-        assert alive.is_alive() if isinstance(alive, threading.Thread) else alive.poll() is None
+        assert sweeping.is_alive()
         time.sleep(0.01)
 
 
