@@ -13,6 +13,7 @@ Resumable: a run directory is swapped in only when complete, so after a crash or
 command runs only what is missing, or stale (finished with another model file, data or code; see
 eval/results.py). `--workers N` runs N processes, each
 loading the model once; `--devices` spreads them over GPUs (worker i uses device i mod len).
+`--backend ray` runs them on a Ray cluster instead, one worker per device (see eval/sweep_ray.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tqdm import tqdm
 
 from cache_spec import finite_float, mapping_to_argv, read_yaml
 from errors import CliParser, UserError, run_cli
-from eval import cli, results
+from eval import cli, results, sweep_ray
 from generate import resolve_device
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
@@ -50,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1")
     parser.add_argument("--out_dir", default="results")
     parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")
+    g = parser.add_argument_group("backend")
+    g.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="local processes (--workers, --devices) or a Ray cluster (needs requirements-ray.txt)")
+    g.add_argument("--ray_address", default=None,
+                   help="ray: auto or HOST:PORT of a running cluster (default: start Ray on this machine)")
+    g.add_argument("--gpus_per_run", type=float, default=None,
+                   help="ray: GPUs each worker reserves (default 0: one CPU core each)")
+    g.add_argument("--max_retries", type=int, default=None,
+                   help=f"ray: re-sends of a run whose worker died (default {sweep_ray.DEFAULT_MAX_RETRIES})")
     return parser
 
 
@@ -108,7 +118,8 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
     if sweep.workers < 1:
         raise UserError(f"--workers must be ≥ 1, got {sweep.workers}")
-    return sweep, rest
+    sweep_ray.check_flags(sweep)
+    return sweep, sweep_ray.worker_flags(sweep, rest)
 
 
 def grid_jobs(sweep: argparse.Namespace, rest: list[str]) -> list[list[str]]:
@@ -214,7 +225,9 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
     bar = tqdm(total=len(planned), initial=len(planned) - len(pending), desc="sweep", unit="run")
     failures: dict[int, str] = {}
-    if sweep.workers == 1 or len(pending) <= 1:
+    if sweep.backend == "ray":
+        failures = sweep_ray.run_ray(pending, sweep, bar)
+    elif sweep.workers == 1 or len(pending) <= 1:
         for i, (job, _) in enumerate(pending):
             try:
                 run_job(job, devices[0], progress=None)
