@@ -1,7 +1,7 @@
 """Hugging Face directories: config.json -> ModelArgs, and safetensors weights streamed tensor by tensor.
 
 Architectures (config `model_type`): llama (with llama3 / linear RoPE scaling), mistral, qwen2, qwen3,
-gemma3_text (and the text half of a multimodal gemma3 directory), phi3. The config is read from the
+gemma3_text (Gemma 3 text-only checkpoints), phi3. The config is read from the
 checkpoint; a key this loader does not know, or a known one set to something it does not implement, is
 refused with a UserError naming it: a silently ignored key could change the model's math.
 
@@ -23,7 +23,7 @@ import torch
 from errors import UserError
 from model import ModelArgs
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "phi3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -67,11 +67,14 @@ def read_config(directory: Path) -> dict:
 
 
 def text_config(config: dict) -> tuple[dict, str]:
-    """The language model's config and the prefix of its tensor names ('' or 'language_model.')."""
-    if config.get("model_type") == "gemma3":  # multimodal Gemma 3: the text model is nested
-        if not isinstance(config.get("text_config"), dict):
-            raise UserError("this gemma3 config has no text_config")
-        return {**config["text_config"], "model_type": "gemma3_text"}, "language_model."
+    """The language model's config and the prefix of its tensor names (always '' today).
+
+    Multimodal Gemma 3 directories (model_type gemma3: 4B and larger) nest the text model under prefixes
+    that differ between the Hub's original files and transformers 5's; they are refused rather than
+    guessed at until a test pins both layouts down."""
+    if config.get("model_type") == "gemma3":
+        raise UserError("multimodal gemma3 checkpoints are not supported; use a text-only gemma3_text checkpoint "
+                        "(e.g. Gemma 3 1B)")
     return config, ""
 
 
@@ -117,7 +120,7 @@ def _layer_types(config: dict, model_type: str, n_layer: int, window: int) -> li
 def hf_model_args(config: dict) -> ModelArgs:
     """ModelArgs from a (text) config.json, or a UserError for anything this model does not implement."""
     model_type = config.get("model_type")
-    if model_type not in HF_MODEL_TYPES or model_type == "gemma3":
+    if model_type not in HF_MODEL_TYPES:
         raise UserError(f"unsupported model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
     unknown = sorted(set(config) - _HARMLESS_KEYS - _READ_KEYS)
     if "quantization_config" in unknown:
