@@ -42,11 +42,13 @@ def arch_configs() -> dict[str, object]:
 
 
 def write_tokenizer(directory: Path, chat_template: str | None = None, **special: str) -> None:
-    """A word-level tokenizer over 'w0' … 'w{VOCAB-1}' (ids = the numbers), saved by transformers."""
+    """A word-level tokenizer: <unk>, <s>, </s>, then 'w3' … 'w{VOCAB-1}' (ids = the numbers), saved by
+    transformers. Special tokens do not look like words, or they would match inside them ('w1' in 'w10')."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
     if chat_template is not None:
@@ -69,5 +71,5 @@ def save_tiny_model(arch: str, directory: Path, seed: int = 0) -> torch.nn.Modul
             else:  # norms (Gemma's are stored as weight − 1) and biases: away from their neutral value
                 p.normal_(0.0 if "norm" not in name or arch == "gemma3" else 1.0, 0.2)
     model.save_pretrained(str(directory))
-    write_tokenizer(directory, bos_token="w1", eos_token="w2")
+    write_tokenizer(directory, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     return model.eval()
