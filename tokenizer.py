@@ -95,7 +95,7 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     if pre not in _GPT2_REGEX_PRE:
         raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(sorted(_GPT2_REGEX_PRE))})")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: a byte vocabulary
     backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE)
     token_types = meta.get("tokenizer.ggml.token_type", [])
     special = [

@@ -36,6 +36,10 @@ def arch_configs() -> dict[str, object]:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
             final_logit_softcapping=30.0),
+        "llama_plain": T.LlamaConfig(**SMALL),
+        # transformers' GGUF loader leaves Qwen3's head_dim at the class default, 128.
+        "qwen3_gguf": T.Qwen3Config(**SMALL, head_dim=128),
+        "phi3_full": T.Phi3Config(**SMALL, pad_token_id=0, eos_token_id=2, bos_token_id=1),
         "phi3": T.Phi3Config(**SMALL, pad_token_id=0, eos_token_id=2, bos_token_id=1,
                              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
     }
