@@ -302,7 +302,7 @@ def follows_window(cache: KVCache, window: int) -> bool:
     fits the window, or the cache keeps only the newest ≤ window tokens (no sinks)."""
     if cache.capacity_needed <= window:
         return True
-    keeps_newest = cache.name in ("recent_global", "sliding_window") and cache.global_tokens == 0
+    keeps_newest = cache.name == "recent_global" and cache.global_tokens == 0
     return keeps_newest and cache.max_cache_length <= window
 
 
@@ -347,7 +347,7 @@ class Transformer(nn.Module):
             window = layer.attention.sliding_window
             if window and not follows_window(cache, window):
                 raise UserError(f"layer {i} attends to its last {window} tokens only, but its {cache.name} cache can "
-                                "hold older ones; give sliding layers the window policy "
+                                "hold older ones; sliding layers need the window policy "
                                 "(model_policies.apply_model_layer_policies)")
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = cache

@@ -97,8 +97,28 @@ def test_sliding_layers_get_the_window_cache():
     specs = resolve_cache_spec(default_cache_args(cache_strategy=["heavy_hitter"], max_cache_length=[0.5]),
                                args.n_layer, 100, 20)
     specs = apply_model_layer_policies(specs, args, 100, 20, quiet=True)
-    assert [s.strategy for s in specs] == ["sliding_window", "sliding_window", "heavy_hitter", "sliding_window"]
+    assert [s.strategy for s in specs] == ["recent_global", "recent_global", "heavy_hitter", "recent_global"]
     assert [s.max_cache_length for s in specs] == [WINDOW, WINDOW, 60, WINDOW]
     # A sequence the window covers: the user's strategy everywhere.
     short = apply_model_layer_policies(resolve_cache_spec(default_cache_args(), args.n_layer, 6, 4), args, 6, 4)
     assert {s.strategy for s in short} == {"full"}
+
+
+def test_a_cache_that_outlives_the_window_is_refused(arch_dir):
+    """Without the window policy (e.g. specs resolved without apply_model_layer_policies), a sliding
+    layer would attend to tokens its window excludes: setup_caches refuses instead of computing it."""
+    from errors import UserError
+
+    arch, directory, _ = arch_dir
+    model, _ = load_checkpoint(directory, "cpu", torch.float32)
+    specs = resolve_cache_spec(default_cache_args(), model.args.n_layer, PROMPT, STEPS)
+    a = model.args
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + STEPS, torch.float32, "cpu")
+    if not a.sliding_window:
+        model.setup_caches(caches)  # nothing to refuse
+        return
+    with pytest.raises(UserError, match="sliding"):
+        model.setup_caches(caches)
+    # A sequence inside the window: any cache is exact.
+    short = resolve_cache_spec(default_cache_args(), a.n_layer, 4, 4)
+    model.setup_caches(build_caches(short, 1, a.n_kv_head, a.head_dim, 8, torch.float32, "cpu"))

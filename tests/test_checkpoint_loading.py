@@ -146,7 +146,7 @@ def test_gemma_cache_spec_and_compression_ratio_through_generate(tmp_path, capsy
                            "--print_cache_spec", "--no-chat"])
     out = capsys.readouterr().out
     spec_lines = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-    assert [line[1] for line in spec_lines[:4]] == ["sliding_window", "sliding_window", "full", "sliding_window"]
+    assert [line[1] for line in spec_lines[:4]] == ["recent_global", "recent_global", "full", "recent_global"]
     seen = 30 + 10 - 1  # the last generated token is never fed back
     local = round(1 - 12 / seen, 4)
     assert stats["compression_ratio_per_layer"] == [local, local, 0.0, local]
