@@ -57,7 +57,8 @@ class ModelArgs:
     query_scale: float = 0.0  # attention logit scale; 0 means head_dim ** -0.5
     final_logit_softcap: float = 0.0  # logits = cap · tanh(logits / cap) when > 0
     sliding_window: int = 0  # keys a sliding layer's query sees (itself included); 0: none
-    layer_types: list[str] = field(default_factory=list)  # "full_attention" / "sliding_attention"; [] = all full
+    # Per layer "full_attention" / "sliding_attention"; [] means every layer alike: sliding iff sliding_window.
+    layer_types: list[str] = field(default_factory=list)
     local_rope_base: float = 0.0  # RoPE base of sliding layers when it differs (Gemma 3); unscaled
 
     def __post_init__(self) -> None:

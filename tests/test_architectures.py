@@ -20,7 +20,7 @@ from model_policies import apply_model_layer_policies
 from tests.arch_helpers import VOCAB, WINDOW, arch_configs, save_tiny_model
 
 LOGIT_ATOL = 1e-3
-PROMPT, STEPS = 24, 32  # both longer than the sliding window (12)
+PROMPT, STEPS = 24, 32  # both longer than the sliding window (12); STEPS decode steps after the prefill
 ARCHS = list(arch_configs())
 
 
@@ -67,12 +67,13 @@ def test_prefill_and_decode_match_transformers(arch_dir):
     model, tokenizer = load_checkpoint(directory, "cpu", torch.float32)
     assert model.args.vocab_size == VOCAB and tokenizer.vocab_size == VOCAB
     prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
-    attach(model, PROMPT, STEPS)
-    ours, tokens = greedy_logits(model, prompt, STEPS)
+    attach(model, PROMPT, STEPS + 1)
+    ours, tokens = greedy_logits(model, prompt, STEPS + 1)
     with torch.no_grad():
         ref = reference(torch.tensor([prompt + tokens[:-1]])).logits[0, PROMPT - 1:].float()
+    assert ours.shape[0] == STEPS + 1
     delta = (ours - ref).abs().max().item()
-    print(f"{arch}: max |Δlogit| over prefill + {STEPS - 1} decode steps = {delta:.2e}")
+    print(f"{arch}: max |Δlogit| over prefill + {STEPS} decode steps = {delta:.2e}")
     assert delta <= LOGIT_ATOL, f"{arch}: max |Δlogit| {delta:.2e}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert ref.std() > 0.5  # the logits really spread: a layout bug could not hide in near-uniform outputs
@@ -122,3 +123,28 @@ def test_a_cache_that_outlives_the_window_is_refused(arch_dir):
     # A sequence inside the window: any cache is exact.
     short = resolve_cache_spec(default_cache_args(), a.n_layer, 4, 4)
     model.setup_caches(build_caches(short, 1, a.n_kv_head, a.head_dim, 8, torch.float32, "cpu"))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_compiled_decode_matches_eager_without_recompiling(arch, tmp_path):
+    """The per-architecture steps (q/k norms, scaled embeddings, local RoPE tables, partial rotary, window
+    caches) keep the decode step one static graph: compiled equals eager, no recompilation."""
+    from torch._dynamo.utils import counters
+
+    from generate import compile_decode_step, decode_one_token
+
+    save_tiny_model(arch, tmp_path)
+    model, _ = load_checkpoint(tmp_path, "cpu", torch.float32)
+    prompt = list(range(3, 3 + PROMPT))
+    attach(model, PROMPT, 12)
+    results = []
+    torch._dynamo.reset()
+    counters.clear()
+    for step in (decode_one_token, compile_decode_step()):
+        model.reset_caches()
+        with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+            model(torch.tensor([prompt]), torch.arange(PROMPT), last_logits_only=True)
+            out = [step(model, torch.tensor([[5 + i]]), torch.tensor([PROMPT + i])) for i in range(12)]
+        results.append(torch.cat(out))
+    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
