@@ -44,6 +44,8 @@ _HARMLESS_KEYS = {
     "begin_suppress_tokens", "tf_legacy_loss", "classifier_dropout", "max_window_layers", "use_sliding_window",
     "original_max_position_embeddings", "_sliding_window_pattern", "sliding_window_pattern", "unsloth_fixed",
     "_attn_implementation_autoset", "model_name", "vocab_file",
+    # Remote-code class names: transformers ignores them for these natively supported types, as we do.
+    "auto_map",
 }
 # Keys read by hf_model_args (any model type; a key a model type does not have is simply absent).
 _READ_KEYS = {
@@ -51,7 +53,7 @@ _READ_KEYS = {
     "num_key_value_heads", "head_dim", "hidden_act", "hidden_activation", "max_position_embeddings", "rms_norm_eps",
     "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq",
     "partial_rotary_factor", "attention_bias", "mlp_bias", "sliding_window", "layer_types", "query_pre_attn_scalar",
-    "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention",
+    "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention", "lm_head_bias",
 }
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -133,7 +135,11 @@ def hf_model_args(config: dict) -> ModelArgs:
     _refuse(bool(config.get("mlp_bias")), "MLP biases (mlp_bias: true) are not supported")
     _refuse(config.get("attn_logit_softcapping") is not None, "attention logit soft-capping is not supported")
     _refuse(bool(config.get("use_bidirectional_attention")), "bidirectional attention is not supported")
-    _refuse(model_type == "mistral" and bool(config.get("attention_bias")), "mistral attention biases are unsupported")
+    _refuse(bool(config.get("lm_head_bias")), "an output-projection bias (lm_head_bias: true) is not supported")
+    # attention_bias puts a bias on the output projection too in these architectures (not in Qwen2, whose
+    # q/k/v biases are built in); the model has none there.
+    _refuse(model_type != "qwen2" and bool(config.get("attention_bias")),
+            f"{model_type} with attention_bias: true (biases on the attention projections) is not supported")
 
     n_layer, n_head = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // n_head)
@@ -177,7 +183,7 @@ def hf_model_args(config: dict) -> ModelArgs:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         context_length=int(config.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(config.get("tie_word_embeddings", tie_default)),
-        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2",
         rope_scaling=scaling,
         partial_rotary_factor=partial,
         qk_norm=model_type in ("qwen3", "gemma3_text"),

@@ -100,6 +100,8 @@ def refused(tmp_path, arch: str, **config_changes: object) -> str:
 @pytest.mark.parametrize("arch, change, fragment", [
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "unsupported RoPE scaling"),
     ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("phi3", {"lm_head_bias": True}, "lm_head_bias"),
     ("llama", {"some_new_math_switch": 3}, "some_new_math_switch"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantized"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, "soft-capping"),

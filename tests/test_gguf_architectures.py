@@ -82,3 +82,20 @@ def test_gguf_matches_transformers_gguf_loader(tmp_path, arch, gguf_arch):
     assert (ours - ref).abs().max().item() <= LOGIT_ATOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert (ours - hf).abs().max().item() <= LOGIT_ATOL  # and the directory it was converted from
+
+
+def test_gemma3_gguf_is_refused_with_a_pointer_to_the_directory(tmp_path):
+    import gguf
+
+    from errors import UserError
+
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match="unsupported GGUF architecture 'gemma3'.*Hugging Face directory"):
+        load_checkpoint(path, "cpu", torch.float32)
