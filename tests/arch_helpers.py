@@ -30,6 +30,8 @@ def arch_configs() -> dict[str, object]:
         "mistral": T.MistralConfig(**SMALL, sliding_window=WINDOW, head_dim=16),
         "qwen2": T.Qwen2Config(**SMALL, tie_word_embeddings=True),
         "qwen3": T.Qwen3Config(**SMALL, head_dim=32),
+        # Sliding window on the layers from max_window_layers on (layers 2 and 3 here).
+        "qwen2_window": T.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
         "gemma3": T.Gemma3TextConfig(
             **SMALL, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],

@@ -29,6 +29,7 @@ LEGACY = {
                "torch_dtype": "float32", "cache_implementation": "hybrid"},
     "qwen2": {"rope_theta": 1000000.0, "rope_scaling": None, "sliding_window": 8, "use_sliding_window": False,
               "max_window_layers": 2},
+    "qwen2_window": {"rope_theta": 10000.0, "sliding_window": 12, "use_sliding_window": True, "max_window_layers": 3},
     "phi3": {"rope_theta": 10000.0, "rope_scaling": None, "partial_rotary_factor": 0.5, "sliding_window": 10,
              "original_max_position_embeddings": 256},
 }
@@ -56,6 +57,8 @@ def test_legacy_config_format_matches_transformers(arch, tmp_path):
         assert model.args.layer_types == ["sliding_attention", "full_attention"] * 2
     if arch == "qwen2":
         assert model.args.sliding_window == 0  # use_sliding_window is false
+    if arch == "qwen2_window":
+        assert model.args.layer_types == ["full_attention"] * 3 + ["sliding_attention"]
 
 
 def test_sharded_checkpoint_streams_to_the_target_dtype(tmp_path):
