@@ -65,7 +65,8 @@ def write_gguf(reference, arch: str, path) -> None:  # noqa: ANN001
     writer.close()
 
 
-@pytest.mark.parametrize("arch, gguf_arch", [("llama_plain", "llama"), ("qwen3_gguf", "qwen3"), ("phi3_full", "phi3")])
+@pytest.mark.parametrize("arch, gguf_arch", [("llama_plain", "llama"), ("qwen2", "qwen2"), ("qwen3_gguf", "qwen3"),
+                                            ("phi3_full", "phi3")])
 def test_gguf_matches_transformers_gguf_loader(tmp_path, arch, gguf_arch):
     import transformers
 
