@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from errors import UserError
@@ -23,6 +23,15 @@ from errors import UserError
 # every digit on its own before the GPT-2 regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM).
 _DIGIT_SPLITTING_PRE = {"smollm"}
 _GPT2_REGEX_PRE = {"gpt2", "default", "smollm", "refact", "starcoder", "codeshell", "jais"}
+# Pre-tokenizers that split with their own regex before the byte-level mapping (llama.cpp's names; the
+# patterns are those of the models' tokenizer.json files). Llama 3 groups digits by three and Qwen2
+# splits them one by one; both match English contractions case-insensitively.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_REGEX_PRE = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 _GGUF_TOKEN_TYPE_CONTROL = 3
 _GGUF_TOKEN_TYPE_USER_DEFINED = 4
 
@@ -116,10 +125,15 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool) -> HFTokenizer:
+def byte_level_bpe(
+    vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool, split_regex: str | None = None
+) -> HFTokenizer:
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if split_digits:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_regex is None)
+    if split_regex is not None:
+        split = pre_tokenizers.Split(Regex(split_regex), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif split_digits:
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         backend.pre_tokenizer = byte_level
@@ -132,11 +146,13 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     if kind != "gpt2":
         raise UserError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2-style byte-level BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _GPT2_REGEX_PRE:
-        raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(sorted(_GPT2_REGEX_PRE))})")
+    if pre not in _GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE):
+        names = ", ".join(sorted(_GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE)))
+        raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {names})")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: a byte vocabulary
-    backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE)
+    backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE,
+                             split_regex=_SPLIT_REGEX_PRE.get(pre))
     token_types = meta.get("tokenizer.ggml.token_type", [])
     special = [
         tokens[i]

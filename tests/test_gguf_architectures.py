@@ -100,3 +100,50 @@ def test_gemma3_gguf_is_refused_with_a_pointer_to_the_directory(tmp_path):
     writer.close()
     with pytest.raises(UserError, match="unsupported GGUF architecture 'gemma3'.*Hugging Face directory"):
         load_checkpoint(path, "cpu", torch.float32)
+
+
+TOKENIZER_TEXTS = ["Hello, world! I'M here; you're THERE.", "In 2024, 1234567 apples cost $3.50.",
+                   "def f(x):\n\treturn x ** 2   \n\n\n  end", "Ünïcödé, 日本語 and emoji 🤖 they'll"]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "default"])
+def test_gguf_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
+    """Llama 3 ("llama-bpe", digits by three) and Qwen2 ("qwen2", digits one by one) GGUF vocabularies:
+    our encoding of varied text equals transformers' tokenizer built from the same GGUF file."""
+    import gguf
+    import transformers
+    from tokenizers import pre_tokenizers
+
+    from checkpoint import read_gguf_metadata
+    from tokenizer import tokenizer_from_gguf_metadata
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "e r", "Ġ 2", "' s", "' M"]
+    tokens = byte_chars + [a + b for a, b in (m.split(" ") for m in merges)]
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(8)
+    writer.add_head_count(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _, meta = read_gguf_metadata(path)
+    ours = tokenizer_from_gguf_metadata(meta)
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TOKENIZER_TEXTS:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), (pre, text)
+        assert ours.decode(ours.encode(text)) == text
+    digits = [ours.decode([i]) for i in ours.encode("1234567")]
+    assert digits == {"llama-bpe": ["123", "4", "5", "6", "7"], "qwen2": list("1234567"),
+                      "default": ["123", "4", "5", "6", "7"]}[pre]
