@@ -19,11 +19,11 @@ from tqdm import tqdm
 from checkpoint_gguf import GGUF_ARCHITECTURES, read_gguf, read_gguf_metadata
 from checkpoint_hf import (
     HF_MODEL_TYPES,
+    check_text_only,
     hf_model_args,
     iter_safetensors,
     map_tensor,
     read_config,
-    text_config,
     total_bytes,
     weight_files,
 )
@@ -78,12 +78,13 @@ def load_checkpoint(
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
     if path.is_dir():
-        config, prefix = text_config(read_config(path))
+        config = read_config(path)
+        check_text_only(config)
         args = hf_model_args(config)
         files = weight_files(path)
         tokenizer = tokenizer_from_hf_dir(path, config)  # before the weights: a missing file fails fast
         tensors = ((name, t, n if i == 0 else 0) for key, tensor, n in iter_safetensors(files)
-                   for i, (name, t) in enumerate(map_tensor(key, tensor, args, prefix)))
+                   for i, (name, t) in enumerate(map_tensor(key, tensor, args)))
         model = build_model(args, tensors, total_bytes(files), device, dtype, str(path))
     elif path.suffix == ".gguf":
         args, tensors, size, tokenizer = read_gguf(path)

@@ -68,16 +68,13 @@ def read_config(directory: Path) -> dict:
         raise UserError(f"{path} is not valid JSON: {e}") from None
 
 
-def text_config(config: dict) -> tuple[dict, str]:
-    """The language model's config and the prefix of its tensor names (always '' today).
-
-    Multimodal Gemma 3 directories (model_type gemma3: 4B and larger) nest the text model under prefixes
-    that differ between the Hub's original files and transformers 5's; they are refused rather than
-    guessed at until a test pins both layouts down."""
+def check_text_only(config: dict) -> None:
+    """Multimodal Gemma 3 directories (model_type gemma3: 4B and larger) nest the text model under tensor
+    prefixes that differ between the Hub's original files and transformers 5's; they are refused rather
+    than guessed at."""
     if config.get("model_type") == "gemma3":
         raise UserError("multimodal gemma3 checkpoints are not supported; use a text-only gemma3_text checkpoint "
                         "(e.g. Gemma 3 1B)")
-    return config, ""
 
 
 def _refuse(condition: bool, message: str) -> None:
@@ -225,14 +222,10 @@ _TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.
               "lm_head.weight": "output.weight"}
 
 
-def map_tensor(key: str, tensor: torch.Tensor, args: ModelArgs, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+def map_tensor(key: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
     """Our (name, tensor) pairs for one checkpoint tensor: none for tensors the model does not use
     (a tied lm_head, precomputed RoPE frequencies), two or three for fused projections (Phi-3).
     Anything else unknown is a UserError: an unused weight means a computation we would skip."""
-    if prefix:
-        if not key.startswith(prefix):
-            return []  # the vision tower and projector of a multimodal checkpoint
-        key = key[len(prefix):]
     if key in _TOP_NAMES:
         if key == "lm_head.weight" and args.tie_embeddings:
             return []

@@ -13,7 +13,7 @@ import torch
 from checkpoint import load_checkpoint
 from checkpoint_hf import hf_model_args
 from errors import UserError
-from tests.arch_helpers import SMALL, VOCAB, arch_configs, save_tiny_model
+from tests.arch_helpers import VOCAB, arch_configs, save_tiny_model
 from tests.conftest import ROOT
 
 LOGIT_ATOL = 1e-3
@@ -164,4 +164,3 @@ def test_arch_configs_cover_every_hf_model_type():
     types = {c.model_type for c in arch_configs().values()}  # every type has a parity test
     assert types == set(HF_MODEL_TYPES)
     assert hf_model_args(arch_configs()["phi3"].to_dict()).rope_dim == 12  # head_dim 16 × 0.75
-    assert SMALL["num_hidden_layers"] == 4
