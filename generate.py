@@ -34,6 +34,7 @@ from checkpoint import DTYPES, load_checkpoint, parse_dtype
 from debug_cache import attention_loss_curve
 from errors import CliParser, UserError, run_cli
 from model import Transformer
+from model_policies import apply_model_layer_policies
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -378,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_ids = encode_prompt(tokenizer, prompt_text, args.chat)
     check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length)
     specs = resolve_cache_spec(args, model.args.n_layer, len(prompt_ids), args.max_new_tokens)
+    specs = apply_model_layer_policies(specs, model.args, len(prompt_ids), args.max_new_tokens)
     if args.print_cache_spec:
         print(format_cache_spec(specs))
     setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens, tokenizer, args.snapkv_window,

@@ -1,8 +1,15 @@
-"""A Llama-architecture decoder in the spirit of gpt-fast: RMSNorm, RoPE, grouped-query attention,
-SwiGLU, optional tied embeddings and q/k/v biases (Qwen2). One KV cache module per layer.
+"""A Llama-family decoder in the spirit of gpt-fast: RMSNorm, RoPE, grouped-query attention, gated MLP,
+one KV cache module per layer. The architecture differences the loaders read from a checkpoint are
+ModelArgs fields, each a small step around the same forward:
+
+- q/k/v biases (Qwen2); per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3);
+- Gemma 3: embeddings scaled by sqrt(dim), norms that multiply by (1 + weight), norms after attention
+  and after the MLP as well as before, GELU(tanh) gating, a query scale of its own, and sliding-window
+  ("local") layers with their own RoPE base interleaved with global layers;
+- a sliding window on every layer (Mistral, Phi-3), partial rotary embeddings (Phi-3 family).
 
 Weights are always held in the Hugging Face "rotate-half" RoPE layout; the GGUF loader undoes
-llama.cpp's interleaved-pair permutation of the q/k projections (see checkpoint.py), so a single
+llama.cpp's interleaved-pair permutation of the q/k projections (see checkpoint_gguf.py), so a single
 RoPE implementation serves every checkpoint format.
 
 Two entry points share one forward:
@@ -22,6 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cache import KVCache
+from errors import UserError
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass
@@ -39,19 +49,52 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
     rope_scaling: dict = field(default_factory=dict)  # Hugging Face `rope_scaling` (llama3 / linear)
+    partial_rotary_factor: float = 1.0  # fraction of each head's dimensions that RoPE rotates (Phi-3 family)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): Gemma stores weight − 1
+    sandwich_norms: bool = False  # Gemma 3: RMSNorm on the attention and MLP outputs too
+    hidden_act: str = "silu"  # MLP gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embedding_scale: float = 1.0  # Gemma: embeddings × sqrt(dim)
+    query_scale: float = 0.0  # attention logit scale; 0 means head_dim ** -0.5
+    final_logit_softcap: float = 0.0  # logits = cap · tanh(logits / cap) when > 0
+    sliding_window: int = 0  # keys a sliding layer's query sees (itself included); 0: none
+    # Per layer "full_attention" / "sliding_attention"; [] means every layer alike: sliding iff sliding_window.
+    layer_types: list[str] = field(default_factory=list)
+    local_rope_base: float = 0.0  # RoPE base of sliding layers when it differs (Gemma 3); unscaled
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_head
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+        if self.layer_types and len(self.layer_types) != self.n_layer:
+            raise ValueError(f"{len(self.layer_types)} layer_types for {self.n_layer} layers")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` in tokens, or 0 for a layer that attends to everything."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
-    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+def rope_inverse_frequencies(args: ModelArgs, local: bool = False) -> Tensor:
+    """Inverse frequencies of the rotated dimensions; `local`: those of the sliding layers' own base."""
+    dim = args.rope_dim
+    base = args.local_rope_base if local else args.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if local:
+        return inv_freq
     kind = args.rope_scaling.get("rope_type", args.rope_scaling.get("type")) if args.rope_scaling else None
     if kind in (None, "default"):
         return inv_freq
@@ -70,20 +113,33 @@ def rope_inverse_frequencies(args: ModelArgs) -> Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-def rope_tables(args: ModelArgs) -> tuple[Tensor, Tensor]:
-    """cos and sin of shape [context_length, head_dim] in the rotate-half layout, float32."""
-    inv_freq = rope_inverse_frequencies(args)
+def rope_tables(args: ModelArgs, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape [context_length, rope_dim] in the rotate-half layout, float32."""
+    inv_freq = rope_inverse_frequencies(args, local)
     angles = torch.outer(torch.arange(args.context_length, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, H, T, D]; cos/sin: [T, D]. Rotation in float32, result in x's dtype."""
+    """x: [B, H, T, D]; cos/sin: [T, R], R ≤ D. Rotation in float32, result in x's dtype.
+
+    With R < D (partial rotary embeddings) only the first R dimensions rotate; the rest pass through.
+    """
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     xf = x.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def sliding_causal_mask(T: int, window: int, device: torch.device) -> Tensor:
+    """[T, T] bool: query t sees keys t − window < j ≤ t (the window counts the query's own token)."""
+    t = torch.arange(T, device=device)
+    age = t[:, None] - t[None, :]
+    return (age >= 0) & (age < window)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -132,15 +188,18 @@ def soft_gated_attention(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        # Gemma stores weight − 1 and multiplies by (1 + weight) in float32; adding the 1 here rather than
+        # to the loaded weight keeps bfloat16 weights rounding exactly as in the reference.
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * (self.weight.float() + self.offset)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -152,6 +211,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        # The attention kernels scale logits by head_dim ** -0.5; a model with its own scale (Gemma 3's
+        # query_pre_attn_scalar) gets the ratio folded into q, so every kernel and compressor sees it.
+        self.q_rescale = args.query_scale * math.sqrt(args.head_dim) if args.query_scale else 1.0
+        self.sliding_window = args.layer_window(layer_idx)  # 0: attends to everything
         self.kv_cache: KVCache | None = None
         # Learned forget gate (gates.Gate: normed hidden state -> log-gates [B, n_kv, T]), attached by
         # gates.attach_gates for gated caches and gate training; None otherwise.
@@ -166,7 +231,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_rescale != 1.0:
+            q = q * self.q_rescale
 
         cache = self.kv_cache
         if cache is not None and cache.needs_gates:
@@ -176,7 +245,11 @@ class Attention(nn.Module):
             y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
         elif T > 1 or cache is None:
             # Prefill: causal attention over the prompt itself (the fused kernel; no probabilities).
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if self.sliding_window and T > self.sliding_window:
+                window = sliding_causal_mask(T, self.sliding_window, x.device)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             if cache is not None:
                 cache.prefill(input_pos, k, v, q)
         else:
@@ -200,9 +273,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
         self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -210,12 +284,28 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(args, layer_idx)
         self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        if args.sandwich_norms:
+            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.sandwich = args.sandwich_norms
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> Tensor:
+        if self.sandwich:
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, input_pos))
+            return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
         h = x + self.attention(self.attention_norm(x), cos, sin, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def follows_window(cache: KVCache, window: int) -> bool:
+    """Whether attending over everything `cache` holds is the sliding window's attention: the sequence
+    fits the window, or the cache keeps only the newest ≤ window tokens (no sinks)."""
+    if cache.capacity_needed <= window:
+        return True
+    keeps_newest = cache.name == "recent_global" and cache.global_tokens == 0
+    return keeps_newest and cache.max_cache_length <= window
 
 
 class Transformer(nn.Module):
@@ -224,12 +314,15 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        # Sliding layers' own tables (Gemma 3's local RoPE base); empty when they share the global ones.
+        self.register_buffer("rope_local_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_local_sin", torch.empty(0), persistent=False)
         self.init_rope_tables()
 
     def init_rope_tables(self) -> None:
@@ -238,6 +331,9 @@ class Transformer(nn.Module):
         device = self.tok_embeddings.weight.device
         cos, sin = rope_tables(self.args)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        if self.args.local_rope_base:
+            cos, sin = rope_tables(self.args, local=True)
+            self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
 
     def setup_caches(self, caches: list[KVCache]) -> None:
         """Attach one cache per layer (built by cache_spec.build_caches)."""
@@ -248,6 +344,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"layer {i}: the {cache.name} cache needs learned gates, but the model has none "
                                  "attached (gates.attach_gates / gates.attach_random_gates; generate.setup_caches "
                                  "loads the trained ones)")
+            window = layer.attention.sliding_window
+            if window and not follows_window(cache, window):
+                raise UserError(f"layer {i} attends to its last {window} tokens only, but its {cache.name} cache can "
+                                "hold older ones; sliding layers need the window policy "
+                                "(model_policies.apply_model_layer_policies)")
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = cache
 
@@ -276,9 +377,18 @@ class Transformer(nn.Module):
         for cache in self.caches():
             if cache.needs_token_ids:  # e.g. FastGen's special-token and punctuation policies
                 cache.observe_tokens(idx)
+        local = (self.rope_local_cos[input_pos], self.rope_local_sin[input_pos]) if self.args.local_rope_base \
+            else (cos, sin)
         x = self.tok_embeddings(idx)
+        if self.args.embedding_scale != 1.0:
+            # Scaled in the weights' dtype, as the reference does (the scale itself is rounded there too).
+            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos) if run_block is None else run_block(layer, x, cos, sin, input_pos)
+            rope = local if layer.attention.sliding_window else (cos, sin)
+            x = layer(x, *rope, input_pos) if run_block is None else run_block(layer, x, *rope, input_pos)
         if last_logits_only:
             x = x[:, -1:]
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x)).float()
+        if self.args.final_logit_softcap:
+            logits = self.args.final_logit_softcap * torch.tanh(logits / self.args.final_logit_softcap)
+        return logits

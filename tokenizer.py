@@ -1,13 +1,20 @@
 """Tokenizers built offline from what a checkpoint carries: the GGUF vocab and merges, or a Hugging Face
-`tokenizer.json`. Chat templates (Jinja, as shipped with the checkpoint) are rendered in a sandbox."""
+`tokenizer.json`. Chat templates (Jinja, as shipped with the checkpoint: tokenizer_config.json,
+chat_template.jinja or GGUF metadata) are rendered in a sandbox set up as transformers sets up its own
+(loop controls, raise_exception, strftime_now, a non-escaping tojson, every special token by name), so
+a template renders the same string here as with `apply_chat_template` there."""
 
 from __future__ import annotations
 
+import functools
 import json
+from datetime import datetime
 from pathlib import Path
 
+import jinja2
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from errors import UserError
@@ -16,6 +23,15 @@ from errors import UserError
 # every digit on its own before the GPT-2 regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM).
 _DIGIT_SPLITTING_PRE = {"smollm"}
 _GPT2_REGEX_PRE = {"gpt2", "default", "smollm", "refact", "starcoder", "codeshell", "jais"}
+# Pre-tokenizers that split with their own regex before the byte-level mapping (llama.cpp's names; the
+# patterns are those of the models' tokenizer.json files). Llama 3 groups digits by three and Qwen2
+# splits them one by one; both match English contractions case-insensitively.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_REGEX_PRE = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+                    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 _GGUF_TOKEN_TYPE_CONTROL = 3
 _GGUF_TOKEN_TYPE_USER_DEFINED = 4
 
@@ -30,12 +46,20 @@ class Tokenizer:
         eos_ids: list[int],
         chat_template: str | None,
         add_bos: bool,
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
         self.bos_id = bos_id
         self.eos_ids = eos_ids
         self.chat_template = chat_template
         self.add_bos = add_bos
+        # Template variables: bos_token, eos_token, unk_token, pad_token, ... (strings), as transformers
+        # passes them; bos/eos default to the tokens of bos_id / eos_ids[0].
+        self.special_tokens = dict(special_tokens or {})
+        if self.bos_id is not None:
+            self.special_tokens.setdefault("bos_token", self.id_to_token(self.bos_id) or "")
+        if self.eos_ids:
+            self.special_tokens.setdefault("eos_token", self.id_to_token(self.eos_ids[0]) or "")
 
     @property
     def vocab_size(self) -> int:
@@ -57,29 +81,59 @@ class Tokenizer:
     def special_token_ids(self) -> list[int]:
         return sorted(t for t in self.backend.get_added_tokens_decoder() if t is not None)
 
-    def apply_chat_template(self, user_message: str) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **variables: object) -> str:
+        """The chat template applied to `messages`, exactly as transformers' apply_chat_template(...,
+        tokenize=False) renders it (extra `variables`, e.g. enable_thinking, reach the template too)."""
         if not self.chat_template:
             raise UserError("this checkpoint has no chat template; pass --no-chat")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
-        eos = self.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
-        text = template.render(
-            messages=[{"role": "user", "content": user_message}],
-            add_generation_prompt=True,
-            bos_token=bos,
-            eos_token=eos,
-        )
+        try:
+            template = _compile_chat_template(self.chat_template)
+            context = {"tools": None, "documents": None, **self.special_tokens, **variables}
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as e:
+            raise UserError(f"the checkpoint's chat template failed: {e}") from None
+
+    def apply_chat_template(self, user_message: str) -> str:
+        """One user turn and the assistant's generation prompt, ready for encode()."""
+        text = self.render_chat([{"role": "user", "content": user_message}])
+        bos = self.special_tokens.get("bos_token", "")
         # A template that writes the BOS token itself must not get a second one from encode().
         if self.add_bos and bos and text.startswith(bos):
             text = text[len(bos) :]
         return text
 
 
-def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool) -> HFTokenizer:
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None, separators: tuple | None = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON (as transformers does).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    return env.from_string(source)
+
+
+def byte_level_bpe(
+    vocab: dict[str, int], merges: list[tuple[str, str]], split_digits: bool, split_regex: str | None = None
+) -> HFTokenizer:
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if split_digits:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_regex is None)
+    if split_regex is not None:
+        split = pre_tokenizers.Split(Regex(split_regex), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif split_digits:
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         backend.pre_tokenizer = byte_level
@@ -92,11 +146,13 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     if kind != "gpt2":
         raise UserError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2-style byte-level BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _GPT2_REGEX_PRE:
-        raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(sorted(_GPT2_REGEX_PRE))})")
+    if pre not in _GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE):
+        names = ", ".join(sorted(_GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE)))
+        raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {names})")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: a byte vocabulary
+    backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE,
+                             split_regex=_SPLIT_REGEX_PRE.get(pre))
     token_types = meta.get("tokenizer.ggml.token_type", [])
     special = [
         tokens[i]
@@ -146,10 +202,18 @@ def tokenizer_from_hf_dir(directory: Path, config: dict) -> Tokenizer:
     adds_bos = bos is not None and bos in backend.encode("a", add_special_tokens=True).ids
     if adds_bos:
         backend.post_processor = None
-    chat_template = tok_config.get("chat_template")
+    # As in transformers: a chat_template.jinja file takes priority over the tokenizer_config.json entry.
     template_file = directory / "chat_template.jinja"
-    if chat_template is None and template_file.is_file():
-        chat_template = template_file.read_text()
+    chat_template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
     if isinstance(chat_template, list):  # list of named templates: take the default one
         chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), None)
-    return Tokenizer(backend, bos_id=bos, eos_ids=eos_ids, chat_template=chat_template, add_bos=adds_bos)
+    special = {}
+    map_path = directory / "special_tokens_map.json"  # older checkpoints keep the special tokens here
+    entries = {**(json.loads(map_path.read_text()) if map_path.is_file() else {}), **tok_config}
+    for key, entry in entries.items():
+        if key.endswith("_token") and key != "additional_special_tokens":
+            text = entry.get("content") if isinstance(entry, dict) else entry
+            if isinstance(text, str):
+                special[key] = text
+    return Tokenizer(backend, bos_id=bos, eos_ids=eos_ids, chat_template=chat_template, add_bos=adds_bos,
+                     special_tokens=special)

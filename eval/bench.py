@@ -48,7 +48,8 @@ from torch._dynamo.utils import counters
 
 from cache import CACHE_STRATEGIES, cache_statistics
 from cache_spec import add_cache_arguments, resolve_cache_spec
-from checkpoint import bundled_checkpoint_path, hf_model_args, load_checkpoint, parse_dtype
+from checkpoint import bundled_checkpoint_path, load_checkpoint, parse_dtype
+from checkpoint_hf import hf_model_args
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
 from gates import attach_random_gates

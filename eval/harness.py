@@ -24,6 +24,7 @@ from errors import UserError
 from eval.metrics import step_fidelity
 from generate import decode_one_token, prefill, setup_caches
 from model import Transformer
+from model_policies import apply_model_layer_policies
 from tokenizer import Tokenizer
 
 
@@ -96,7 +97,8 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
             if value > total:
                 raise UserError(f"--max_cache_length {value:g} tokens is larger than the sequence ({total} tokens: "
                                 f"{prompt_length} prompt + {max_new_tokens} new); use a smaller budget or a fraction")
-    return resolve_cache_spec(args, rt.model.args.n_layer, prompt_length, max_new_tokens)
+    specs = resolve_cache_spec(args, rt.model.args.n_layer, prompt_length, max_new_tokens)
+    return apply_model_layer_policies(specs, rt.model.args, prompt_length, max_new_tokens, quiet=True)
 
 
 def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:

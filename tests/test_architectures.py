@@ -1,0 +1,156 @@
+"""Every supported Hugging Face architecture against transformers on the same directory.
+
+For each architecture a tiny random model is built from transformers' own config class and saved with
+`save_pretrained`; our loader reads that directory, prefills a prompt and decodes 32 tokens greedily
+through its KV caches (sliding layers through the window cache the spec gives them). The reference is
+transformers' eager forward over the same whole sequence, float32 on both sides.
+Tolerance: max |Δlogit| ≤ 1e-3 at every decoded position and the same argmax.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
+from checkpoint import load_checkpoint
+from model_policies import apply_model_layer_policies
+from tests.arch_helpers import VOCAB, WINDOW, arch_configs, save_tiny_model
+
+LOGIT_ATOL = 1e-3
+PROMPT, STEPS = 24, 32  # both longer than the sliding window (12); STEPS decode steps after the prefill
+ARCHS = list(arch_configs())
+
+
+def default_cache_args(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def attach(model, prompt_length: int, new_tokens: int, **flags: object) -> list:  # noqa: ANN001
+    specs = resolve_cache_spec(default_cache_args(**flags), model.args.n_layer, prompt_length, new_tokens)
+    specs = apply_model_layer_policies(specs, model.args, prompt_length, new_tokens, quiet=True)
+    a = model.args
+    model.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, prompt_length + new_tokens,
+                                    torch.float32, "cpu"))
+    return specs
+
+
+def greedy_logits(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:  # noqa: ANN001
+    """Logits after the prefill and after each of `steps` - 1 decode steps, [steps, vocab], and the tokens."""
+    model.reset_caches()
+    with torch.no_grad():
+        logits = [model(torch.tensor([prompt]), torch.arange(len(prompt)), last_logits_only=True)[0, -1]]
+        tokens = [int(logits[-1].argmax())]
+        for i in range(steps - 1):
+            pos = torch.tensor([len(prompt) + i])
+            logits.append(model(torch.tensor([[tokens[-1]]]), pos)[0, -1])
+            tokens.append(int(logits[-1].argmax()))
+    return torch.stack(logits), tokens
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    reference = save_tiny_model(request.param, directory)
+    return request.param, directory, reference
+
+
+def test_prefill_and_decode_match_transformers(arch_dir):
+    arch, directory, reference = arch_dir
+    model, tokenizer = load_checkpoint(directory, "cpu", torch.float32)
+    assert model.args.vocab_size == VOCAB and tokenizer.vocab_size == VOCAB
+    prompt = torch.randint(3, VOCAB, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    attach(model, PROMPT, STEPS + 1)
+    ours, tokens = greedy_logits(model, prompt, STEPS + 1)
+    with torch.no_grad():
+        ref = reference(torch.tensor([prompt + tokens[:-1]])).logits[0, PROMPT - 1:].float()
+    assert ours.shape[0] == STEPS + 1
+    delta = (ours - ref).abs().max().item()
+    print(f"{arch}: max |Δlogit| over prefill + {STEPS} decode steps = {delta:.2e}")
+    assert delta <= LOGIT_ATOL, f"{arch}: max |Δlogit| {delta:.2e}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert ref.std() > 0.5  # the logits really spread: a layout bug could not hide in near-uniform outputs
+
+
+def test_whole_sequence_forward_matches_transformers(arch_dir):
+    """No cache at all: the prefill path alone, sliding-window masks included, over 48 positions."""
+    arch, directory, reference = arch_dir
+    model, _ = load_checkpoint(directory, "cpu", torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(48))
+        ref = reference(ids).logits.float()
+    assert (ours - ref).abs().max().item() <= LOGIT_ATOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_sliding_layers_get_the_window_cache():
+    from checkpoint_hf import hf_model_args
+
+    args = hf_model_args(arch_configs()["gemma3"].to_dict())
+    specs = resolve_cache_spec(default_cache_args(cache_strategy=["heavy_hitter"], max_cache_length=[0.5]),
+                               args.n_layer, 100, 20)
+    specs = apply_model_layer_policies(specs, args, 100, 20, quiet=True)
+    assert [s.strategy for s in specs] == ["recent_global", "recent_global", "heavy_hitter", "recent_global"]
+    assert [s.max_cache_length for s in specs] == [WINDOW, WINDOW, 60, WINDOW]
+    # A sequence the window covers: the user's strategy everywhere.
+    short = apply_model_layer_policies(resolve_cache_spec(default_cache_args(), args.n_layer, 6, 4), args, 6, 4)
+    assert {s.strategy for s in short} == {"full"}
+
+
+def test_a_cache_that_outlives_the_window_is_refused(arch_dir):
+    """Without the window policy (e.g. specs resolved without apply_model_layer_policies), a sliding
+    layer would attend to tokens its window excludes: setup_caches refuses instead of computing it."""
+    from errors import UserError
+
+    arch, directory, _ = arch_dir
+    model, _ = load_checkpoint(directory, "cpu", torch.float32)
+    specs = resolve_cache_spec(default_cache_args(), model.args.n_layer, PROMPT, STEPS)
+    a = model.args
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + STEPS, torch.float32, "cpu")
+    if not a.sliding_window:
+        model.setup_caches(caches)  # nothing to refuse
+        return
+    with pytest.raises(UserError, match="sliding"):
+        model.setup_caches(caches)
+    # A sequence inside the window: any cache is exact.
+    short = resolve_cache_spec(default_cache_args(), a.n_layer, 4, 4)
+    model.setup_caches(build_caches(short, 1, a.n_kv_head, a.head_dim, 8, torch.float32, "cpu"))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_compiled_decode_matches_eager_without_recompiling(arch, tmp_path):
+    """The per-architecture steps (q/k norms, scaled embeddings, local RoPE tables, partial rotary, window
+    caches) keep the decode step one static graph: compiled equals eager, no recompilation."""
+    from torch._dynamo.utils import counters
+
+    from generate import compile_decode_step, decode_one_token
+
+    save_tiny_model(arch, tmp_path)
+    model, _ = load_checkpoint(tmp_path, "cpu", torch.float32)
+    prompt = list(range(3, 3 + PROMPT))
+    attach(model, PROMPT, 12)
+    results = []
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for step in (decode_one_token, compile_decode_step()):
+            model.reset_caches()
+            with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+                model(torch.tensor([prompt]), torch.arange(PROMPT), last_logits_only=True)
+                out = [step(model, torch.tensor([[5 + i]]), torch.tensor([PROMPT + i])) for i in range(12)]
+            results.append(torch.cat(out))
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        # Compiled code is cached per function: later tests compiling decode_one_token for another
+        # model must not see this one's graph as a recompilation.
+        torch._dynamo.reset()
+    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
+    assert graphs == 1

@@ -1,0 +1,149 @@
+"""GGUF files written with the `gguf` package's own writer and tensor-name map, in llama.cpp's
+conventions (llama q/k rows permuted into interleaved RoPE pairs; Phi-3 projections fused), from a tiny
+random transformers model; our loader vs transformers' GGUF loader on the same file, float32.
+Tolerance: max |Δlogit| ≤ 1e-3 over 48 positions and the same argmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from tests.arch_helpers import VOCAB, save_tiny_model
+
+LOGIT_ATOL = 1e-3
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's permutation of llama q/k rows (rotate-half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(reference, arch: str, path) -> None:  # noqa: ANN001
+    import gguf
+
+    c = reference.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)))
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # A byte-level BPE vocabulary of single characters (no merges) of the model's size.
+    byte_chars = [chr(b) for b in range(ord("!"), ord("!") + VOCAB)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(byte_chars)
+    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # transformers would otherwise keep Phi3Config's default, outside this vocabulary
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH_NAMES_INV[arch] if hasattr(gguf, "MODEL_ARCH_NAMES_INV")
+                                     else {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers)
+    for hf_name, tensor in reference.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        w = tensor.float().numpy().copy()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = llama_cpp_permute(w, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("llama_plain", "llama"), ("qwen2", "qwen2"), ("qwen3_gguf", "qwen3"),
+                                            ("phi3_full", "phi3")])
+def test_gguf_matches_transformers_gguf_loader(tmp_path, arch, gguf_arch):
+    import transformers
+
+    reference = save_tiny_model(arch, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_gguf(reference, gguf_arch, path)
+    hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                                dtype=torch.float32).eval()
+    model, tokenizer = load_checkpoint(path, "cpu", torch.float32)
+    assert tokenizer.vocab_size == VOCAB
+    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours, ref, hf = model(ids, torch.arange(48)), hf_gguf(ids).logits.float(), reference(ids).logits.float()
+    assert (ours - ref).abs().max().item() <= LOGIT_ATOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - hf).abs().max().item() <= LOGIT_ATOL  # and the directory it was converted from
+
+
+def test_gemma3_gguf_is_refused_with_a_pointer_to_the_directory(tmp_path):
+    import gguf
+
+    from errors import UserError
+
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match="unsupported GGUF architecture 'gemma3'.*Hugging Face directory"):
+        load_checkpoint(path, "cpu", torch.float32)
+
+
+TOKENIZER_TEXTS = ["Hello, world! I'M here; you're THERE.", "In 2024, 1234567 apples cost $3.50.",
+                   "def f(x):\n\treturn x ** 2   \n\n\n  end", "Ünïcödé, 日本語 and emoji 🤖 they'll"]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "default"])
+def test_gguf_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
+    """Llama 3 ("llama-bpe", digits by three) and Qwen2 ("qwen2", digits one by one) GGUF vocabularies:
+    our encoding of varied text equals transformers' tokenizer built from the same GGUF file."""
+    import gguf
+    import transformers
+    from tokenizers import pre_tokenizers
+
+    from checkpoint import read_gguf_metadata
+    from tokenizer import tokenizer_from_gguf_metadata
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "e r", "Ġ 2", "' s", "' M"]
+    tokens = byte_chars + [a + b for a, b in (m.split(" ") for m in merges)]
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(8)
+    writer.add_head_count(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _, meta = read_gguf_metadata(path)
+    ours = tokenizer_from_gguf_metadata(meta)
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TOKENIZER_TEXTS:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), (pre, text)
+        assert ours.decode(ours.encode(text)) == text
+    digits = [ours.decode([i]) for i in ours.encode("1234567")]
+    assert digits == {"llama-bpe": ["123", "4", "5", "6", "7"], "qwen2": list("1234567"),
+                      "default": ["123", "4", "5", "6", "7"]}[pre]
