@@ -74,17 +74,15 @@ def test_compiled_step_does_not_recompile_over_256_steps(strategy):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_logits_match_transformers_on_cuda(tmp_path, model_type):
-    import transformers
-
-    from tests.hf_tiny import save_tiny_model
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+def test_logits_match_transformers_on_cuda(tmp_path, arch):
+    """Prefill + 32 decode steps through a full cache on CUDA against transformers' forward on CUDA."""
+    from tests.arch_helpers import VOCAB, save_tiny_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    directory = save_tiny_model(tmp_path / model_type, model_type)
-    ours, _ = load_checkpoint(directory, "cuda", torch.float32)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to("cuda").eval()
-    ids = torch.randint(0, 300, (1, 48), generator=torch.Generator().manual_seed(0)).to("cuda")
+    theirs = save_tiny_model(arch, tmp_path).to("cuda")
+    ours, _ = load_checkpoint(tmp_path, "cuda", torch.float32)
+    ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0)).to("cuda")
     specs = resolve_cache_spec(cache_args("full", "1.0"), ours.args.n_layer, 16, 32)
     a = ours.args
     ours.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, 48, torch.float32, "cuda"))
