@@ -22,7 +22,7 @@ A cold compile of the 30-layer decode step costs 40-60 s per distinct (strategy,
 - --speedup_strategies (recent_global) at --speedup_budget at --speedup_contexts (8192), speed-up only;
 - once per compiled strategy, --recompile_steps (256) more decode steps on its graph, with a prompt that lets
   the cache fill and then evict, counting new graphs.
-bench.json / bench.md end with the issue's targets as measured ratios.
+bench.json / bench.md end with the targets (TARGET_*) as measured ratios.
 
     python -m eval.bench                 # the default plan
     python -m eval.bench --dry_run       # the plan, the number of compiles, prefill tokens and steps
@@ -91,12 +91,13 @@ RANDOM_SHAPES: dict[str, dict] = {
                        rope_theta=1000000.0, tie_word_embeddings=False),
 }
 
-# The issue's targets, checked in the summary (bench.json "targets", bench.md).
-TARGET_COMPILED_OVER_HF = 3.0  # compiled full-cache decode tok/s over HF generate, at 2048 context
-TARGET_FRACTION_OF_BOUND = 0.7  # compiled full cache, 256 cached tokens
-TARGET_MAX_OVERHEAD = 0.10  # each strategy over a full cache of the same size
-TARGET_SPEEDUP_OF_PREDICTED = 0.8  # 10% budget over full: measured speed-up / the bound's prediction
-OVERHEAD_EXCLUDED = ("hybrid",)  # its prompt profiling is a different workload; debug_ caches are excluded too
+# Targets, checked in the summary (bench.json "targets", bench.md).
+TARGET_FRACTION_OF_BOUND = 0.7  # compiled full cache at the longest of --contexts
+TARGET_MAX_OVERHEAD = 0.10  # each strategy over a full cache of the same size (debug_ caches decode the full one)
+TARGET_SPEEDUP_OF_PREDICTED = 0.9  # budget over full at the longest context: measured speed-up / the bound's
+TARGET_PEAK_KV_SHARE = 0.15  # peak device memory of the budget row ≤ weights + this share of the full cache's K/V
+TARGET_SCORED_PREFILL = 0.5  # prefill of caches that score the prompt's attention, over the full cache's
+SCORED_PREFILL = ("heavy_hitter", "hybrid")
 WARMUP_PROMPT_TOKENS = 16  # the throwaway compile run: the decode graph does not depend on the prompt length
 
 # Costs behind --dry_run's estimate, fitted to runs on this project's 2-core machine, bf16, 2 threads, idle
@@ -156,11 +157,9 @@ def random_weight_model(shape: str, device: str, dtype: torch.dtype) -> Transfor
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter (tied embeddings counted once): what one decode step reads."""
-    seen = {}
-    for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
-    return sum(seen.values())
+    """Bytes of every distinct parameter (tied embeddings are one parameter, counted once): what one decode
+    step reads."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def kv_bytes_read(caches: list) -> int:
@@ -526,45 +525,69 @@ def fill_comparisons(rows: list[dict]) -> None:
             r["bound_speedup_vs_full"] = round(r["bound_tokens_per_second"] / full["bound_tokens_per_second"], 3)
 
 
-def summarize_targets(rows: list[dict], speedup_budget: float) -> dict:
-    """The issue's targets as measured ratios; `met` is None where the run has no row to judge by."""
+def summarize_targets(rows: list[dict], speedup_budget: float, weights: int = 0) -> dict:
+    """The targets as measured ratios (`weights`: bytes of the model's weights); `met` is None where the
+    run has no row to judge by."""
 
-    def find(engine: str, context: int, strategy: str = "full") -> dict | None:
+    def find(engine: str, context: int, strategy: str = "full", budget: float | None = None) -> dict | None:
         return next((r for r in rows if r["engine"] == engine and r["context"] == context
-                     and r["strategy"] == strategy), None)
+                     and r["strategy"] == strategy and (budget is None or r["budget"] == budget)), None)
+
+    def target(value: object, goal: str, met: bool | None) -> dict:
+        return {"value": value, "target": goal, "met": met}
 
     targets: dict = {}
-    hf, ours = find("hf generate", 2048, "full (DynamicCache)"), find("ours compiled", 2048)
-    ratio = round(hf["median_ms_per_step"] / ours["median_ms_per_step"], 2) if hf and ours else None  # medians
-    targets["compiled_over_hf_at_2048"] = {"value": ratio, "target": f">= {TARGET_COMPILED_OVER_HF}",
-                                           "met": None if ratio is None else ratio >= TARGET_COMPILED_OVER_HF}
-    r256 = find("ours compiled", 256)
-    frac = r256["fraction_of_bound"] if r256 else None
-    targets["fraction_of_bound_at_256"] = {"value": frac, "target": f">= {TARGET_FRACTION_OF_BOUND}",
-                                           "met": None if frac is None else frac >= TARGET_FRACTION_OF_BOUND}
+    hf_contexts = [r["context"] for r in rows if r["engine"].startswith("hf generate")]
+    context = max(hf_contexts or [r["context"] for r in rows if r["engine"] == "ours compiled"] or [0])
+    ours = find("ours compiled", context)
+    frac = ours["fraction_of_bound"] if ours else None
+    targets["compiled_fraction_of_bound"] = target(frac, f">= {TARGET_FRACTION_OF_BOUND} (context {context})",
+                                                   None if frac is None else frac >= TARGET_FRACTION_OF_BOUND)
+    for key, engine, strategy in (("compiled_over_hf_generate", "hf generate", "full (DynamicCache)"),
+                                  ("compiled_over_hf_static_compiled", "hf generate, static cache compiled",
+                                   "full (StaticCache)")):
+        hf = find(engine, context, strategy)
+        ratio = round(hf["median_ms_per_step"] / ours["median_ms_per_step"], 2) if hf and ours else None
+        targets[key] = target(ratio, "> 1", None if ratio is None else ratio > 1)
     overhead = {}
     for r in rows:
         if r["overhead_vs_same_size_full"] is not None and r["engine"] == "ours compiled":
             overhead[r["strategy"]] = max(overhead.get(r["strategy"], -1.0), r["overhead_vs_same_size_full"])
-    judged = [v for s, v in overhead.items() if s not in OVERHEAD_EXCLUDED and not s.startswith("debug_")]
-    targets["max_eviction_overhead"] = {"value": overhead, "target": f"<= {TARGET_MAX_OVERHEAD} (excluded: "
-                                        f"{', '.join(OVERHEAD_EXCLUDED)}, debug_*)",
-                                        "met": max(judged) <= TARGET_MAX_OVERHEAD if judged else None}
+    judged = [v for s, v in overhead.items() if not s.startswith("debug_")]
+    targets["max_eviction_overhead"] = target(overhead, f"<= {TARGET_MAX_OVERHEAD} (debug_* excluded)",
+                                              max(judged) <= TARGET_MAX_OVERHEAD if judged else None)
     speedups = {}
     for r in rows:
-        if (r["engine"] == "ours compiled" and r["budget"] == speedup_budget and r["speedup_vs_full"] is not None
-                and r["context"] >= 4096):
-            predicted = r["bound_speedup_vs_full"]
+        if r["engine"] == "ours compiled" and r["budget"] == speedup_budget and r["speedup_vs_full"] is not None:
             speedups[f"{r['strategy']}@{r['context']}"] = {
-                "speedup": r["speedup_vs_full"], "predicted": predicted,
-                # the gain over the full cache as a share of the gain the bound predicts (the strict reading)
-                # and the plain ratio of the two speed-ups
-                "gain_of_predicted": round((r["speedup_vs_full"] - 1) / (predicted - 1), 3) if predicted > 1 else None,
-                "ratio_of_predicted": round(r["speedup_vs_full"] / predicted, 3)}
-    values = [v["gain_of_predicted"] for v in speedups.values() if v["gain_of_predicted"] is not None]
-    targets["speedup_of_predicted"] = {"value": speedups, "target": f"(speed-up - 1) / (predicted - 1) >= "
-                                       f"{TARGET_SPEEDUP_OF_PREDICTED} at {speedup_budget:g} budget, context >= 4096",
-                                       "met": min(values) >= TARGET_SPEEDUP_OF_PREDICTED if values else None}
+                "speedup": r["speedup_vs_full"], "predicted": r["bound_speedup_vs_full"],
+                "ratio_of_predicted": round(r["speedup_vs_full"] / r["bound_speedup_vs_full"], 3),
+                "context": r["context"]}
+    longest = max((v["context"] for v in speedups.values()), default=None)
+    at_longest = [v["ratio_of_predicted"] for v in speedups.values() if v["context"] == longest]
+    targets["speedup_of_predicted"] = target(
+        speedups, f"speed-up / predicted >= {TARGET_SPEEDUP_OF_PREDICTED} at {speedup_budget:g} budget, "
+        f"longest context ({longest})", min(at_longest) >= TARGET_SPEEDUP_OF_PREDICTED if at_longest else None)
+    peak = {}
+    if longest is not None:
+        full = find("ours compiled", longest)
+        for r in rows:
+            if (r["engine"] == "ours compiled" and r["context"] == longest and r["strategy"] != "full"
+                    and r["budget"] == speedup_budget and full and r["peak_device_memory_mb"] is not None and weights):
+                limit = (weights + TARGET_PEAK_KV_SHARE * full["kv_bytes_read_per_step"]) / 2**20
+                peak[r["strategy"]] = {"peak_mb": r["peak_device_memory_mb"], "limit_mb": round(limit, 1),
+                                       "full_cache_peak_mb": full["peak_device_memory_mb"]}
+    targets["peak_memory_at_longest"] = target(
+        peak, f"<= weights + {TARGET_PEAK_KV_SHARE} x the full cache's K/V",
+        all(v["peak_mb"] <= v["limit_mb"] for v in peak.values()) if peak else None)
+    prefill = {}
+    for r in rows:
+        full = find(r["engine"], r["context"])
+        if r["strategy"] in SCORED_PREFILL and r["engine"] == "ours compiled" and full:
+            prefill[f"{r['strategy']}@{r['context']}"] = round(
+                r["prefill_tokens_per_second"] / full["prefill_tokens_per_second"], 3)
+    targets["scored_prefill_of_full"] = target(prefill, f">= {TARGET_SCORED_PREFILL} of the full cache's prefill",
+                                               min(prefill.values()) >= TARGET_SCORED_PREFILL if prefill else None)
     checked = [r for r in rows if r["recompile_check_steps"] is not None]
     recompiles = [r["recompilations"] for r in rows if r["recompilations"] is not None]
     check_steps = min((r["recompile_check_steps"] for r in checked), default=None)
@@ -579,10 +602,14 @@ def format_targets(targets: dict) -> str:
     for name, t in targets.items():
         value = t["value"]
         if name == "speedup_of_predicted":
-            value = ", ".join(f"{k}: {v['speedup']}× vs {v['predicted']}× predicted (gain share "
-                              f"{v['gain_of_predicted']})" for k, v in value.items())
+            value = ", ".join(f"{k}: {v['speedup']}× vs {v['predicted']}× predicted" for k, v in value.items())
         elif name == "max_eviction_overhead":
             value = ", ".join(f"{k}: {v:+.1%}" for k, v in value.items())
+        elif name == "peak_memory_at_longest":
+            value = ", ".join(f"{k}: {v['peak_mb']:.0f} MB (limit {v['limit_mb']:.0f}, full cache "
+                              f"{v['full_cache_peak_mb']:.0f})" for k, v in value.items())
+        elif name == "scored_prefill_of_full":
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
         elif name == "recompilations" and t["check_steps"] is not None:
             value = f"{value} (check runs of {t['check_steps']} steps: {', '.join(t['checked'])})"
         lines.append(f"| {name} | {value} | {t['target']} | {'' if t['met'] is None else t['met']} |")
@@ -759,7 +786,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             with partial.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     fill_comparisons(rows)
-    targets = summarize_targets(rows, args.speedup_budget)
+    targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
     table = format_table(rows) + "\n\n" + format_targets(targets)
     print(table)
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),

@@ -31,8 +31,10 @@ def test_bench_quick_schema(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["read_bandwidth_gb_s"] > 0 and report["meta"]["weight_bytes"] > 0
-    assert set(report["targets"]) == {"compiled_over_hf_at_2048", "fraction_of_bound_at_256",
-                                      "max_eviction_overhead", "speedup_of_predicted", "recompilations"}
+    assert set(report["targets"]) == {"compiled_fraction_of_bound", "compiled_over_hf_generate",
+                                      "compiled_over_hf_static_compiled", "max_eviction_overhead",
+                                      "speedup_of_predicted", "peak_memory_at_longest", "scored_prefill_of_full",
+                                      "recompilations"}
     rows = report["rows"]
     engines = {r["engine"] for r in rows}
     assert {"ours eager", "ours eager (same-size ref)"} <= engines
@@ -122,22 +124,31 @@ def test_targets():
         r = dict.fromkeys(FIELDS)
         r.update(engine=engine, strategy=strategy, context=context, new_tokens=64, decode_tokens_per_second=tok_s,
                  median_ms_per_step=round(1000 / tok_s, 3), bound_tokens_per_second=bound,
-                 fraction_of_bound=round(tok_s / bound, 3), budget=0.1, **kw)
+                 fraction_of_bound=round(tok_s / bound, 3), budget=0.1, prefill_tokens_per_second=1000.0)
+        r.update(kw)
         return r
 
-    rows = [row("hf generate", "full (DynamicCache)", 2048, 5.0, 50.0),
-            row("ours compiled", "full", 2048, 16.0, 50.0, recompilations=0),
-            row("ours compiled", "full", 256, 40.0, 100.0, recompilations=0, recompile_check_steps=256),
-            row("ours compiled", "full", 4096, 20.0, 80.0, recompilations=0),
-            row("ours compiled", "recent_global", 4096, 27.0, 100.0, recompilations=0, recompile_check_steps=256,
-                overhead_vs_same_size_full=0.02),
-            row("ours compiled", "hybrid", 4096, 21.0, 100.0, recompilations=0, overhead_vs_same_size_full=0.3)]
+    mb = 2**20
+    rows = [row("hf generate", "full (DynamicCache)", 4096, 5.0, 50.0),
+            row("hf generate, static cache compiled", "full (StaticCache)", 4096, 20.0, 50.0),
+            row("ours compiled", "full", 4096, 16.0, 50.0, recompilations=0, recompile_check_steps=256,
+                kv_bytes_read_per_step=400 * mb, peak_device_memory_mb=1500.0, budget=1.0),
+            row("ours compiled", "recent_global", 4096, 27.0, 60.0, recompilations=0, recompile_check_steps=256,
+                overhead_vs_same_size_full=0.02, peak_device_memory_mb=1050.0),
+            row("ours compiled", "hybrid", 4096, 21.0, 60.0, recompilations=0, overhead_vs_same_size_full=0.3,
+                prefill_tokens_per_second=400.0)]
     fill_comparisons(rows)
-    assert rows[4]["speedup_vs_full"] == 1.35 and rows[4]["bound_speedup_vs_full"] == 1.25
-    t = summarize_targets(rows, 0.1)
-    assert t["compiled_over_hf_at_2048"] == {"value": 3.2, "target": ">= 3.0", "met": True}
-    assert t["fraction_of_bound_at_256"]["value"] == 0.4 and t["fraction_of_bound_at_256"]["met"] is False
-    assert t["max_eviction_overhead"]["met"] is True  # hybrid is excluded from the target
-    assert t["speedup_of_predicted"]["value"]["recent_global@4096"]["gain_of_predicted"] == 1.4
-    assert t["speedup_of_predicted"]["met"] is False  # hybrid: 1.05x where 1.25x is predicted
+    assert rows[3]["speedup_vs_full"] == 1.688 and rows[3]["bound_speedup_vs_full"] == 1.2
+    t = summarize_targets(rows, 0.1, weights=1000 * mb)
+    assert t["compiled_over_hf_generate"] == {"value": 3.2, "target": "> 1", "met": True}
+    static = t["compiled_over_hf_static_compiled"]
+    assert static["value"] == 0.8 and static["met"] is False
+    assert t["compiled_fraction_of_bound"]["value"] == 0.32 and t["compiled_fraction_of_bound"]["met"] is False
+    assert t["max_eviction_overhead"]["met"] is False  # hybrid's 30% counts
+    assert t["speedup_of_predicted"]["met"] is True
+    # limit: 1000 MB of weights + 0.15 x 400 MB of K/V = 1060 MB; recent_global peaked at 1050
+    assert t["peak_memory_at_longest"]["value"]["recent_global"]["limit_mb"] == 1060.0
+    assert t["peak_memory_at_longest"]["met"] is True
+    assert t["scored_prefill_of_full"]["value"] == {"hybrid@4096": 0.4}
+    assert t["scored_prefill_of_full"]["met"] is False
     assert t["recompilations"]["met"] is True
