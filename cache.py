@@ -1,4 +1,5 @@
-"""The KV cache contract (DESIGN.md §4), the strategy registry, and the eviction strategies.
+"""The KV cache contract (docs/DESIGN.md §4) and the simple eviction strategies (the registry is
+strategies.py).
 
 One `KVCache` per attention layer. Every tensor is a registered buffer of fixed shape, so a compiled
 decode step never recompiles:
@@ -11,10 +12,12 @@ decode step never recompiles:
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
 - `inserted`: tokens that went through this cache, per head [B, n_kv_heads].
 
-A strategy is a small subclass: it scores tokens (`token_scores`; the lowest unprotected token is
-evicted) or overrides how a slot is chosen, and lists the hyper-parameters it reads (their flags,
-defaults and help live in one place: cache_spec.py). Slots are chosen with tensor ops only (the next
-empty slot, else the argmin score), so the decode step has no host syncs or data-dependent shapes.
+A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
+cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the
+prompt's tokens when the prompt exceeds the budget (the best ones are kept; prompt_compression.py does
+the shared top-k and protection). It lists the hyper-parameters it reads (their flags, defaults and help
+live in one place: cache_spec.py). Slots are chosen with tensor ops only (the next empty slot, else the
+argmin score), so the decode step has no host syncs or data-dependent shapes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from errors import UserError
 from kv_storage import DENSE, StorageSpec, make_storage
 from prompt_compression import (
     above_uniform,
@@ -32,12 +34,15 @@ from prompt_compression import (
     hashed_scores,
     prompt_attention,
     prompt_attention_received,
+    prompt_positions,
     random_seed,
+    snapkv_votes,
 )
 
 
 class KVCache(nn.Module):
     name: ClassVar[str] = ""
+    registered: ClassVar[bool] = False  # set by @register_strategy
     # Names of cache_spec flags this strategy reads (global_tokens, recent_window, ...).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
     # Evicts different tokens in different KV heads (then `pos` is per head).
@@ -50,6 +55,8 @@ class KVCache(nn.Module):
     needs_token_classes: ClassVar[bool] = False
     # Wants per-token log forget gates from the model's learned gates through `observe_gates`.
     needs_gates: ClassVar[bool] = False
+    # Chooses the kept prompt tokens itself (its own `prefill`), so it pairs with no other prompt rule.
+    profiles_prompt: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -150,6 +157,19 @@ class KVCache(nn.Module):
         """Importance of every slot, [B, pos_heads, L]; the lowest unprotected one is evicted."""
         raise NotImplementedError
 
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor | None:
+        """The same rule over the prompt when it exceeds `cache`'s budget: [B, 1 or n_kv, T], the best
+        are kept. `cache` is the layer's cache (of this strategy, or of another that uses this one as its
+        --prompt_compression_strategy): settings such as the seed are read from it. None: this strategy
+        has no rule to choose prompt tokens by (the full cache keeps everything)."""
+        return None
+
+    @classmethod
+    def prompt_protected_window(cls, cache: KVCache) -> int:
+        """Most recent prompt tokens this rule always keeps (the cache's recent window by default)."""
+        return cache.recent_window
+
     def select_prompt_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         """Prompt tokens kept when the prompt exceeds the budget: sorted indices [B, pos_heads, L]."""
         return compress_prompt(self, input_pos, k, q)
@@ -162,9 +182,12 @@ class KVCache(nn.Module):
 
     # Settings from cache_spec.build_caches (see `configure`).
     layer_idx: int = 0
-    prompt_compression: str = "full"  # name in prompt_compression.PROMPT_COMPRESSORS
-    snapkv_window: int = 32  # SnapKV observation window (last prompt queries)
-    snapkv_kernel: int = 7  # SnapKV pooling kernel
+    # The strategy whose `prompt_scores` chooses the kept prompt tokens (--prompt_compression_strategy).
+    prompt_compressor: type[KVCache] | None = None
+    # SnapKV's observation window (last prompt queries) and pooling kernel, for heavy_hitter's prompt rule:
+    # the one definition of their defaults (the flags read them from here).
+    snapkv_window: int = 32
+    snapkv_kernel: int = 7
 
     def configure(self, **settings: object) -> None:
         """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""
@@ -200,7 +223,7 @@ class KVCache(nn.Module):
         return self.mask.sum(dim=(-1, -2))
 
     def compression_ratio_per_head(self) -> Tensor:
-        """1 − (held × bits/16) / seen per head (DESIGN.md §6), [B, n_kv]; 0 for a head that saw nothing.
+        """1 − (held × bits/16) / seen per head (docs/DESIGN.md §6), [B, n_kv]; 0 for a head that saw nothing.
         Tokens a KIVI residual keeps unquantized count at 16 bits."""
         seen = self.inserted.clamp(min=1).double()
         held = self.mask[:, :, 0]
@@ -226,27 +249,12 @@ def grouped_mean(probs: Tensor) -> Tensor:
     return probs.mean(dim=2)
 
 
-# ---- registry ------------------------------------------------------------------------------------------
-
-CACHE_STRATEGIES: dict[str, type[KVCache]] = {}
-
-
 def register_strategy(cls: type[KVCache]) -> type[KVCache]:
-    if not cls.name or cls.name in CACHE_STRATEGIES:
-        raise ValueError(f"strategy name {cls.name!r} is empty or already registered")
-    CACHE_STRATEGIES[cls.name] = cls
+    """Marks a class as a strategy (strategies.py lists the files it collects them from)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no strategy name")
+    cls.registered = True
     return cls
-
-
-def get_strategy(name: str) -> type[KVCache]:
-    if name.startswith("debug_") and name not in CACHE_STRATEGIES:
-        from debug_cache import debug_strategy
-
-        return debug_strategy(name.removeprefix("debug_"))
-    if name not in CACHE_STRATEGIES:
-        names = sorted(CACHE_STRATEGIES) + ["debug_<strategy>"]
-        raise UserError(f"unknown cache strategy {name!r}; available: {', '.join(names)}")
-    return CACHE_STRATEGIES[name]
 
 
 # ---- strategies --------------------------------------------------------------------------------------
@@ -268,6 +276,10 @@ class RecentGlobalCache(KVCache):
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.pos.float()  # the oldest non-global token goes first
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        return prompt_positions(k).float()
 
 
 @register_strategy
@@ -297,6 +309,10 @@ class RandomCache(KVCache):
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return hashed_scores(self.pos, input_pos, self.seed)
 
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        return hashed_scores(prompt_positions(k), torch.tensor(k.shape[2], device=k.device), random_seed(cache))
+
 
 @register_strategy
 class KeepItOddCache(KVCache):
@@ -306,7 +322,16 @@ class KeepItOddCache(KVCache):
     hyperparameters = ("global_tokens", "recent_window")
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return (self.pos % 2) * float(self.capacity_needed) + self.pos.float()
+        return self.odd_first(self.pos, self.capacity_needed)
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        return cls.odd_first(prompt_positions(k), k.shape[2])
+
+    @staticmethod
+    def odd_first(pos: Tensor, span: int) -> Tensor:
+        """Odd positions above even ones (`span` exceeds every position), the newest first within each."""
+        return (pos % 2) * float(span) + pos.float()
 
 
 @register_strategy
@@ -324,6 +349,10 @@ class L2NormCache(KVCache):
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return -self.key_norm  # the largest norm is evicted first
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        return -k.float().norm(dim=-1)
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         n = keep.shape[-1]
@@ -361,6 +390,17 @@ class HeavyHitterCache(KVCache):
         if self.window > 1:
             return self.attn_history.sum(-1) / self.attn_steps.clamp(min=1, max=self.window)
         return self.attn_sum / self.attn_steps.clamp(min=1)
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        """SnapKV (arXiv 2404.14469): the attention the last `snapkv_window` prompt queries give each key,
+        pooled over neighbouring keys; the prompt-time form of "the most attended tokens stay"."""
+        return snapkv_votes(q, k, cache.snapkv_window, cache.snapkv_kernel)
+
+    @classmethod
+    def prompt_protected_window(cls, cache: KVCache) -> int:
+        # SnapKV keeps its observation window itself (as far as the budget allows after the sinks).
+        return max(cache.recent_window, min(cache.snapkv_window, cache.max_cache_length - cache.global_tokens))
 
     def update_state(self, probs: Tensor) -> None:
         attn = grouped_mean(probs)
@@ -403,7 +443,7 @@ class HeavyHitterCache(KVCache):
 
 
 def cache_statistics(caches: list[KVCache]) -> dict:
-    """Measured statistics over all layers (DESIGN.md §6): compression per layer/head and averaged,
+    """Measured statistics over all layers (docs/DESIGN.md §6): compression per layer/head and averaged,
     physical bytes, tokens held and evicted, and any strategy-specific statistics."""
     if not caches:
         return {"cache_bytes": 0, "compression_ratio": 0.0}

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, register_strategy
+from errors import UserError
+from prompt_compression import prompt_positions
 
 
 @register_strategy
@@ -43,8 +45,20 @@ class GatedCache(KVCache):
             self.prompt_log_gates = log_gates
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        age = (input_pos - self.pos).float()
-        return self.log_gate * age  # log retention now; the most decayed token goes first
+        return self.log_retention(self.log_gate, input_pos - self.pos)  # the most decayed token goes first
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        log_gate = getattr(cache, "prompt_log_gates", None)  # [B, n_kv, T], set by observe_gates
+        if log_gate is None:
+            raise UserError(f"prompt compression 'gated' needs the learned gates, which only the gated cache "
+                            f"receives (got a {cache.name} cache); use --cache_strategy gated or another compressor")
+        return cls.log_retention(log_gate, k.shape[2] - 1 - prompt_positions(k))
+
+    @staticmethod
+    def log_retention(log_gate: Tensor, age: Tensor) -> Tensor:
+        """log of the retention exp(log_gate × age) a token has after `age` further tokens."""
+        return log_gate * age.float()
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         if self.prompt_log_gates is None:

@@ -63,6 +63,7 @@ class HybridCache(KVCache):
     needs_attention = True
     needs_token_ids = True
     needs_token_classes = True
+    profiles_prompt = True
     token_classes: dict[str, Tensor] | None = None  # set through configure(); moved to the cache's device
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,

@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 import yaml
 
-import cache_gated  # noqa: F401  (registers the gated strategy)
-from cache import KVCache, get_strategy
+from cache import KVCache
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
 from kv_storage import DENSE, SCHEMES, StorageSpec
-from prompt_compression import PROMPT_COMPRESSORS
+from strategies import get_strategy, prompt_rules
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
@@ -58,11 +57,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most recent tokens never evicted: a count (> 1) or a fraction of the budget (< 1)")
     g.add_argument("--prompt_compression_strategy", nargs="+", default=["auto"],
                    help="per layer, when the prompt exceeds the budget (auto: the cache strategy's own; "
-                        f"choices: {', '.join(PROMPT_COMPRESSORS)})")
+                        f"choices: {', '.join(prompt_rules())})")
     g.add_argument("--feed_long_prompts", action="store_true",
                    help="prefill what fits the smallest budget, feed the rest of the prompt token by token")
-    g.add_argument("--snapkv_window", type=int, default=32, help="heavy_hitter prompt compression: last W queries")
-    g.add_argument("--snapkv_kernel", type=int, default=7, help="heavy_hitter prompt compression: pooling kernel")
+    g.add_argument("--snapkv_window", type=int, default=KVCache.snapkv_window,
+                   help="heavy_hitter prompt compression: last W queries")
+    g.add_argument("--snapkv_kernel", type=int, default=KVCache.snapkv_kernel,
+                   help="heavy_hitter prompt compression: pooling kernel")
+    g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
     g.add_argument("--history_window_size", type=int, default=1,
                    help="heavy_hitter: average attention over the last W steps (1 = whole history)")
     g.add_argument("--attn_thresholding", action="store_true",
@@ -254,9 +256,9 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         if value <= 0:
             raise UserError(f"--max_cache_length must be positive, got {value:g}")
     for name in args.prompt_compression_strategy:
-        if name != "auto" and name not in PROMPT_COMPRESSORS:
+        if name != "auto" and name not in prompt_rules():
             raise UserError(f"unknown prompt compression strategy {name!r}; available: auto, "
-                            f"{', '.join(PROMPT_COMPRESSORS)}")
+                            f"{', '.join(prompt_rules())}")
     if args.history_window_size < 1:
         raise UserError(f"--history_window_size must be ≥ 1, got {args.history_window_size}")
     if args.snapkv_window < 1 or args.snapkv_kernel < 1 or args.snapkv_kernel % 2 == 0:
@@ -368,18 +370,21 @@ def resolve_cache_spec(
 
 
 def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str, layer: int) -> str:
-    """The compressor for one layer ('auto' resolved), or a UserError listing what would work."""
-    base = strategy.removeprefix("debug_")
+    """The prompt rule for one layer ('auto' resolved: the strategy's own), or a UserError listing what
+    would work. A debug_ twin pairs exactly as the strategy it shadows."""
+    own = getattr(cls, "shadow_class", cls)
     if compressor == "auto":
-        return base if base in PROMPT_COMPRESSORS else "recent_global"
-    if (base == "hybrid") != (compressor == "hybrid"):
-        raise UserError(f"layer {layer}: the hybrid cache profiles the prompt itself and only pairs with "
-                        f"prompt compression 'hybrid' (got {strategy} with {compressor})")
-    if compressor == "gated" and not getattr(cls, "shadow_class", cls).needs_gates:
-        raise UserError(f"layer {layer}: prompt compression 'gated' scores tokens by the gates a gated cache "
+        return own.name
+    rule = get_strategy(compressor)
+    if own.profiles_prompt or rule.profiles_prompt:
+        if own is not rule:
+            raise UserError(f"layer {layer}: the {compressor if rule.profiles_prompt else own.name} cache profiles "
+                            f"the prompt itself and pairs with no other prompt rule (got {strategy} with {compressor})")
+    if rule.needs_gates and not own.needs_gates:
+        raise UserError(f"layer {layer}: prompt compression '{compressor}' scores tokens by the gates a gated cache "
                         f"stores; the {strategy} cache has none (use it with --cache_strategy gated)")
-    if PROMPT_COMPRESSORS[compressor].head_specific and not cls.head_specific and base != "full":
-        works = [n for n, c in PROMPT_COMPRESSORS.items() if not c.head_specific]
+    if rule.head_specific and not own.head_specific and own.name != "full":
+        works = [n for n in prompt_rules() if not get_strategy(n).head_specific]
         raise UserError(f"layer {layer}: prompt compression '{compressor}' keeps different tokens per head, "
                         f"but the {strategy} cache is shared across heads; use one of: {', '.join(works)}")
     return compressor
@@ -393,8 +398,8 @@ def build_caches(
     capacity_needed: int,
     dtype: torch.dtype,
     device: torch.device | str,
-    snapkv_window: int = 32,
-    snapkv_kernel: int = 7,
+    snapkv_window: int = KVCache.snapkv_window,
+    snapkv_kernel: int = KVCache.snapkv_kernel,
     token_classes: dict[str, torch.Tensor] | None = None,
 ) -> list[KVCache]:
     """One cache per layer. `token_classes` (cache_hybrid.token_classes) is needed by hybrid caches."""
@@ -407,7 +412,7 @@ def build_caches(
         cls = get_strategy(spec.strategy)
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
-        settings = dict(layer_idx=spec.layer, prompt_compression=spec.prompt_compression,
+        settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
                         snapkv_window=snapkv_window, snapkv_kernel=snapkv_kernel)
         if getattr(cls, "needs_token_classes", False):
             if token_classes is None:

@@ -13,10 +13,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from cache import KVCache, get_strategy
+from cache import KVCache
+from errors import UserError
 from kv_storage import DENSE, StorageSpec
 
-_DEBUG_CLASSES: dict[str, type[KVCache]] = {}
+_DEBUG_CLASSES: dict[type[KVCache], type[KVCache]] = {}
 
 
 class DebugCache(KVCache):
@@ -113,22 +114,21 @@ class DebugCache(KVCache):
         return self.shadow.storage_statistics()  # the strategy's storage, not the full reference cache
 
 
-def debug_strategy(inner_name: str) -> type[KVCache]:
-    """The class of `debug_<inner_name>`, created on first use (every registered strategy has one)."""
-    if inner_name not in _DEBUG_CLASSES:
-        inner = get_strategy(inner_name)
-        if issubclass(inner, DebugCache):
-            from errors import UserError
-
-            raise UserError(f"debug_{inner_name}: a debug cache cannot shadow another debug cache")
-        _DEBUG_CLASSES[inner_name] = type(
+def debug_strategy(inner: type[KVCache]) -> type[KVCache]:
+    """The class of `debug_<inner.name>`, made once: it reads exactly the hyper-parameters and pairs with
+    exactly the prompt rules `inner` does (its own full cache is only the reference it measures against)."""
+    if issubclass(inner, DebugCache):
+        raise UserError(f"debug_{inner.name}: a debug cache cannot shadow another debug cache")
+    if inner not in _DEBUG_CLASSES:
+        _DEBUG_CLASSES[inner] = type(
             f"Debug{inner.__name__}",
             (DebugCache,),
-            {"name": f"debug_{inner_name}", "shadow_class": inner, "hyperparameters": inner.hyperparameters,
-             "head_specific": False, "needs_token_classes": getattr(inner, "needs_token_classes", False),
-             "__doc__": f"Full cache with a shadow `{inner_name}` cache measuring attention loss."},
+            {"name": f"debug_{inner.name}", "shadow_class": inner, "hyperparameters": inner.hyperparameters,
+             "head_specific": False, "needs_token_classes": inner.needs_token_classes,
+             "profiles_prompt": inner.profiles_prompt,
+             "__doc__": f"Full cache with a shadow `{inner.name}` cache measuring attention loss."},
         )
-    return _DEBUG_CLASSES[inner_name]
+    return _DEBUG_CLASSES[inner]
 
 
 def attention_loss_curve(caches: list[KVCache], checkpoints: int = 8) -> dict[str, float]:

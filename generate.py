@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from atomic_files import atomic_write, check_writable
-from cache import cache_statistics, get_strategy
+from cache import KVCache, cache_statistics
 from cache_hybrid import token_classes
 from cache_spec import (
     LayerCacheSpec,
@@ -35,6 +35,7 @@ from debug_cache import attention_loss_curve
 from errors import CliParser, UserError, run_cli
 from model import Transformer
 from model_policies import apply_model_layer_policies
+from strategies import get_strategy
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -242,7 +243,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto",
                    help=f"auto (float32 on cpu, bfloat16 on cuda) or one of {', '.join(DTYPES)}")
     g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
-    g.add_argument("--seed", type=int, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,8 +325,8 @@ def setup_caches(
     specs: list[LayerCacheSpec],
     capacity_needed: int,
     tokenizer: Tokenizer | None = None,
-    snapkv_window: int = 32,
-    snapkv_kernel: int = 7,
+    snapkv_window: int = KVCache.snapkv_window,
+    snapkv_kernel: int = KVCache.snapkv_kernel,
     classes: dict[str, Tensor] | None = None,
 ) -> None:
     """Build and attach one cache per layer; the tokenizer (or its `classes`, cache_hybrid.token_classes)
@@ -334,7 +334,7 @@ def setup_caches(
     already attached, else the shipped file."""
     a = model.args
     w = model.tok_embeddings.weight
-    needs_classes = any(getattr(get_strategy(s.strategy), "needs_token_classes", False) for s in specs)
+    needs_classes = any(get_strategy(s.strategy).needs_token_classes for s in specs)
     if classes is None and tokenizer is not None and needs_classes:
         classes = token_classes(tokenizer, a.vocab_size)
     caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device,

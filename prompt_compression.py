@@ -1,26 +1,21 @@
 """Prompt compression: which prompt tokens a layer keeps when the prompt is longer than its budget.
 
-Each compressor scores the prompt positions; global (sink) tokens and the most recent tokens are
-always kept, and the `budget − protected` best-scoring others fill the rest. A head-specific
-compressor (its scores differ per KV head) can only feed a head-specific cache, whose `pos` is per head.
+The scores come from a strategy's own rule (`KVCache.prompt_scores`, next to the `token_scores` it evicts
+by, in the strategy's class); this module does what every rule shares: global (sink) tokens and the
+most recent tokens are always kept, and the `budget − protected` best-scoring others fill the rest, per
+KV head for a head-specific rule (which can only feed a head-specific cache, whose `pos` is per head).
+It also holds the prompt-attention helpers those rules and the caches' initial scores use.
 
-- `recent_global`: StreamingLLM, the newest tokens.
-- `random`: a seeded random subset.
-- `keep_it_odd`: odd positions.
-- `l2`: the keys with the lowest L2 norm (arXiv 2406.11430).
+- `recent_global`: the newest tokens; `random`: a seeded random subset; `keep_it_odd`: odd positions;
+  `l2`: the keys with the lowest L2 norm; `gated`: the highest log_gate × age at the end of the prompt.
 - `heavy_hitter`: SnapKV (arXiv 2404.14469): attention from an observation window of the last W prompt
   queries, pooled over neighbouring keys with kernel K (keeps clusters, not isolated spikes), top-k per
   head; the window is always kept.
-- `full`: keeps everything, so it refuses a prompt longer than the budget.
-- `hybrid`: FastGen's per-head profiling (cache_hybrid.py) chooses the kept tokens itself.
-- `gated`: the learned forget gates (cache_gated.py): keeps the highest log_gate × age at the end of the
-  prompt, i.e. the tokens the gates say are still retained; only a gated cache receives the gates.
+- `full`: keeps everything, so it refuses a prompt longer than the budget; `hybrid` (FastGen) profiles
+  the prompt itself.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -92,83 +87,43 @@ def hashed_scores(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
     return (x ^ (x >> 15)).float()
 
 
-@dataclass(frozen=True)
-class PromptCompressor:
-    # scores(cache, k [B, n_kv, T, D], q [B, n_head, T, D]) -> [B, 1 or n_kv, T]; higher is kept
-    scores: Callable[..., Tensor] | None
-    head_specific: bool
-
-
-def _positions(k: Tensor) -> Tensor:
+def prompt_positions(k: Tensor) -> Tensor:
+    """Positions 0..T-1 of the prompt whose keys are k [B, n_kv, T, D], as [B, 1, T]."""
     return torch.arange(k.shape[2], device=k.device).view(1, 1, -1).expand(k.shape[0], 1, -1)
 
 
-def _recent_global_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    return _positions(k).float()
-
-
-def _random_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    return hashed_scores(_positions(k), torch.tensor(k.shape[2], device=k.device), random_seed(cache))
-
-
-def _keep_it_odd_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    pos = _positions(k)
-    return (pos % 2) * k.shape[2] + pos.float()
-
-
-def _l2_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    return -k.float().norm(dim=-1)
-
-
-def _snapkv_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
+def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int) -> Tensor:
+    """SnapKV's votes: attention of the last `window` prompt queries to each key, summed over the window
+    and averaged over each KV group's query heads, max-pooled over `kernel` neighbouring keys: [B, n_kv, T]."""
     T = k.shape[2]
-    window = min(cache.snapkv_window, T)
-    rows = torch.arange(T - window, T, device=k.device)
-    votes = prompt_attention(q, k, rows).sum(dim=2)  # [B, n_kv, T]
-    kernel = cache.snapkv_kernel
+    rows = torch.arange(T - min(window, T), T, device=k.device)
+    votes = prompt_attention(q, k, rows).sum(dim=2)
     if kernel > 1:
         votes = F.max_pool1d(votes, kernel_size=kernel, stride=1, padding=kernel // 2)[..., :T]
     return votes
 
 
-def _gated_scores(cache, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
-    log_gate = getattr(cache, "prompt_log_gates", None)  # [B, n_kv, T], set by GatedCache.observe_gates
-    if log_gate is None:
-        raise UserError(f"prompt compression 'gated' needs the learned gates, which only the gated cache receives "
-                        f"(got a {cache.name} cache); use --cache_strategy gated or another compressor")
-    age = (k.shape[2] - 1 - _positions(k)).float()
-    return log_gate * age
-
-
-PROMPT_COMPRESSORS: dict[str, PromptCompressor] = {
-    "full": PromptCompressor(None, head_specific=False),
-    "recent_global": PromptCompressor(_recent_global_scores, head_specific=False),
-    "random": PromptCompressor(_random_scores, head_specific=False),
-    "keep_it_odd": PromptCompressor(_keep_it_odd_scores, head_specific=False),
-    "l2": PromptCompressor(_l2_scores, head_specific=True),
-    "heavy_hitter": PromptCompressor(_snapkv_scores, head_specific=True),
-    "hybrid": PromptCompressor(None, head_specific=True),
-    "gated": PromptCompressor(_gated_scores, head_specific=True),
-}
-
-
 def compress_prompt(cache, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
     """Sorted indices of the prompt tokens `cache` keeps: [B, pos_heads, budget]."""
-    name = cache.prompt_compression
-    compressor = PROMPT_COMPRESSORS[name]
+    rule = cache.prompt_compressor
     T, budget = k.shape[2], cache.max_cache_length
-    if compressor.scores is None:
+    scores = None if rule is None else rule.prompt_scores(cache, k, q)
+    if scores is None:
+        name = "full" if rule is None else rule.name
         raise UserError(
             f"the prompt ({T} tokens) is longer than a {cache.name} cache of {budget} tokens and prompt "
             f"compression '{name}' keeps everything: choose another --prompt_compression_strategy, "
             "a larger budget, or --feed_long_prompts"
         )
-    scores = compressor.scores(cache, k, q).float()
-    pos = _positions(k)
-    window = cache.recent_window
-    if name == "heavy_hitter":
-        window = max(window, min(cache.snapkv_window, budget - cache.global_tokens))
-    protected = (pos < cache.global_tokens) | (pos >= T - window)
-    scores = scores.masked_fill(protected, float("inf"))
-    keep = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
-    return keep.expand(k.shape[0], cache.pos.shape[1], budget)
+    return top_prompt_tokens(scores.float(), cache.global_tokens, rule.prompt_protected_window(cache), budget,
+                             cache.pos.shape[1])
+
+
+def top_prompt_tokens(scores: Tensor, global_tokens: int, recent_window: int, budget: int, pos_heads: int) -> Tensor:
+    """The shared selection: the first `global_tokens` and the last `recent_window` positions, then the
+    best-scoring others, `budget` in all, sorted: scores [B, 1 or n_kv, T] -> [B, pos_heads, budget]."""
+    B, _, T = scores.shape
+    pos = torch.arange(T, device=scores.device)
+    protected = (pos < global_tokens) | (pos >= T - recent_window)
+    keep = scores.masked_fill(protected, float("inf")).topk(budget, dim=-1).indices.sort(dim=-1).values
+    return keep.expand(B, pos_heads, budget)

@@ -16,12 +16,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache import CACHE_STRATEGIES, cache_statistics  # noqa: E402
+from cache import cache_statistics  # noqa: E402
 from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
 from debug_cache import attention_loss_curve  # noqa: E402
 from eval.data import pydoc_corpus  # noqa: E402
 from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic  # noqa: E402
+from strategies import CACHE_STRATEGIES  # noqa: E402
 
 
 def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:  # noqa: ANN001
@@ -32,7 +33,6 @@ def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:  # noqa: ANN001
 def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled: bool) -> dict:  # noqa: ANN001
     parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget)])
     specs = resolve_cache_spec(args, model.args.n_layer, len(ids), new)
     setup_caches(model, specs, len(ids) + new, tokenizer)

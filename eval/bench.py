@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from cache import CACHE_STRATEGIES, cache_statistics
+from cache import cache_statistics
 from cache_spec import add_cache_arguments, resolve_cache_spec
 from checkpoint import bundled_checkpoint_path, load_checkpoint, parse_dtype
 from checkpoint_hf import hf_model_args
@@ -63,6 +63,7 @@ from generate import (
     write_json_atomic,
 )
 from model import Transformer
+from strategies import CACHE_STRATEGIES
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
           "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
@@ -175,7 +176,6 @@ def peak_rss_mb() -> float:
 def cache_args(strategy: str, budget: float) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget)])
 
 

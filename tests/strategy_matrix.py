@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from cache import CACHE_STRATEGIES, KVCache
+from cache import KVCache
 from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
 from debug_cache import DebugCache
 from errors import CliParser
 from gates import attach_random_gates
 from generate import prefill
+from strategies import CACHE_STRATEGIES
 
 PROMPT, NEW = 24, 16
 TOTAL = PROMPT + NEW
@@ -33,7 +34,6 @@ ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
     parser = CliParser()
     add_cache_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
                               str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
 

@@ -187,9 +187,9 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
     "preset bool as number": (GEN, lambda w: w.gen(*preset(w, "snapkv_window: true\n")), "integer", True),
     # ---- model and gates files (the model loads: these are found while reading the files) ----------------
     "garbage safetensors": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path", w.broken_checkpoint(BINARY)],
-                            "cannot read", False),
+                            "not a safetensors file", False),
     "truncated safetensors": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path", w.broken_checkpoint(None)],
-                              "cannot read", False),
+                              "is truncated", False),
     "gates with NaN": (GEN, lambda w: gated(w, nan_first), "layers.0.weight has non-finite", False),
     "gates of a wrong shape": (GEN, lambda w: gated(w, wrong_shape), "layers.1.bias has shape", False),
     "gates garbage": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path", str(w.tiny), "--cache_strategy",

@@ -15,7 +15,6 @@ from errors import CliParser, UserError, run_cli
 def parser() -> CliParser:
     p = CliParser()
     add_cache_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
     return p
 
 

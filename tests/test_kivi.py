@@ -166,7 +166,7 @@ def test_bytes_reflect_packed_codes_and_scales():
 
 
 def test_residual_tokens_count_as_16_bits_in_the_compression_ratio():
-    from cache import get_strategy
+    from strategies import get_strategy
 
     spec = StorageSpec(4, "kivi", 4, 8)
     cache = get_strategy("full")(1, 2, 16, 24, torch.float32, "cpu", spec, capacity_needed=24)
@@ -195,7 +195,8 @@ def test_bundled_model_8bit_kivi_stays_close_to_the_full_cache(bundled):
 
 
 def test_tokens_per_key_group_counts_fragmentation_from_evictions():
-    from cache import cache_statistics, get_strategy
+    from cache import cache_statistics
+    from strategies import get_strategy
 
     spec = StorageSpec(4, "kivi", 4, 4)
     cache = get_strategy("full")(1, 2, 16, 24, torch.float32, "cpu", spec, capacity_needed=24)
