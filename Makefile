@@ -16,7 +16,7 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-fast lint
 setup: $(VENV)/.runtime
 
 demo: $(VENV)/.runtime
@@ -24,6 +24,10 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q
+
+# Everything but the tests marked slow (end-to-end runs, the compiled strategy matrix).
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check .

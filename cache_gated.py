@@ -53,7 +53,8 @@ class GatedCache(KVCache):
         if log_gate is None:
             raise UserError(f"prompt compression 'gated' needs the learned gates, which only the gated cache "
                             f"receives (got a {cache.name} cache); use --cache_strategy gated or another compressor")
-        return cls.log_retention(log_gate, k.shape[2] - 1 - prompt_positions(k))
+        # Ages as the next decode step sees them (the token at position T arriving): the same rule.
+        return cls.log_retention(log_gate, k.shape[2] - prompt_positions(k))
 
     @staticmethod
     def log_retention(log_gate: Tensor, age: Tensor) -> Tensor:

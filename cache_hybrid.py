@@ -39,7 +39,7 @@ def parse_policy(policy: str) -> tuple[str, ...]:
     return parts
 
 
-def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:  # noqa: ANN001
+def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:
     """Boolean masks over the vocabulary: special tokens (from the tokenizer) and punctuation tokens
     (tokens whose text is only punctuation and whitespace, with at least one punctuation mark)."""
     special = torch.zeros(vocab_size, dtype=torch.bool)

@@ -41,7 +41,7 @@ from tokenizer import Tokenizer
 # ---- the decode loop ------------------------------------------------------------------------------------
 
 
-def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = None, decode_step=None) -> Tensor:  # noqa: ANN001
+def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = None, decode_step=None) -> Tensor:
     """Run the prompt [B, T] through the model, filling the caches; logits of the last position [B, vocab].
 
     With `prefill_length` < T (--feed_long_prompts), only that many tokens are prefilled and the rest of
@@ -179,7 +179,7 @@ def generate(
     prompt_ids: list[int],
     max_new_tokens: int,
     eos_ids: list[int],
-    decode_step=decode_one_token,  # noqa: ANN001
+    decode_step=decode_one_token,
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int | None = None,

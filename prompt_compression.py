@@ -7,7 +7,7 @@ KV head for a head-specific rule (which can only feed a head-specific cache, who
 It also holds the prompt-attention helpers those rules and the caches' initial scores use.
 
 - `recent_global`: the newest tokens; `random`: a seeded random subset; `keep_it_odd`: odd positions;
-  `l2`: the keys with the lowest L2 norm; `gated`: the highest log_gate × age at the end of the prompt.
+  `l2`: the keys with the lowest L2 norm; `gated`: the highest log_gate × age as the next token arrives.
 - `heavy_hitter`: SnapKV (arXiv 2404.14469): attention from an observation window of the last W prompt
   queries, pooled over neighbouring keys with kernel K (keeps clusters, not isolated spikes), top-k per
   head; the window is always kept.
@@ -71,7 +71,7 @@ def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = 
     return received
 
 
-def random_seed(cache) -> int:  # noqa: ANN001
+def random_seed(cache) -> int:
     """Per-run, per-layer seed of random eviction (`--seed`), shared by the random cache and compressor."""
     return int(cache.hparams.get("seed", 0)) * 1_000_003 + cache.layer_idx
 
@@ -103,7 +103,7 @@ def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int) -> Tensor:
     return votes
 
 
-def compress_prompt(cache, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:  # noqa: ANN001
+def compress_prompt(cache, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
     """Sorted indices of the prompt tokens `cache` keeps: [B, pos_heads, budget]."""
     rule = cache.prompt_compressor
     T, budget = k.shape[2], cache.max_cache_length

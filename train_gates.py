@@ -116,7 +116,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
 
 
-def training_windows(tokenizer, seq_len: int, max_tokens: int | None) -> Tensor:  # noqa: ANN001
+def training_windows(tokenizer, seq_len: int, max_tokens: int | None) -> Tensor:
     """Non-overlapping windows [N, seq_len] of the training split."""
     ids = tokenizer.encode(pydoc_split(held_out=False))
     if max_tokens is not None:

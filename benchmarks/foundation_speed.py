@@ -21,7 +21,7 @@ from eval.data import pydoc_corpus  # noqa: E402
 from generate import compile_decode_step, decode_one_token, generate, prefill, setup_caches  # noqa: E402
 
 
-def corpus_ids(tokenizer, n: int) -> list[int]:  # noqa: ANN001
+def corpus_ids(tokenizer, n: int) -> list[int]:
     text = pydoc_corpus()
     return tokenizer.encode(text[: 8 * n])[:n]
 

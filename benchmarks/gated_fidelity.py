@@ -53,7 +53,7 @@ def cache_args(strategy: str, budget: float, gates_path: str | None) -> argparse
     return parser.parse_args(flags + (["--gates_path", gates_path] if gates_path else []))
 
 
-def teacher_force(model, ids: torch.Tensor, n_prompt: int, ref_logp: torch.Tensor) -> dict[str, list[float]]:  # noqa: ANN001
+def teacher_force(model, ids: torch.Tensor, n_prompt: int, ref_logp: torch.Tensor) -> dict[str, list[float]]:
     """Per scored position: KL(full ‖ compressed), top-1 agreement, NLL of the true next token (both)."""
     out: dict[str, list[float]] = {"kl": [], "agree": [], "nll": [], "nll_full": []}
     n = ids.shape[1]

@@ -25,12 +25,12 @@ from generate import compile_decode_step, decode_one_token, generate, setup_cach
 from strategies import CACHE_STRATEGIES  # noqa: E402
 
 
-def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:  # noqa: ANN001
+def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:
     text = pydoc_corpus()
     return tokenizer.encode(text)[:n_tokens]
 
 
-def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled: bool) -> dict:  # noqa: ANN001
+def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled: bool) -> dict:
     parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
     args = parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget)])

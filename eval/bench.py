@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from atomic_files import atomic_write
 from cache import cache_statistics
 from cache_spec import add_cache_arguments, resolve_cache_spec
 from checkpoint import bundled_checkpoint_path, load_checkpoint, parse_dtype
@@ -192,7 +193,7 @@ def recompile_check_shape(slots: int, capacity: int, steps: int) -> tuple[int, i
     return prompt, max(1, min(steps, capacity - prompt))
 
 
-def _decode_block(model, step, state: dict, steps: int, times: list[float]) -> None:  # noqa: ANN001
+def _decode_block(model, step, state: dict, steps: int, times: list[float]) -> None:
     """`steps` greedy decode steps on the caches in `state` (attached here): the block's time per step is
     appended `steps` times (one host synchronisation per block, none per step, as in `generate`)."""
     model.setup_caches(state["caches"])
@@ -208,7 +209,7 @@ def _decode_block(model, step, state: dict, steps: int, times: list[float]) -> N
     state["token"], state["pos"] = token, pos
 
 
-def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots: int, steps: int,  # noqa: ANN001
+def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots: int, steps: int,
                     blocks: int, ref_caches: list | None = None) -> tuple[float, float, int]:
     """Median step seconds of (this strategy's caches, a full cache of the same size), decoded in alternating
     blocks (ABBA...) so that other load on the machine hits both alike; and the graphs compiled meanwhile.
@@ -247,7 +248,7 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
             counters["stats"]["unique_graphs"] - graphs_before)
 
 
-def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,  # noqa: ANN001
+def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,
                bandwidth: float, recompile_steps: int = 0, engine: str | None = None, pair_blocks: int = 0,
                reset: bool = True, full_caches: dict | None = None, keep_as_reference: bool = False,
                classes: dict | None = None) -> dict:
@@ -306,7 +307,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
             "peak_device_memory_mb": peak_device_memory_mb(device)}
 
 
-def load_hf_model(source: dict, dtype: torch.dtype, device: str):  # noqa: ANN201
+def load_hf_model(source: dict, dtype: torch.dtype, device: str):
     """transformers' model for the same checkpoint (a directory or the bundled GGUF) or, for random weights,
     the same config with transformers' own random initialisation; None when transformers is absent."""
     try:
@@ -802,10 +803,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     writer = csv.DictWriter(buffer, fieldnames=FIELDS)
     writer.writeheader()
     writer.writerows(rows)
-    tmp = out_dir / ".bench.csv.tmp"
-    tmp.write_text(buffer.getvalue())
-    tmp.replace(out_dir / "bench.csv")
-    (out_dir / "bench.md").write_text(table + "\n")
+    atomic_write(out_dir / "bench.csv", buffer.getvalue(), overwrite=True)
+    atomic_write(out_dir / "bench.md", table + "\n", overwrite=True)
     partial.unlink()
     return rows
 

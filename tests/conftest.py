@@ -20,7 +20,8 @@ TINY_ARGS = dict(n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: end-to-end tests of a minute or more (run by default)")
+    config.addinivalue_line("markers", "slow: end-to-end tests and the compiled strategy matrix (run by default; "
+                                       "make test-fast skips them)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one; run with -m cuda)")
 
 
@@ -44,8 +45,3 @@ def make_tiny_model(seed: int = 0, **overrides) -> Transformer:
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.2)  # sharp attention, so cache differences show in logits
     return model.eval().requires_grad_(False)
-
-
-@pytest.fixture
-def tiny_model() -> Transformer:
-    return make_tiny_model()

@@ -57,7 +57,7 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def tiny_runtime(checkpoint: Path, *flags: str):  # noqa: ANN201  (an eval.harness.Runtime)
+def tiny_runtime(checkpoint: Path, *flags: str):  # returns an eval.harness.Runtime
     """A Runtime on the tiny checkpoint with `python -m eval` flags (parsed by the real CLI parser)."""
     from eval import cli
     from eval.harness import Runtime

@@ -38,7 +38,7 @@ def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
                               str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
 
 
-def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32, new: int = NEW) -> list[KVCache]:  # noqa: ANN001
+def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32, new: int = NEW) -> list[KVCache]:
     specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, new)
     if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
         attach_random_gates(model, seed=0)
@@ -64,7 +64,7 @@ def token_ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, TOTAL), generator=torch.Generator().manual_seed(seed))
 
 
-def run(model, ids, step_fn, check) -> None:  # noqa: ANN001
+def run(model, ids, step_fn, check) -> None:
     model.reset_caches()
     prefill(model, ids[:, :PROMPT])
     check(PROMPT - 1)

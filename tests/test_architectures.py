@@ -33,7 +33,7 @@ def default_cache_args(**overrides: object) -> argparse.Namespace:
     return args
 
 
-def attach(model, prompt_length: int, new_tokens: int, **flags: object) -> list:  # noqa: ANN001
+def attach(model, prompt_length: int, new_tokens: int, **flags: object) -> list:
     specs = resolve_cache_spec(default_cache_args(**flags), model.args.n_layer, prompt_length, new_tokens)
     specs = apply_model_layer_policies(specs, model.args, prompt_length, new_tokens, quiet=True)
     a = model.args
@@ -42,7 +42,7 @@ def attach(model, prompt_length: int, new_tokens: int, **flags: object) -> list:
     return specs
 
 
-def greedy_logits(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:  # noqa: ANN001
+def greedy_logits(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """Logits after the prefill and after each of `steps` - 1 decode steps, [steps, vocab], and the tokens."""
     model.reset_caches()
     with torch.no_grad():

@@ -161,7 +161,7 @@ def patched_loader(monkeypatch, bundled_session):
     monkeypatch.setattr(generate, "load_checkpoint", lambda *a, **k: bundled_session)
 
 
-def run_main(argv: list[str], capsys) -> tuple[int, str]:  # noqa: ANN001
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_info:
         run_cli(generate.main, argv)
     return exit_info.value.code, capsys.readouterr().err

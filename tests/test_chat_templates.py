@@ -73,7 +73,7 @@ CONVERSATIONS = [
 ]
 
 
-def load_both(tmp_path, family: str, in_config: bool = False):  # noqa: ANN201
+def load_both(tmp_path, family: str, in_config: bool = False):
     import transformers
 
     write_tokenizer(tmp_path, TEMPLATES[family], **SPECIAL[family])

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.cuda,
 LOGIT_ATOL = 1e-3  # float32 on both sides, TF32 off
 
 
-def kept_per_step(strategy: str, storage: str, device: str, step=decode_one_token) -> list:  # noqa: ANN001
+def kept_per_step(strategy: str, storage: str, device: str, step=decode_one_token) -> list:
     model = make_tiny_model().to(device)
     model.init_rope_tables()
     # Distinct tokens: RoPE preserves norms, so two equal tokens have equal layer-0 key norms, an exact tie

@@ -10,7 +10,6 @@ import sys
 import pandas as pd
 import pytest
 
-from cache import CACHE_STRATEGIES
 from errors import UserError
 from eval import cli
 from tests.conftest import ROOT
@@ -19,8 +18,6 @@ from tests.eval_helpers import (
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     write_tiny_checkpoint,
 )
-
-needs_recent_global = pytest.mark.skipif("recent_global" not in CACHE_STRATEGIES, reason="needs recent_global")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +34,6 @@ def run_dirs(out_dir) -> list:
     return sorted(p.parent for p in out_dir.glob("*/*/*/metrics.json"))
 
 
-@needs_recent_global
 def test_runs_are_written_next_to_the_baseline_and_skipped_when_finished(tiny_dir, tmp_path):
     flags = fidelity_flags(tiny_dir, tmp_path) + ["--cache_strategy", "recent_global", "--max_cache_length", "0.5"]
     full, ours = cli.main(flags)
@@ -68,7 +64,6 @@ def test_runs_are_written_next_to_the_baseline_and_skipped_when_finished(tiny_di
     assert all((d / "metrics.json").stat().st_mtime_ns != stamps[d] for d in dirs)
 
 
-@needs_recent_global
 def test_cache_config_preset_and_explicit_flags(tiny_dir, tmp_path):
     preset = tmp_path / "preset.yaml"
     preset.write_text("cache_strategy: recent_global\nmax_cache_length: 0.25\nglobal_tokens: 2\n")
@@ -100,8 +95,6 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
 def test_bad_input_is_a_user_error(tiny_dir, tmp_path, case):
     flags, message = BAD_INPUTS[case]
-    if "keep_it_odd" in flags and "keep_it_odd" not in CACHE_STRATEGIES:
-        pytest.skip("needs keep_it_odd")
     with pytest.raises(UserError, match=message):
         cli.main(fidelity_flags(tiny_dir, tmp_path) + flags)
 

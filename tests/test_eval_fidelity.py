@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache import CACHE_STRATEGIES
 from eval.harness import Runtime, Timings, teacher_force
 from eval.tasks import get_task
 from tests.eval_helpers import (
@@ -50,7 +49,6 @@ def test_scored_positions_match_one_full_forward_pass(tiny_dir):
     assert trace.nll_full == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.skipif("recent_global" not in CACHE_STRATEGIES, reason="needs the recent_global strategy")
 def test_compressed_cache_differs_exactly_after_its_first_eviction(tiny_dir):
     budget = 64  # tokens; the window is 200: evictions start when token 64 is inserted
     rt = tiny_runtime(tiny_dir, "--text_file", str(PYDOC_EXCERPT), "--seq_len", "200", "--prefill_tokens", "32",

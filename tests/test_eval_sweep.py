@@ -14,7 +14,6 @@ import time
 import pandas as pd
 import pytest
 
-from cache import CACHE_STRATEGIES
 from errors import UserError
 from eval import plot, sweep
 from eval.results import TRAILING_COLUMNS
@@ -28,7 +27,7 @@ from tests.eval_helpers import (
 
 # 2 strategies × 2 budgets × 1 task: the full cache once, recent_global at two budgets (three runs). Before
 # recent_global exists, full alone (one run).
-STRATEGIES = ["full", "recent_global"] if "recent_global" in CACHE_STRATEGIES else ["full"]
+STRATEGIES = ["full", "recent_global"]
 TIMING_COLUMNS = [c for c in TRAILING_COLUMNS if c not in ("run_id", "run_dir")]
 
 

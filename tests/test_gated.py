@@ -30,7 +30,7 @@ from tests.eval_helpers import write_tiny_checkpoint
 from tests.strategy_matrix import NEW, PROMPT, TOTAL, attach, cache_args, held_positions, inner, run, token_ids
 
 
-def reference_log_gates(model, ids) -> torch.Tensor:  # noqa: ANN001
+def reference_log_gates(model, ids) -> torch.Tensor:
     """Layer 0's log-gate of every position [n_kv, TOTAL]: layer 0's input is the token embeddings only."""
     layer = model.layers[0]
     with torch.inference_mode():
@@ -136,7 +136,7 @@ def tiny_checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
-def smoke_train(checkpoint, out, *extra: str):  # noqa: ANN001, ANN201
+def smoke_train(checkpoint, out, *extra: str):
     return train_gates.main(["--checkpoint_path", str(checkpoint), "--out", str(out), "--steps", "2",
                              "--seq_len", "32", "--max_train_tokens", "256", *extra])
 

@@ -20,7 +20,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(reference, arch: str, path) -> None:  # noqa: ANN001
+def write_gguf(reference, arch: str, path) -> None:
     import gguf
 
     c = reference.config

@@ -37,7 +37,7 @@ from tests.strategy_matrix import (
 )
 
 
-def reference_kv(model, ids):  # noqa: ANN001
+def reference_kv(model, ids):
     """Layer-0 keys and values of every position [H, TOTAL, D], from a full-cache run."""
     attach(model, cache_args("full", "1.0"))
     with torch.inference_mode():
@@ -46,7 +46,7 @@ def reference_kv(model, ids):  # noqa: ANN001
     return c.keys()[0, :, :TOTAL].clone(), c.values()[0, :, :TOTAL].clone()
 
 
-def layer0_queries(model, ids) -> torch.Tensor:  # noqa: ANN001
+def layer0_queries(model, ids) -> torch.Tensor:
     """Layer-0 queries after RoPE, [n_head, TOTAL, D] (they depend only on the token embeddings)."""
     layer = model.layers[0]
     with torch.inference_mode():
@@ -67,7 +67,7 @@ def naive_probs(q: torch.Tensor, keys: torch.Tensor, positions: list[int], n_kv:
     return out
 
 
-def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, storage: str) -> None:  # noqa: ANN001
+def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, storage: str) -> None:
     for layer, cache in enumerate(caches):
         c = inner(cache)
         budget = c.max_cache_length
@@ -106,6 +106,7 @@ def test_matrix_eager(strategy, storage, budget):
         assert max(len(h) for h in held_positions(caches[0])) == 16  # the budget is really used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("storage", "budget"), STORAGE_BUDGETS)
 @pytest.mark.parametrize("strategy", ALL)
 def test_matrix_compiled_no_recompilation(strategy, storage, budget):
