@@ -1,4 +1,4 @@
-"""How a cache stores the keys and values of its slots (DESIGN.md §5): dense, quantized per token
+"""How a cache stores the keys and values of its slots (docs/DESIGN.md §5): dense, quantized per token
 (`--cache_bits`), or KIVI's residual scheme (`--cache_quantization kivi`).
 
 Storage is independent of eviction: a strategy decides *which slot* a token goes to (and so which token

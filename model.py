@@ -256,7 +256,7 @@ class Attention(nn.Module):
             k_all, v_all, mask = cache.update_kv(input_pos, k, v)
             if cache.needs_attention or x.device.type == "cpu":
                 # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached
-                # tokens (DESIGN.md §7), and it yields the probabilities for caches that need them.
+                # tokens (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
                 y, probs = grouped_attention(q, k_all, v_all, mask)
                 if cache.needs_attention:
                     # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.

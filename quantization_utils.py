@@ -1,4 +1,4 @@
-"""Building blocks for quantized KV-cache storage (`--cache_bits 2|4|8`, DESIGN.md §5; used by kv_storage.py):
+"""Building blocks for quantized KV-cache storage (`--cache_bits 2|4|8`, docs/DESIGN.md §5; used by kv_storage.py):
 pure tensor ops.
 
 Why asymmetric, per token

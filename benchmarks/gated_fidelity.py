@@ -1,4 +1,4 @@
-"""Fidelity of `gated` against other strategies under teacher forcing on held-out pydoc text (issue 6).
+"""Fidelity of `gated` against other strategies under teacher forcing on held-out pydoc text.
 
     python benchmarks/gated_fidelity.py --out results/gated_fidelity.json
     python benchmarks/gated_fidelity.py --strategies gated recent_global --budgets 0.1 --windows 1

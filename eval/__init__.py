@@ -1,4 +1,4 @@
-"""Evaluation harness (issue 4): tasks, fidelity metrics, a results table, resumable parallel sweeps, plots.
+"""Evaluation harness: tasks, fidelity metrics, a results table, resumable parallel sweeps, plots.
 
     python -m eval        one cache configuration on some tasks, next to the full cache   (eval/cli.py)
     python -m eval.sweep  strategies × budgets × tasks × seeds, resumable, in parallel   (eval/sweep.py)

@@ -210,7 +210,7 @@ def option_logliks(
     """Sum of log-probabilities of each option's tokens after the prompt, under the configured cache.
 
     The caches after the prompt are saved once and restored before each option (their state is all in
-    registered buffers, DESIGN.md §4), so the prompt is processed a single time.
+    registered buffers, docs/DESIGN.md §4), so the prompt is processed a single time.
     """
     logits = run_prompt(rt, ids, n_prefill, timings)
     saved = [[b.clone() for b in c.buffers()] for c in rt.model.caches()]

@@ -1,4 +1,4 @@
-"""Scoring (DESIGN.md §6): string metrics for generated answers and the per-token fidelity metrics of
+"""Scoring (docs/DESIGN.md §6): string metrics for generated answers and the per-token fidelity metrics of
 teacher forcing. Pure functions, checked against hand-worked examples in tests/test_eval_metrics.py."""
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
 def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) -> str:
     parts = ["# KV-cache evaluation summary", "",
              f"{len(frame)} finished runs in `{out_dir}`; means over seeds. *full* is the full cache on the "
-             "same items; compression is measured (DESIGN.md §6).", ""]
+             "same items; compression is measured (docs/DESIGN.md §6).", ""]
     for (model, task), group in frame.groupby(["model", "task"]):
         metrics = task_metrics(task, group)
         table = averaged(group)

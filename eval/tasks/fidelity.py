@@ -1,4 +1,4 @@
-"""fidelity: teacher forcing over a long real text (DESIGN.md §6).
+"""fidelity: teacher forcing over a long real text (docs/DESIGN.md §6).
 
 Each window of `--seq_len` tokens is fed twice in one process, step-interleaved on the same model:
 with the configured cache and with the full cache. The first `--prefill_tokens` go through prefill,
