@@ -116,11 +116,7 @@ def _fsync_file(path: Path) -> None:
 
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # not every file system lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_file(path)
 
 
 # ---- directories ----------------------------------------------------------------------------------------
