@@ -51,7 +51,7 @@ TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "de
 # before identities existed have none: they stay in the table and plots, and eval runs them again.
 REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 # Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
-NOT_COMPUTE = ("eval/plot.py", "eval/sweep.py", "eval/sweep_ray.py", "eval/bench.py", "train_gates.py")
+NOT_COMPUTE = ("eval/plot.py", "eval/sweep.py", "eval/sweep_ray.py", "eval/bench/", "train_gates.py")  # a "/": a folder
 
 
 
@@ -157,7 +157,7 @@ def code_version(root: Path = ROOT) -> dict:
     files = sorted([*root.glob("*.py"), *root.glob("eval/**/*.py")])
     for path in files:
         rel = path.relative_to(root).as_posix()
-        if rel not in NOT_COMPUTE:
+        if not any(rel == n or (n.endswith("/") and rel.startswith(n)) for n in NOT_COMPUTE):
             digest.update(rel.encode() + b"\0" + file_sha256(path).encode() + b"\0")
     return {"sources_sha256": digest.hexdigest(), "python": platform.python_version(),
             "torch": _version("torch")}

@@ -10,15 +10,10 @@ import sys
 
 import pytest
 
-from eval.bench import (
-    FIELDS,
-    build_parser,
-    build_plan,
-    fill_comparisons,
-    plan_summary,
-    recompile_check_shape,
-    summarize_targets,
-)
+from eval.bench.cli import build_parser
+from eval.bench.measure import FIELDS
+from eval.bench.plan import build_plan, plan_summary, recompile_check_shape
+from eval.bench.report import fill_comparisons, summarize_targets
 from tests.conftest import ROOT
 
 STRATEGIES = ["recent_global", "random", "keep_it_odd", "l2", "heavy_hitter", "gated", "hybrid"]

@@ -1,0 +1,214 @@
+"""The bench's flags and its run: plan, measure every row, report (see eval/bench/__init__.py)."""
+
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import platform
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+from atomic_files import atomic_write
+from checkpoint import parse_dtype
+from errors import CliParser, UserError
+from eval.bench.measure import (
+    FIELDS,
+    RANDOM_SHAPES,
+    bench_hf,
+    bench_ours,
+    load_model,
+    measure_read_bandwidth,
+    weight_bytes,
+)
+from eval.bench.plan import build_plan, plan_summary
+from eval.bench.report import fill_comparisons, format_table, format_targets, summarize_targets
+from eval.data import pydoc_corpus
+from generate import (
+    resolve_device,
+    write_json_atomic,
+)
+from strategies import CACHE_STRATEGIES
+
+
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", nargs="*", type=int, default=[512, 2048, 4096, 8192],
+                   help="HF, eager and compiled full-cache rows (a context is cut to the model's context "
+                        "length minus --new_tokens)")
+    p.add_argument("--bound_contexts", nargs="*", type=int, default=[256],
+                   help="compiled full-cache rows only (the fraction-of-bound target is at 256)")
+    p.add_argument("--strategy_contexts", nargs="*", type=int, default=[4096],
+                   help="contexts where every strategy runs at --speedup_budget, and --budget_strategies at each "
+                        "of --budgets too")
+    p.add_argument("--speedup_contexts", nargs="*", type=int, default=[8192],
+                   help="further contexts where --speedup_strategies run at --speedup_budget only, without the "
+                        "overhead measurement (none: pass the flag alone)")
+    p.add_argument("--speedup_strategies", nargs="+", default=["recent_global"])
+    p.add_argument("--speedup_budget", type=float, default=0.1,
+                   help="the budget every strategy runs at (the speed-up target's budget)")
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--strategies", nargs="+", default=None, help="default: every registered strategy")
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.25, 0.5])
+    p.add_argument("--budget_strategies", nargs="+", default=["heavy_hitter"],
+                   help="strategies run at every --budgets at --strategy_contexts (default: heavy_hitter, whose "
+                        "per-step work grows with the cache: attention probabilities, an O(slots) state update; "
+                        "all: every strategy, about 15 more minutes)")
+    p.add_argument("--recompile_steps", type=int, default=256,
+                   help="per compiled strategy (once), decode this many more steps on its compiled graph, with a "
+                        "prompt that lets the cache fill and then evict, and count new graphs (0: off)")
+    p.add_argument("--overhead_blocks", type=int, default=8,
+                   help="strategy rows: decode --new_tokens more steps on the strategy's caches and as many on a "
+                        "same-size full cache, alternating in this many blocks, for overhead_vs_same_size_full")
+    p.add_argument("--no_same_size_ref", action="store_true",
+                   help="skip the same-size full-cache references and the overhead measurement")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--inductor_freezing", action="store_true",
+                   help="experiment: compile with torch._inductor.config.freezing (weights folded and prepacked for "
+                        "oneDNN; faster decode here, but each compile is cold and keeps ~250 MB in the process)")
+    p.add_argument("--no_compile", action="store_true", help="eager rows only")
+    p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face rows")
+    p.add_argument("--hf_static", action="store_true",
+                   help="also transformers' static cache with its forward compiled (its documented recipe for speed; "
+                        "CUDA graphs on a GPU), at each of --contexts")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--checkpoint_path", default=None,
+                   help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
+                   help="random weights with a real model's shapes instead of a checkpoint (decode speed depends on "
+                        "the shapes only; nothing is downloaded); prompts are random token ids")
+    p.add_argument("--quick", action="store_true", help="~1 minute: context 256, 16 tokens, eager, 2 strategies")
+    p.add_argument("--dry_run", action="store_true", help="print the plan and its estimated duration, run nothing")
+    p.add_argument("--out_dir", default="results/bench")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bench.json/csv in --out_dir")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.contexts, args.strategy_contexts, args.speedup_contexts, args.bound_contexts = [256], [256], [], []
+        args.new_tokens, args.no_compile = 16, True
+        args.strategies = args.strategies or ["recent_global", "heavy_hitter"]
+        args.budgets, args.speedup_budget = [0.25], 0.25
+    if args.new_tokens < 2:
+        raise UserError(f"--new_tokens must be ≥ 2, got {args.new_tokens}")
+    strategies = [s for s in (args.strategies or CACHE_STRATEGIES) if s != "full"]
+    if args.overhead_blocks < 1:
+        raise UserError(f"--overhead_blocks must be ≥ 1, got {args.overhead_blocks}")
+    for s in strategies + args.speedup_strategies + [b for b in args.budget_strategies if b != "all"]:
+        if s not in CACHE_STRATEGIES:
+            raise UserError(f"unknown strategy {s!r}; available: {', '.join(CACHE_STRATEGIES)}")
+    if args.random_weights and args.checkpoint_path:
+        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    out_dir = Path(args.out_dir)
+    if args.dry_run:
+        model, _ = load_model(args, "meta" if args.random_weights else "cpu", dtype)
+        plan = build_plan(args, strategies, model.args.n_layer, model.args.context_length)
+        for job in plan:
+            print(f"{job.engine():<30} {job.strategy:<14} budget {job.budget:<5g} context {job.context:<6} "
+                  f"slots {job.slots:<6} new {job.new_tokens}"
+                  + (f" + {job.recompile_steps}-step recompile check" if job.recompile_steps else ""))
+        print(plan_summary(plan))
+        return []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out_dir}: {e.strerror}") from None
+    if (out_dir / "bench.json").exists() and not args.overwrite:
+        raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
+    torch.set_grad_enabled(False)
+    if args.inductor_freezing:
+        torch._inductor.config.freezing = True
+    bandwidth = measure_read_bandwidth(device)
+    print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
+    source = {"random_weights": args.random_weights, "checkpoint_path": args.checkpoint_path}
+    model = tokenizer = None
+    if args.random_weights:  # built on the device when its first row runs; its shapes from a meta copy now
+        shapes = load_model(args, "meta", dtype)[0]
+        model_args, total_weight_bytes = shapes.args, weight_bytes(shapes)
+    else:
+        model, tokenizer = load_model(args, device, dtype)
+        model_args, total_weight_bytes = model.args, weight_bytes(model)
+    plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
+    print(plan_summary(plan), flush=True)
+    max_context = max(j.context for j in plan)
+    if tokenizer is None:  # random weights: random token ids (the speed does not depend on them)
+        generator = torch.Generator().manual_seed(0)
+        corpus_ids = torch.randint(0, model_args.vocab_size, (max_context,), generator=generator).tolist()
+    else:
+        corpus_ids = tokenizer.encode(pydoc_corpus()[: 40 * max_context])
+    if len(corpus_ids) < max_context:
+        raise UserError(f"the corpus has {len(corpus_ids)} tokens, fewer than the longest context {max_context}")
+    # Without a tokenizer, the hybrid cache's special / punctuation classes are empty.
+    classes = None if tokenizer is not None else {
+        name: torch.zeros(model_args.vocab_size, dtype=torch.bool) for name in ("special", "punct")}
+    rows: list[dict] = []
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    group = None  # compiled graphs are kept from a same-size reference through the strategy rows of its size
+    full_caches: dict = {}
+    partial = out_dir / "bench.partial.jsonl"  # each row as it is measured: a run cut short keeps its rows
+    partial.write_text("")
+    # Ours first, then transformers' rows with our model released: peak device memory is one model's.
+    plan = [j for j in plan if not j.kind.startswith("hf")] + [j for j in plan if j.kind.startswith("hf")]
+    for job in tqdm(plan, desc="bench"):
+        ids = corpus_ids[: job.context]
+        if job.kind.startswith("hf"):
+            if model is not None:
+                model = full_caches = None
+                torch._dynamo.reset()
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            try:
+                row = bench_hf(source, ids, job.new_tokens, dtype, device, bandwidth, job.kind == "hf_static")
+            except Exception as e:  # another library's failure costs its row, not the run's other rows
+                tqdm.write(f"warning: {job.engine()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                row = None
+        else:
+            if model is None:
+                model, _ = load_model(args, device, dtype)
+            key = job.slots if job.kind in ("ref", "strategy") else None
+            # A group holds the reference and each strategy's graph; allow them all without recompiling.
+            with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+                row = bench_ours(model, tokenizer, ids, job.new_tokens, job.strategy, job.budget, job.compiled,
+                                 bandwidth, job.recompile_steps, job.engine(), job.pair_blocks,
+                                 reset=key is None or key != group, full_caches=full_caches,
+                                 keep_as_reference=job.kind == "ref", classes=classes)
+            group = key
+        if row is not None:
+            rows.append(row)
+            tqdm.write(json.dumps(row))
+            with partial.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    fill_comparisons(rows)
+    targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
+    table = format_table(rows) + "\n\n" + format_targets(targets)
+    print(table)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+            "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
+            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+            "weight_bytes": total_weight_bytes, "argv": argv, "wall_seconds": round(time.perf_counter() - started),
+            "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
+            "inductor_freezing": bool(torch._inductor.config.freezing)}
+    write_json_atomic(out_dir / "bench.json", {"meta": meta, "targets": targets, "rows": rows}, overwrite=True)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out_dir / "bench.csv", buffer.getvalue(), overwrite=True)
+    atomic_write(out_dir / "bench.md", table + "\n", overwrite=True)
+    partial.unlink()
+    return rows
+
+
