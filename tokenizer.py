@@ -175,13 +175,27 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     )
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint's side file, or one clear error naming the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return value
+
+
 def tokenizer_from_hf_dir(directory: Path, config: dict) -> Tokenizer:
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"{directory} has no tokenizer.json")
-    backend = HFTokenizer.from_file(str(path))
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library's own error type: not JSON, or not a tokenizer
+        raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
     tok_config_path = directory / "tokenizer_config.json"
-    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.is_file() else {}
+    tok_config = read_json(tok_config_path) if tok_config_path.is_file() else {}
 
     def token_id(entry: object) -> int | None:
         if isinstance(entry, dict):
@@ -191,7 +205,7 @@ def tokenizer_from_hf_dir(directory: Path, config: dict) -> Tokenizer:
     eos = config.get("eos_token_id")
     gen_path = directory / "generation_config.json"
     if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        eos = read_json(gen_path).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not eos_ids and token_id(tok_config.get("eos_token")) is not None:
         eos_ids = [token_id(tok_config["eos_token"])]
@@ -209,7 +223,7 @@ def tokenizer_from_hf_dir(directory: Path, config: dict) -> Tokenizer:
         chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), None)
     special = {}
     map_path = directory / "special_tokens_map.json"  # older checkpoints keep the special tokens here
-    entries = {**(json.loads(map_path.read_text()) if map_path.is_file() else {}), **tok_config}
+    entries = {**(read_json(map_path) if map_path.is_file() else {}), **tok_config}
     for key, entry in entries.items():
         if key.endswith("_token") and key != "additional_special_tokens":
             text = entry.get("content") if isinstance(entry, dict) else entry

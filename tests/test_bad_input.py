@@ -69,12 +69,12 @@ class Workspace:
     def jsonl(self, name: str, rows: list[dict]) -> str:
         return self.file(name, "".join(json.dumps(r) + "\n" for r in rows))
 
-    def broken_checkpoint(self, content: bytes | None) -> str:
-        """A copy of the tiny checkpoint whose model.safetensors is `content` (None: cut in half)."""
+    def broken_checkpoint(self, content: bytes | None, name: str = "model.safetensors") -> str:
+        """A copy of the tiny checkpoint whose file `name` is `content` (None: cut in half)."""
         path = self.root / "inputs" / "broken_model"
         shutil.copytree(self.tiny, path)
-        weights = path / "model.safetensors"
-        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2] if content is None else content)
+        broken = path / name
+        broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2] if content is None else content)
         return str(path)
 
     @property
@@ -190,6 +190,10 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
                             "not a safetensors file", False),
     "truncated safetensors": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path", w.broken_checkpoint(None)],
                               "is truncated", False),
+    "garbage tokenizer.json": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path",
+                                               w.broken_checkpoint(BINARY, "tokenizer.json")], "cannot read", False),
+    "truncated config.json": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path",
+                                              w.broken_checkpoint(None, "config.json")], "not valid JSON", False),
     "gates with NaN": (GEN, lambda w: gated(w, nan_first), "layers.0.weight has non-finite", False),
     "gates of a wrong shape": (GEN, lambda w: gated(w, wrong_shape), "layers.1.bias has shape", False),
     "gates garbage": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path", str(w.tiny), "--cache_strategy",
