@@ -27,6 +27,7 @@ from generate import (
     setup_caches,
 )
 from model import Transformer
+from model_policies import apply_model_layer_policies
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
           "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
@@ -146,7 +147,9 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
     steps = max(2, min(steps, slots - 1))
     device = model.tok_embeddings.weight.device
     if ref_caches is None:
-        full_specs = resolve_cache_spec(cache_args("full", 1.0), model.args.n_layer, slots - steps, steps)
+        full_specs = apply_model_layer_policies(
+            resolve_cache_spec(cache_args("full", 1.0), model.args.n_layer, slots - steps, steps), model.args,
+            slots - steps, steps, quiet=True)
         setup_caches(model, full_specs, slots, tokenizer)
         ref_caches = model.caches()
     ref = {"caches": ref_caches}
@@ -187,6 +190,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     specs = resolve_cache_spec(cache_args(strategy, budget), model.args.n_layer, len(ids), new)
+    specs = apply_model_layer_policies(specs, model.args, len(ids), new, quiet=True)  # sliding layers: a window
     capacity = len(ids) + new
     setup_caches(model, specs, capacity, tokenizer, classes=classes)
     slots = max(s.max_cache_length for s in specs)
