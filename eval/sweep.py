@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from cache_spec import finite_float, mapping_to_argv, read_yaml
+from checkpoint import parse_dtype
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
 from generate import resolve_device
@@ -119,7 +120,21 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if sweep.workers < 1:
         raise UserError(f"--workers must be ≥ 1, got {sweep.workers}")
     sweep_ray.check_flags(sweep)
-    return sweep, sweep_ray.worker_flags(sweep, rest)
+    return sweep, sweep_ray.worker_flags(sweep, rest) if sweep.backend == "ray" else local_flags(sweep, rest)
+
+
+def local_flags(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
+    """The eval flags of every local run, `--dtype auto` resolved for the --devices: a run's directory hashes
+    its resolved dtype, and runs are planned (and found finished) before a device is assigned."""
+    if not sweep.devices or cli.build_parser().parse_known_args(rest)[0].dtype != "auto":
+        return rest
+    kinds = {d.strip().split(":")[0] for d in sweep.devices.split(",")}
+    if kinds == {"cpu"}:
+        return rest
+    if len(kinds) > 1:
+        raise UserError(f"--devices {sweep.devices} mixes device kinds with --dtype auto, which resolves per "
+                        "device: pass --dtype")
+    return [*rest, "--dtype", str(parse_dtype("auto", kinds.pop())).removeprefix("torch.")]
 
 
 def grid_jobs(sweep: argparse.Namespace, rest: list[str]) -> list[list[str]]:

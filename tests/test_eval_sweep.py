@@ -137,3 +137,19 @@ def test_plots_and_summary(reference, tmp_path):
     assert "## fidelity" in summary and "full kl_mean" in summary and "debug_recent_global" in summary
     with pytest.raises(UserError, match="no finished runs"):
         plot.main(["--out_dir", str(tmp_path)])
+
+
+def test_local_runs_on_gpus_are_planned_with_the_dtype_they_will_run_in():
+    """A run's directory hashes its resolved dtype: `--dtype auto` on --devices cuda:N must be planned as
+    bfloat16 (what the GPU runs resolve to), or a resumed sweep would look for them in the CPU's directory."""
+    import argparse
+
+    from eval.sweep import local_flags
+
+    assert local_flags(argparse.Namespace(devices="cuda:0,cuda:1"), ["--max_new_tokens", "4"])[-2:] == [
+        "--dtype", "bfloat16"]
+    assert local_flags(argparse.Namespace(devices="cuda:0"), ["--dtype", "float32"]) == ["--dtype", "float32"]
+    assert local_flags(argparse.Namespace(devices="cpu"), []) == []
+    assert local_flags(argparse.Namespace(devices=None), []) == []
+    with pytest.raises(UserError, match="mixes device kinds"):
+        local_flags(argparse.Namespace(devices="cpu,cuda:0"), [])
