@@ -4,7 +4,10 @@ tidy table.
     <out_dir>/<model>/<task>/<strategy>-b<budget>-s<seed>-<id>/
         config.json        the flags, the resolved per-layer cache spec, the input fingerprints, versions
         predictions.jsonl  one line per item (per scored position for fidelity)
-        metrics.json       its `identity` says which inputs produced the numbers
+        items.jsonl        one line per item: its metrics and the exact token ids fed (see read_items)
+        kept_positions.npz per item and layer, the positions the cache held after prefill
+        metrics.json       its `identity` says which inputs produced the numbers; every mean over items
+                           with its 95% bootstrap interval (<metric>_ci_low / _ci_high, n = n_items)
     <out_dir>/results.csv  one row per finished run, rebuilt from every metrics.json
 
 The directory's id hashes the configuration (model name, dtype, task options, cache flags, seed); cache
@@ -31,6 +34,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftovers, replace_dir, temp_dir_beside
@@ -234,11 +238,52 @@ def write_jsonl_atomic(path: Path, rows: list[dict], overwrite: bool = True) -> 
             f.write(json.dumps(row) + "\n")
 
 
-def finish_run(tmp: Path, path: Path, config: dict, predictions: list[dict], metrics: dict) -> None:
+ITEMS_FILE = "items.jsonl"
+KEPT_FILE = "kept_positions.npz"
+
+
+def kept_key(index: int, layer: int) -> str:
+    return f"item{index}_layer{layer}"
+
+
+def write_items(directory: Path, items: list[dict]) -> None:
+    """items.jsonl (each item without its kept positions) and kept_positions.npz: per item and layer an
+    int32 array [heads, n] of positions (-1 pads a head that holds fewer), compressed: position lists are
+    long and repetitive (sinks, recent windows)."""
+    arrays = {kept_key(it["index"], layer): np.asarray(a, dtype=np.int32)
+              for it in items for layer, a in enumerate(it.get("kept_positions") or [])}
+    write_jsonl_atomic(directory / ITEMS_FILE, [{k: v for k, v in it.items() if k != "kept_positions"}
+                                                for it in items])
+    with atomic_target(directory / KEPT_FILE, overwrite=True) as tmp, tmp.open("wb") as f:
+        np.savez_compressed(f, **arrays)
+
+
+def read_items(run: Path) -> list[dict] | None:
+    """A run's items.jsonl with each item's kept positions (a list of per-layer arrays) attached; None for
+    runs written before items were recorded."""
+    try:
+        lines = (run / ITEMS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    items = [json.loads(line) for line in lines]
+    if (run / KEPT_FILE).is_file():
+        with np.load(run / KEPT_FILE) as kept:
+            for it in items:
+                layers = []
+                while kept_key(it["index"], len(layers)) in kept:
+                    layers.append(kept[kept_key(it["index"], len(layers))])
+                it["kept_positions"] = layers
+    return items
+
+
+def finish_run(tmp: Path, path: Path, config: dict, predictions: list[dict], metrics: dict,
+               items: list[dict] | None = None) -> None:
     """Write the run into `tmp` (from start_run) and swap it in for `path`; `tmp` is gone afterwards."""
     try:
         atomic_write(tmp / "config.json", json.dumps(config, indent=2) + "\n", overwrite=True)
         write_jsonl_atomic(tmp / "predictions.jsonl", predictions)
+        if items is not None:
+            write_items(tmp, items)
         atomic_write(tmp / "metrics.json", json.dumps(metrics, indent=2) + "\n", overwrite=True)
         replace_dir(tmp, path)
     finally:
@@ -307,8 +352,18 @@ def results_frame(out_dir: Path, runs: list[dict] | None = None) -> pd.DataFrame
         return pd.DataFrame(columns=LEADING_COLUMNS + TRAILING_COLUMNS)
     frame = pd.DataFrame(rows)
     known = LEADING_COLUMNS + TRAILING_COLUMNS
-    middle = sorted(c for c in frame.columns if c not in known)
-    columns = [c for c in LEADING_COLUMNS if c in frame] + middle + [c for c in TRAILING_COLUMNS if c in frame]
+    # An interval's bounds follow their metric: `x, x_ci_low, x_ci_high`.
+    bounds = {c for c in frame.columns if c.endswith(("_ci_low", "_ci_high"))}
+    middle = []
+    for c in sorted(c for c in frame.columns if c not in known and c not in bounds):
+        middle += [c] + [b for b in (f"{c}_ci_low", f"{c}_ci_high") if b in bounds]
+    leading = []
+    for c in LEADING_COLUMNS:
+        if c in frame:
+            leading += [c] + [b for b in (f"{c}_ci_low", f"{c}_ci_high") if b in bounds]
+    placed = set(leading) | set(middle)
+    middle += sorted(b for b in bounds if b not in placed)  # bounds of a metric that is missing
+    columns = leading + middle + [c for c in TRAILING_COLUMNS if c in frame]
     frame["_budget_order"] = pd.to_numeric(frame["budget"], errors="coerce")
     frame = frame.sort_values(["model", "task", "strategy", "_budget_order", "seed", "run_id"], ascending=[
         True, True, True, False, True, True], kind="stable")
