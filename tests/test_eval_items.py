@@ -112,3 +112,14 @@ def test_items_store_token_ids_and_kept_positions_and_replay(tiny_dir, tmp_path)
     assert not replay.same_kept(results.read_items(smaller)[1]["kept_positions"], items[1]["kept_positions"])
     with pytest.raises(UserError, match="no item 7"):
         replay.replay_item(dirs["recent_global"], 7, model, tokenizer)
+
+
+def test_replay_command_line(tiny_dir, tmp_path, capsys):
+    cli.main(niah_flags(tiny_dir, tmp_path, "0.5", "--no-baseline", "--limit", "1"))
+    (run,) = [p.parent for p in tmp_path.glob("*/*/*/metrics.json")]
+    capsys.readouterr()
+    replay.main([str(run), "--item", "0"])
+    assert capsys.readouterr().out.splitlines()[:3] == ["answer tokens: same", "scores: same", "kept positions: same"]
+    (run / results.ITEMS_FILE).unlink()
+    with pytest.raises(UserError, match="has no items.jsonl"):
+        replay.main([str(run)])
