@@ -55,7 +55,8 @@ TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "de
 # before identities existed have none: they stay in the table and plots, and eval runs them again.
 REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 # Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
-NOT_COMPUTE = ("eval/plot.py", "eval/sweep.py", "eval/sweep_ray.py", "eval/bench.py", "train_gates.py")
+NOT_COMPUTE = ("eval/plot.py", "eval/compare.py", "eval/replay.py", "eval/sweep.py", "eval/sweep_ray.py",
+               "eval/bench.py", "train_gates.py")
 
 
 
