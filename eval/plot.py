@@ -190,6 +190,21 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+def strategy_pairs(group: pd.DataFrame, out_dir: Path, table: pd.DataFrame, metric: str) -> list[list[object]]:
+    """Every two configurations (not the full cache) at the same budget, paired on their common items:
+    which strategy is better at equal budget, with its interval (strategies in name order)."""
+    rows = []
+    configs = table[table["label"] != "full"].sort_values(["budget", "label"])
+    for budget, at_budget in configs.groupby("budget", sort=False):
+        labels = list(at_budget["label"])
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                diff = paired_vs(config_dirs(group, out_dir, a, budget), config_dirs(group, out_dir, b, budget), metric)
+                if diff is not None:
+                    rows.append([a, b, budget, format_interval(diff, signed=True), diff.n])
+    return rows
+
+
 def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) -> str:
     parts = ["# KV-cache evaluation summary", "",
              f"{len(frame)} finished runs in `{out_dir}`. *full* is the full cache on the same items; compression "
@@ -240,6 +255,10 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
             parts += [f"Paired differences vs the full cache on the same items ({task}):", "",
                       markdown_table(["strategy", "budget", *[f"Δ {m} [95% CI]" for m in paired_metrics], "pairs"],
                                      table_rows), ""]
+        between = strategy_pairs(group, out_dir, table, head) if head else []
+        if between:
+            parts += [f"Paired differences between strategies at the same budget ({task}, {head}):", "",
+                      markdown_table(["strategy", "vs", "budget", f"Δ {head} [95% CI]", "pairs"], between), ""]
     if figures:
         parts += ["## Figures", ""] + [f"- [{p.name}]({p.relative_to(out_dir)})" if p.is_relative_to(out_dir)
                                        else f"- {p}" for p in figures] + [""]

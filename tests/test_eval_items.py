@@ -123,3 +123,22 @@ def test_replay_command_line(tiny_dir, tmp_path, capsys):
     (run / results.ITEMS_FILE).unlink()
     with pytest.raises(UserError, match="has no items.jsonl"):
         replay.main([str(run)])
+
+
+@pytest.mark.skipif("random" not in CACHE_STRATEGIES, reason="needs random")
+def test_summary_pairs_strategies_at_the_same_budget(tiny_dir, tmp_path):
+    base = ["--tasks", "fidelity", "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT),
+            "--seq_len", "64", "--prefill_tokens", "16", "--limit", "4", "--out_dir", str(tmp_path),
+            "--max_cache_length", "0.5"]
+    for strategy in ("recent_global", "random"):
+        cli.main(base + ["--cache_strategy", strategy])
+    window_kl = {}
+    for run in (p.parent for p in tmp_path.glob("*/*/*/metrics.json")):
+        rows = pd.DataFrame([json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()])
+        window_kl[run.name.split("-")[0]] = rows.groupby("window")["kl"].mean().to_numpy()
+    diff = window_kl["random"] - window_kl["recent_global"]  # names in order: random vs recent_global
+    low, high = naive_interval(list(diff))
+    plot.main(["--out_dir", str(tmp_path)])
+    summary = (tmp_path / "summary.md").read_text()
+    expected = f"| random | recent_global | 0.5 | {diff.mean():+.3g} [{low:+.3g}, {high:+.3g}] | 4 |"
+    assert expected in summary
