@@ -247,11 +247,17 @@ def kept_key(index: int, layer: int) -> str:
     return f"item{index}_layer{layer}"
 
 
+def compact_positions(positions: np.ndarray) -> np.ndarray:
+    """int16 when every position fits (contexts below 32k tokens: half the bytes), else int32."""
+    a = np.asarray(positions)
+    return a.astype(np.int16 if a.size == 0 or int(a.max()) < 2**15 else np.int32)
+
+
 def write_items(directory: Path, items: list[dict]) -> None:
     """items.jsonl (each item without its kept positions) and kept_positions.npz: per item and layer an
-    int32 array [heads, n] of positions (-1 pads a head that holds fewer), compressed: position lists are
+    integer array [heads, n] of positions (-1 pads a head that holds fewer), compressed: position lists are
     long and repetitive (sinks, recent windows)."""
-    arrays = {kept_key(it["index"], layer): np.asarray(a, dtype=np.int32)
+    arrays = {kept_key(it["index"], layer): compact_positions(a)
               for it in items for layer, a in enumerate(it.get("kept_positions") or [])}
     write_jsonl_atomic(directory / ITEMS_FILE, [{k: v for k, v in it.items() if k != "kept_positions"}
                                                 for it in items])
