@@ -36,7 +36,7 @@ def naive_interval(values: list[float], resamples: int = 2000, seed: int = 0) ->
     return float(low), float(high)
 
 
-def test_fidelity_intervals_over_windows_and_paired_summary(tiny_dir, tmp_path):
+def test_fidelity_intervals_over_windows_and_paired_summary(tiny_dir, tmp_path, monkeypatch):
     flags = ["--tasks", "fidelity", "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT),
              "--seq_len", "64", "--prefill_tokens", "16", "--limit", "5", "--out_dir", str(tmp_path),
              "--cache_strategy", "recent_global", "--max_cache_length", "0.5"]
@@ -60,7 +60,20 @@ def test_fidelity_intervals_over_windows_and_paired_summary(tiny_dir, tmp_path):
         assert (table[f"{metric}_ci_low"] <= table[metric] + 1e-12).all()
         assert (table[metric] <= table[f"{metric}_ci_high"] + 1e-12).all()
 
+    import matplotlib.axes
+
+    drawn = []
+    original = matplotlib.axes.Axes.errorbar
+
+    def spy(self, x, y, yerr=None, **kwargs):  # noqa: ANN001, ANN202
+        drawn.append((list(y), np.asarray(yerr)))
+        return original(self, x, y, yerr=yerr, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
     plot.main(["--out_dir", str(tmp_path)])
+    (y, yerr), _ = drawn  # kl_mean, then top1_agreement
+    assert y == [pytest.approx(ours["kl_mean"])]
+    assert yerr[:, 0] == pytest.approx([ours["kl_mean"] - low, high - ours["kl_mean"]])
     summary = (tmp_path / "summary.md").read_text()
     # Paired Δ kl_mean vs full: full's KL is 0 on every window, so it is the mean of ours with ours' interval.
     expected = f"{ours['kl_mean']:+.3g} [{low:+.3g}, {high:+.3g}]"
