@@ -142,7 +142,7 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
             "identity": results.content_id(identity, inputs),
             "per_layer": {k: v for k, v in out.stats.items() if isinstance(v, list)},
         }
-        metrics.update(interval_columns(metrics, out.items))
+        metrics.update(interval_columns(metrics, out.items, task.derived_intervals(out.items)))
         config = {
             "run_id": metrics["run_id"], "identity": identity, "inputs": inputs, "flags": vars(args),
             "task_options": task.options, **out.config, "model_args": model.args.to_dict(),
@@ -155,11 +155,12 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     return metrics
 
 
-def interval_columns(metrics: dict, items: list[dict]) -> dict:
-    """The bootstrap interval of every aggregate that is the mean of the items' values: `<m>_ci_low`,
-    `<m>_ci_high` (None with a single item), and `ci` (each interval with its n, the level, resamples and
-    seed). Aggregates that are not item means (perplexity, KL p95 over pooled positions) get none."""
-    intervals = item_intervals([it["metrics"] for it in items], RESAMPLES, SEED, LEVEL)
+def interval_columns(metrics: dict, items: list[dict], derived: dict | None = None) -> dict:
+    """The bootstrap interval of every aggregate that is the mean of the items' values, or a function of
+    such means (`derived`, from the task): `<m>_ci_low`, `<m>_ci_high` (None with a single item), and `ci`
+    (each interval with its n, the level, resamples and seed). Other aggregates (KL p95 and max over
+    pooled positions) get none."""
+    intervals = {**item_intervals([it["metrics"] for it in items], RESAMPLES, SEED, LEVEL), **(derived or {})}
     out: dict = {}
     ci = {}
     for name, interval in intervals.items():

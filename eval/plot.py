@@ -27,6 +27,7 @@ from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.compare import format_interval, paired_vs, pooled
 from eval.tasks import TASKS
+from eval.uncertainty import Interval
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +191,18 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+def run_interval(group: pd.DataFrame, out_dir: Path, dirs: list[Path], metric: str) -> Interval | None:
+    """A metric that is not an item mean (perplexity) has no pooled interval; with a single run, show the
+    run's own (from results.csv). Averaging several seeds' bounds would not be an interval: none then."""
+    if len(dirs) != 1 or f"{metric}_ci_low" not in group:
+        return None
+    row = group[group["run_dir"] == dirs[0].relative_to(out_dir).as_posix()]
+    if len(row) != 1 or row[[f"{metric}_ci_low", f"{metric}_ci_high"]].isna().any(axis=None):
+        return None
+    r = row.iloc[0]
+    return Interval(float(r[metric]), float(r[f"{metric}_ci_low"]), float(r[f"{metric}_ci_high"]), int(r["n_items"]))
+
+
 def strategy_pairs(group: pd.DataFrame, out_dir: Path, table: pd.DataFrame, metric: str) -> list[list[object]]:
     """Every two configurations (not the full cache) at the same budget, paired on their common items:
     which strategy is better at equal budget, with its interval (strategies in name order)."""
@@ -230,11 +243,11 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
             cells = {m: pooled(dirs, m) for m in ["compression_ratio", *metrics]}
             n = next((iv.n for iv in cells.values() if iv is not None), None)
 
-            def shown(m: str, r: pd.Series = r, cells: dict = cells) -> object:
-                return format_interval(cells[m]) if cells[m] is not None else r[m]
+            intervals = {m: iv if iv is not None else run_interval(group, out_dir, dirs, m) for m, iv in cells.items()}
+            shown = {m: format_interval(iv) if iv is not None else r[m] for m, iv in intervals.items()}
 
-            row = [r["label"], r["budget"], shown("compression_ratio"), r["cache_bytes"] / 2**20,
-                   *[shown(m) for m in metrics], "" if n is None else n]
+            row = [r["label"], r["budget"], shown["compression_ratio"], r["cache_bytes"] / 2**20,
+                   *[shown[m] for m in metrics], "" if n is None else n]
             diffs = {m: paired_vs(dirs, full_dirs, m) if r["label"] != "full" else None for m in metrics}
             if head:
                 full_cell = format_interval(full_head) if full_head else full_rows[head].mean() if len(full_rows) \

@@ -14,7 +14,7 @@ stay inside [0, 1] for accuracies.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +88,30 @@ def paired_difference(values: Sequence[float] | np.ndarray, reference: Sequence[
     if a.size != b.size:
         raise ValueError(f"paired samples must have the same items: {a.size} vs {b.size} values")
     return bootstrap_mean(a - b, resamples, seed, level)
+
+
+def bootstrap_function(columns: dict[str, Sequence[float] | np.ndarray], fn: Callable[..., np.ndarray | float],
+                       resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL) -> Interval:
+    """An aggregate that is a function of several item means (perplexity = exp(mean NLL)): the items are
+    resampled jointly, `fn(**means)` is evaluated on every resample's column means (arrays), and the
+    percentile interval taken. The estimate is `fn` of the full sample's means."""
+    arrays = {k: _as_array(v) for k, v in columns.items()}
+    sizes = {a.size for a in arrays.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"columns must have the same items, got sizes {sorted(sizes)}")
+    (n,) = sizes
+    estimate = float(fn(**{k: a.mean() for k, a in arrays.items()}))
+    if n == 1:
+        return Interval(estimate, math.nan, math.nan, 1)
+    rng = np.random.default_rng(seed)
+    values = np.empty(resamples)
+    for start in range(0, resamples, _BATCH):
+        stop = min(start + _BATCH, resamples)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        values[start:stop] = fn(**{k: a[idx].mean(axis=1) for k, a in arrays.items()})
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return Interval(estimate, min(float(low), estimate), max(float(high), estimate), n)
 
 
 def item_intervals(items: list[dict], resamples: int = RESAMPLES, seed: int = SEED,

@@ -49,7 +49,13 @@ def test_fidelity_intervals_over_windows_and_paired_summary(tiny_dir, tmp_path, 
     assert ours["kl_mean_ci_low"] == pytest.approx(low, abs=1e-12)
     assert ours["kl_mean_ci_high"] == pytest.approx(high, abs=1e-12)
     assert low < ours["kl_mean"] < high and ours["ci"]["metrics"]["kl_mean"]["n"] == 5
-    assert "perplexity_delta_ci_low" not in ours  # not a mean over windows: no interval claimed
+    assert "kl_p95_ci_low" not in ours  # a percentile over pooled positions: no interval claimed
+    # Perplexity is exp(mean NLL): resample windows, recompute (the naive way, one draw of all indices).
+    nll = rows.groupby("window")[["nll", "nll_full"]].mean().to_numpy()
+    idx = np.random.default_rng(0).integers(0, 5, size=(2000, 5))
+    deltas = np.exp(nll[idx, 0].mean(axis=1)) - np.exp(nll[idx, 1].mean(axis=1))
+    assert [ours["perplexity_delta_ci_low"], ours["perplexity_delta_ci_high"]] == pytest.approx(
+        list(np.percentile(deltas, [2.5, 97.5])), rel=1e-9)
     assert full["kl_mean_ci_low"] == full["kl_mean_ci_high"] == 0.0
 
     table = pd.read_csv(tmp_path / "results.csv")

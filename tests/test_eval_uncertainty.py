@@ -9,7 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from eval.uncertainty import bootstrap_mean, bootstrap_means, item_intervals, paired_difference
+from eval.uncertainty import (
+    bootstrap_function,
+    bootstrap_mean,
+    bootstrap_means,
+    item_intervals,
+    paired_difference,
+)
 
 
 def test_tiny_sample_matches_the_enumerated_bootstrap_distribution():
@@ -87,3 +93,21 @@ def test_item_intervals_take_the_metrics_every_item_reports():
     assert set(intervals) == {"acc", "ratio"}
     assert intervals["acc"].estimate == pytest.approx(2 / 3) and intervals["acc"].n == 3
     assert intervals["ratio"].low == intervals["ratio"].high == 0.5
+
+
+def test_function_of_means_resamples_items_jointly():
+    rng = np.random.default_rng(11)
+    x = rng.normal(2.0, 0.5, size=40)
+    y = x + rng.normal(0.1, 0.05, size=40)  # strongly paired with x
+    assert bootstrap_function({"x": x}, lambda x: x) == bootstrap_mean(x)  # same draws, same interval
+    # exp is monotone: the interval of exp(mean) is exp of the mean's interval (up to interpolation).
+    ci, mean_ci = bootstrap_function({"x": x}, lambda x: np.exp(x)), bootstrap_mean(x)
+    assert (ci.low, ci.high) == (pytest.approx(math.exp(mean_ci.low), rel=1e-3),
+                                 pytest.approx(math.exp(mean_ci.high), rel=1e-3))
+    # Joint resampling keeps the pairing: the interval of mean(y) - mean(x) is the paired one.
+    joint, paired = bootstrap_function({"x": x, "y": y}, lambda x, y: y - x), paired_difference(y, x)
+    assert (joint.estimate, joint.low, joint.high) == (pytest.approx(paired.estimate, abs=1e-12),
+                                                       pytest.approx(paired.low, abs=1e-12),
+                                                       pytest.approx(paired.high, abs=1e-12))
+    with pytest.raises(ValueError, match="same items"):
+        bootstrap_function({"x": x, "y": y[:-1]}, lambda x, y: y - x)

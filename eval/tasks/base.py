@@ -92,6 +92,11 @@ class Task:
     def run(self, rt: Runtime) -> TaskResult:
         raise NotImplementedError
 
+    def derived_intervals(self, items: list[dict]) -> dict:
+        """Intervals of aggregates that are functions of item means rather than means themselves
+        (eval.uncertainty.bootstrap_function); metric name -> Interval. None by default."""
+        return {}
+
 
 TASKS: dict[str, type[Task]] = {}
 
