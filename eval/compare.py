@@ -36,7 +36,7 @@ def run_items(run_dir: Path) -> dict[str, dict] | None:
         return None
     if key not in _CACHE:
         try:
-            items = results.read_items(run_dir)
+            items = results.read_items(run_dir, with_kept=False)
         except (OSError, ValueError) as e:  # a damaged file: no intervals for this run, the rest goes on
             print(f"warning: no intervals for {run_dir}: {ITEMS}: {str(e).splitlines()[0][:120]}",
                   file=sys.stderr)

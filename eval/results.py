@@ -31,6 +31,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -265,21 +266,27 @@ def write_items(directory: Path, items: list[dict]) -> None:
         np.savez_compressed(f, **arrays)
 
 
-def read_items(run: Path) -> list[dict] | None:
-    """A run's items.jsonl with each item's kept positions (a list of per-layer arrays) attached; None for
-    runs written before items were recorded."""
+def read_items(run: Path, with_kept: bool = True) -> list[dict] | None:
+    """A run's items.jsonl with each item's kept positions (a list of per-layer arrays) attached unless
+    `with_kept` is False; None for runs written before items were recorded. A damaged file raises
+    ValueError (OSError when unreadable)."""
     try:
         lines = (run / ITEMS_FILE).read_text().splitlines()
     except FileNotFoundError:
         return None
     items = [json.loads(line) for line in lines]
-    if (run / KEPT_FILE).is_file():
-        with np.load(run / KEPT_FILE) as kept:
-            for it in items:
-                layers = []
-                while kept_key(it["index"], len(layers)) in kept:
-                    layers.append(kept[kept_key(it["index"], len(layers))])
-                it["kept_positions"] = layers
+    if not all(isinstance(it, dict) and isinstance(it.get("index"), int) for it in items):
+        raise ValueError(f"{ITEMS_FILE}: a line is not an item")
+    if with_kept and (run / KEPT_FILE).is_file():
+        try:
+            with np.load(run / KEPT_FILE) as kept:
+                for it in items:
+                    layers = []
+                    while kept_key(it["index"], len(layers)) in kept:
+                        layers.append(kept[kept_key(it["index"], len(layers))])
+                    it["kept_positions"] = layers
+        except (zipfile.BadZipFile, EOFError, ValueError) as e:  # np.load on a damaged or foreign file
+            raise ValueError(f"{KEPT_FILE}: {e}") from None
     return items
 
 

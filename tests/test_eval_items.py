@@ -161,3 +161,24 @@ def test_summary_pairs_strategies_at_the_same_budget(tiny_dir, tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     expected = f"| random | recent_global | 0.5 | {diff.mean():+.3g} [{low:+.3g}, {high:+.3g}] | 4 |"
     assert expected in summary
+
+
+def test_damaged_items_cost_only_that_run_its_intervals(tiny_dir, tmp_path, capsys):
+    flags = ["--tasks", "fidelity", "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT),
+             "--seq_len", "48", "--prefill_tokens", "16", "--limit", "3", "--out_dir", str(tmp_path),
+             "--cache_strategy", "recent_global", "--max_cache_length", "0.5"]
+    cli.main(flags)
+    (run,) = [p.parent for p in tmp_path.glob("*/*/recent_global*/metrics.json")]
+    (run / results.ITEMS_FILE).write_text("{not json\n")
+    (run / results.KEPT_FILE).write_bytes(b"garbage")
+    plot.main(["--out_dir", str(tmp_path)])
+    assert f"no intervals for {run}" in capsys.readouterr().err
+    line = next(ln for ln in (tmp_path / "summary.md").read_text().splitlines() if ln.startswith("| recent_global"))
+    assert "|  |  |" in line  # no paired difference, no pairs
+    with pytest.raises(ValueError):
+        results.read_items(run)
+    (run / results.ITEMS_FILE).write_text('{"index": 0, "metrics": {}}\n')
+    with pytest.raises(ValueError, match="kept_positions.npz"):
+        results.read_items(run)
+    with pytest.raises(UserError, match="cannot read run"):
+        replay.main([str(run)])
