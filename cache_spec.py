@@ -52,32 +52,36 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="budget per layer: fraction of |prompt|+max_new_tokens (≤ 1) or tokens (> 1)")
     g.add_argument("--cache_length_pattern", choices=["tile", "repeat", "funnel", "pyramid"], default="tile")
     g.add_argument("--global_tokens", type=int, default=4,
-                   help="first tokens never evicted (attention sinks)")
+                   help="first tokens never evicted (attention sinks; 4 as in StreamingLLM and kvpress)")
     g.add_argument("--recent_window", type=finite_float, default=10,
-                   help="most recent tokens never evicted: a count (> 1) or a fraction of the budget (< 1)")
+                   help="most recent tokens never evicted: a count (> 1) or a fraction of the budget (< 1); "
+                        "10: Scissorhands' r, as cold-compress; H2O gives half the budget: --recent_window 0.5")
     g.add_argument("--prompt_compression_strategy", nargs="+", default=["auto"],
                    help="per layer, when the prompt exceeds the budget (auto: the cache strategy's own; "
                         f"choices: {', '.join(prompt_rules())})")
     g.add_argument("--feed_long_prompts", action="store_true",
                    help="prefill what fits the smallest budget, feed the rest of the prompt token by token")
     g.add_argument("--snapkv_window", type=int, default=KVCache.snapkv_window,
-                   help="heavy_hitter prompt compression: last W queries")
+                   help="heavy_hitter prompt compression: last W queries vote (32: SnapKV's LongBench runs; "
+                        "kvpress's SnapKVPress uses 64)")
     g.add_argument("--snapkv_kernel", type=int, default=KVCache.snapkv_kernel,
-                   help="heavy_hitter prompt compression: pooling kernel")
+                   help="heavy_hitter prompt compression: max-pooling kernel over the votes (7, max: SnapKV's "
+                        "LongBench runs; kvpress's SnapKVPress average-pools with 5)")
     g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
     g.add_argument("--history_window_size", type=int, default=1,
-                   help="heavy_hitter: average attention over the last W steps (1 = whole history)")
+                   help="heavy_hitter: average attention over the last W steps (1 = whole history, as H2O)")
     g.add_argument("--attn_thresholding", action="store_true",
                    help="heavy_hitter: count steps with at least uniform attention instead of summing")
     g.add_argument("--min_recovery_frac", type=finite_float, default=0.95,
-                   help="hybrid: a head takes the first policy recovering this much of its attention")
+                   help="hybrid: a head takes the first policy recovering this much of its attention "
+                        "(FastGen's threshold T, which the paper varies; cold-compress's default is 0.9)")
     g.add_argument("--hybrid_policies", nargs="+", default=list(DEFAULT_HYBRID_POLICIES),
                    help="hybrid: candidate policies, cheapest first (components joined by +: "
                         "special, punct, frequent, local, full)")
     g.add_argument("--hybrid_recent_frac", type=finite_float, default=0.3,
                    help="hybrid: local window, fraction of tokens")
     g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3,
-                   help="hybrid: heavy hitters, fraction of tokens")
+                   help="hybrid: heavy hitters, fraction of tokens (0.3 as cold-compress's FastGen)")
     g.add_argument("--gates_path", default=None,
                    help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
@@ -86,9 +90,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --cache_bits < 16: per_token scales, or kivi (keys per channel in token groups, "
                         "values per token in channel groups, the newest tokens in full precision)")
     g.add_argument("--q_group_size", type=int, default=DENSE.q_group_size,
-                   help="kivi: tokens per key group and channels per value group")
+                   help="kivi: tokens per key group and channels per value group (64 as transformers' "
+                        "QuantizedCache; the KIVI paper uses 32)")
     g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
-                   help="kivi: newest tokens kept in full precision (a multiple of --q_group_size)")
+                   help="kivi: newest tokens kept in full precision (a multiple of --q_group_size; 128 as "
+                        "KIVI and transformers)")
     g.add_argument("--cache_config", default=None,
                    help="YAML preset: a path or a name in configs/ (flags given explicitly win)")
     g.add_argument("--print_cache_spec", action="store_true", help="print the resolved per-layer table")

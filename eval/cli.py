@@ -26,6 +26,7 @@ from errors import CliParser, run_cli
 from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
+from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
 from generate import add_model_arguments, compile_decode_step, decode_one_token, resolve_device
 from model import Transformer
 from tokenizer import Tokenizer
@@ -141,15 +142,37 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
             "identity": results.content_id(identity, inputs),
             "per_layer": {k: v for k, v in out.stats.items() if isinstance(v, list)},
         }
+        metrics.update(interval_columns(metrics, out.items, task.derived_intervals(out.items)))
         config = {
             "run_id": metrics["run_id"], "identity": identity, "inputs": inputs, "flags": vars(args),
             "task_options": task.options, **out.config, "model_args": model.args.to_dict(),
             "versions": results.package_versions(), "git_commit": results.git_commit(), "command": sys.argv,
         }
-        results.finish_run(tmp, path, json.loads(json.dumps(config, default=str)), out.predictions, metrics)
+        results.finish_run(tmp, path, json.loads(json.dumps(config, default=str)), out.predictions, metrics,
+                           out.items)
     finally:
         results.abandon_run(tmp)  # a no-op after finish_run; on any failure or Ctrl-C, no leftovers
     return metrics
+
+
+def interval_columns(metrics: dict, items: list[dict], derived: dict | None = None) -> dict:
+    """The bootstrap interval of every aggregate that is the mean of the items' values, or a function of
+    such means (`derived`, from the task): `<m>_ci_low`, `<m>_ci_high` (None with a single item), and `ci`
+    (each interval with its n, the level, resamples and seed). Other aggregates (KL p95 and max over
+    pooled positions) get none."""
+    intervals = {**item_intervals([it["metrics"] for it in items], RESAMPLES, SEED, LEVEL), **(derived or {})}
+    out: dict = {}
+    ci = {}
+    for name, interval in intervals.items():
+        value = metrics.get(name)
+        if not isinstance(value, int | float) or abs(value - interval.estimate) > 1e-9 * max(1.0, abs(value)):
+            continue  # not the mean of these items: an interval would describe another number
+        d = interval.to_dict()
+        out[f"{name}_ci_low"], out[f"{name}_ci_high"] = d["low"], d["high"]
+        ci[name] = d
+    out["ci"] = {"level": LEVEL, "method": "percentile bootstrap over items", "resamples": RESAMPLES,
+                 "seed": SEED, "metrics": ci}
+    return out
 
 
 def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dict | None, str]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +38,9 @@ class Runtime:
     args: argparse.Namespace
     step: Callable = decode_one_token  # generate.compile_decode_step() under --compile
     progress: bool | None = None  # tqdm's `disable`: None = only on a terminal, True = never
+    # Positions each layer's cache holds right after the latest prefill (see kept_positions): what prompt
+    # compression chose, recorded per item so a run can be audited or replayed by another tool.
+    kept: list[np.ndarray] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -145,6 +149,25 @@ def average_stats(rows: list[dict]) -> dict:
     return {k: mean([r[k] for r in rows]) for k in keys}
 
 
+def kept_positions(caches: list) -> list[np.ndarray]:
+    """Per layer, the original positions its cache holds: [heads, n] int32, ascending per head.
+
+    `heads` is the number of KV heads for strategies that evict per head, else 1 (one set for all heads).
+    Rows of unequal length (a head that holds fewer tokens) are padded with -1 at the end; a cache without
+    a position buffer (none today) gives an empty [0, 0] array, so the layer count stays right.
+    """
+    layers = []
+    for cache in caches:
+        pos = getattr(cache, "pos", None)
+        if pos is None:
+            layers.append(np.zeros((0, 0), dtype=np.int32))
+            continue
+        rows = [np.sort(r[r >= 0]) for r in pos[0].cpu().numpy().astype(np.int32)]
+        width = max((len(r) for r in rows), default=0)
+        layers.append(np.stack([np.pad(r, (0, width - len(r)), constant_values=-1) for r in rows]))
+    return layers
+
+
 # ---- feeding tokens -----------------------------------------------------------------------------------
 
 
@@ -175,6 +198,7 @@ def run_prompt(rt: Runtime, ids: list[int], n_prefill: int, timings: Timings) ->
     sync(device)
     timings.prefill_tokens += n_prefill
     timings.prefill_seconds += time.perf_counter() - t0
+    rt.kept = kept_positions(model.caches())
     for pos in range(n_prefill, len(ids)):
         logits = timed_step(rt, ids[pos], pos, timings)
     return logits[0]
@@ -238,6 +262,7 @@ class FidelityTrace:
     agree: list[bool] = field(default_factory=list)
     nll_full: list[float] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)
+    n_prefill: int = 0  # tokens that went through prefill (the rest through the decode path)
 
 
 def teacher_force(
@@ -265,7 +290,8 @@ def teacher_force(
     sync(device)
     timings.prefill_tokens += n_prefill
     timings.prefill_seconds += time.perf_counter() - t0
-    trace = FidelityTrace()
+    rt.kept = kept_positions(ours)
+    trace = FidelityTrace(n_prefill=n_prefill)
     for pos in range(n_prefill, n):
         if pos >= n_prompt:  # the logits in hand predict token `pos`
             kl, agree, nll_full, nll = step_fidelity(ref_logits[0], logits[0], ids[pos])

@@ -3,11 +3,13 @@
     python -m eval.plot --out_dir results            # writes results/plots/*.png and results/summary.md
 
 - quality_<model>_<task>.png: the task's headline metrics vs the *measured* compression ratio, a line per
-  strategy, the full cache as a dashed reference line;
+  strategy with 95% bootstrap error bars over items, the full cache as a dashed line in its band;
 - attention_loss_<model>_<key>.png: attention loss per layer (a heatmap, one row per run), for runs
   whose statistics carry per-layer `attention_loss*` lists (debug_<strategy> runs);
 - kl_position_<model>.png: KL(full ‖ compressed) vs position for the fidelity runs, smoothed;
-- summary.md: one table per task, each configuration next to the full cache's score (mean over seeds).
+- summary.md: one table per task, every item mean with its 95% bootstrap interval and n (items pooled
+  over seeds), and each configuration against the full cache on the same items: paired-bootstrap
+  differences with their intervals (eval/compare.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import pandas as pd
 from atomic_files import atomic_write
 from errors import CliParser, UserError, run_cli
 from eval import results
+from eval.compare import format_interval, paired_vs, pooled
 from eval.tasks import TASKS
+from eval.uncertainty import Interval
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +55,15 @@ def averaged(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.groupby(["label", "budget"], as_index=False)[numeric].mean()
 
 
-def quality_plot(frame: pd.DataFrame, model: str, task: str, plots_dir: Path) -> Path | None:
+def config_dirs(frame: pd.DataFrame, out_dir: Path, label: str, budget: str) -> list[Path]:
+    """The run directories of one configuration (its seeds)."""
+    match = (frame.apply(config_label, axis=1) == label) & (frame["budget"].astype(str) == budget)
+    return [out_dir / d for d in frame.loc[match, "run_dir"]] if "run_dir" in frame else []
+
+
+def quality_plot(
+    frame: pd.DataFrame, model: str, task: str, plots_dir: Path, out_dir: Path | None = None
+) -> Path | None:
     import matplotlib.pyplot as plt
 
     metrics = task_metrics(task, frame)[:2]
@@ -63,11 +75,21 @@ def quality_plot(frame: pd.DataFrame, model: str, task: str, plots_dir: Path) ->
     for ax, metric in zip(axes[0], metrics, strict=True):
         for label, group in table[table["label"] != "full"].groupby("label"):
             group = group.sort_values("compression_ratio")
-            ax.plot(group["compression_ratio"], group[metric], marker="o", label=label)
+            # Error bars: the 95% bootstrap interval over the configuration's items (none for old runs).
+            intervals = [pooled(config_dirs(frame, out_dir, label, b), metric) if out_dir else None
+                         for b in group["budget"]]
+            y = [iv.estimate if iv else v for iv, v in zip(intervals, group[metric], strict=True)]
+            err = np.array([[iv.estimate - iv.low, iv.high - iv.estimate] if iv and iv.n > 1 else [0.0, 0.0]
+                            for iv in intervals]).T
+            ax.errorbar(group["compression_ratio"], y, yerr=err, marker="o", capsize=3, label=label)
         if len(full):
-            ax.axhline(full[metric].mean(), color="black", linestyle="--", label="full cache")
+            band = pooled(config_dirs(frame, out_dir, "full", full["budget"].iloc[0]), metric) if out_dir else None
+            ax.axhline(band.estimate if band else full[metric].mean(), color="black", linestyle="--",
+                       label="full cache")
+            if band and band.n > 1:
+                ax.axhspan(band.low, band.high, color="black", alpha=0.08)
         ax.set_xlabel("measured compression ratio")
-        ax.set_ylabel(metric)
+        ax.set_ylabel(f"{metric} (mean, 95% CI)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{task} ({model})")
@@ -169,31 +191,87 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+def run_interval(group: pd.DataFrame, out_dir: Path, dirs: list[Path], metric: str) -> Interval | None:
+    """A metric that is not an item mean (perplexity) has no pooled interval; with a single run, show the
+    run's own (from results.csv). Averaging several seeds' bounds would not be an interval: none then."""
+    if len(dirs) != 1 or f"{metric}_ci_low" not in group:
+        return None
+    row = group[group["run_dir"] == dirs[0].relative_to(out_dir).as_posix()]
+    if len(row) != 1 or row[[f"{metric}_ci_low", f"{metric}_ci_high"]].isna().any(axis=None):
+        return None
+    r = row.iloc[0]
+    return Interval(float(r[metric]), float(r[f"{metric}_ci_low"]), float(r[f"{metric}_ci_high"]), int(r["n_items"]))
+
+
+def strategy_pairs(group: pd.DataFrame, out_dir: Path, table: pd.DataFrame, metric: str) -> list[list[object]]:
+    """Every two configurations (not the full cache) at the same budget, paired on their common items:
+    which strategy is better at equal budget, with its interval (strategies in name order)."""
+    rows = []
+    configs = table[table["label"] != "full"].sort_values(["budget", "label"])
+    for budget, at_budget in configs.groupby("budget", sort=False):
+        labels = list(at_budget["label"])
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                diff = paired_vs(config_dirs(group, out_dir, a, budget), config_dirs(group, out_dir, b, budget), metric)
+                if diff is not None:
+                    rows.append([a, b, budget, format_interval(diff, signed=True), diff.n])
+    return rows
+
+
 def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) -> str:
     parts = ["# KV-cache evaluation summary", "",
-             f"{len(frame)} finished runs in `{out_dir}`; means over seeds. *full* is the full cache on the "
-             "same items; compression is measured (docs/DESIGN.md §6).", ""]
+             f"{len(frame)} finished runs in `{out_dir}`. *full* is the full cache on the same items; compression "
+             "is measured (docs/DESIGN.md §6). A score is its mean over items (pooled over seeds) with the 95% "
+             "percentile-bootstrap interval [low, high] and n, the number of items; Δ vs full is the paired "
+             "bootstrap over the items both runs scored (same token ids). Speed and memory are one "
+             "measurement per run (means over seeds), without an interval.", ""]
     for (model, task), group in frame.groupby(["model", "task"]):
         metrics = task_metrics(task, group)
         table = averaged(group)
-        full = table[table["label"] == "full"]
         head = metrics[0] if metrics else None
-        full_head = full[head].mean() if head and len(full) else float("nan")
-        full_speed = full["decode_tokens_per_second"].mean() if len(full) else float("nan")
-        header = ["strategy", "budget", "compression", "cache MiB", *metrics]
-        header += [f"full {head}", f"Δ {head}"] if head else []
+        full_rows = table[table["label"] == "full"]
+        full_dirs = [d for b in full_rows["budget"] for d in config_dirs(group, out_dir, "full", b)]
+        full_speed = full_rows["decode_tokens_per_second"].mean() if len(full_rows) else float("nan")
+        full_head = pooled(full_dirs, head) if head and full_dirs else None
+        header = ["strategy", "budget", "compression [95% CI]", "cache MiB", *[f"{m} [95% CI]" for m in metrics],
+                  "n"]
+        header += [f"full {head}", f"Δ {head} vs full (paired) [95% CI]", "pairs"] if head else []
         header += ["decode tok/s", "× full speed", "runs"]
-        rows = []
+        rows, paired_rows = [], []
         for _, r in table.sort_values(["label", "compression_ratio"]).iterrows():
-            row = [r["label"], r["budget"], r["compression_ratio"], r["cache_bytes"] / 2**20,
-                   *[r[m] for m in metrics]]
-            row += [full_head, r[head] - full_head] if head else []
+            dirs = config_dirs(group, out_dir, r["label"], r["budget"])
+            cells = {m: pooled(dirs, m) for m in ["compression_ratio", *metrics]}
+            n = next((iv.n for iv in cells.values() if iv is not None), None)
+
+            intervals = {m: iv if iv is not None else run_interval(group, out_dir, dirs, m) for m, iv in cells.items()}
+            shown = {m: format_interval(iv) if iv is not None else r[m] for m, iv in intervals.items()}
+
+            row = [r["label"], r["budget"], shown["compression_ratio"], r["cache_bytes"] / 2**20,
+                   *[shown[m] for m in metrics], "" if n is None else n]
+            diffs = {m: paired_vs(dirs, full_dirs, m) if r["label"] != "full" else None for m in metrics}
+            if head:
+                full_cell = format_interval(full_head) if full_head else full_rows[head].mean() if len(full_rows) \
+                    else float("nan")
+                row += [full_cell, format_interval(diffs[head], signed=True),
+                        diffs[head].n if diffs[head] else ""]
             speed = r.get("decode_tokens_per_second", float("nan"))
-            row += [speed, speed / full_speed if full_speed else float("nan")]
-            row.append(int(((group.apply(config_label, axis=1) == r["label"])
-                            & (group["budget"].astype(str) == r["budget"])).sum()))
+            row += [speed, speed / full_speed if full_speed else float("nan"), len(dirs)]
             rows.append(row)
+            if any(diffs.values()):
+                paired_rows.append((r["label"], r["budget"], diffs))
         parts += [f"## {task} ({model})", "", markdown_table(header, rows), ""]
+        # Every metric with item values (the main table shows the headline's only).
+        paired_metrics = [m for m in metrics if any(d[m] for *_, d in paired_rows)]
+        if len(paired_metrics) > 1:
+            table_rows = [[label, budget, *[format_interval(d[m], signed=True) for m in paired_metrics],
+                           next(iv.n for iv in d.values() if iv)] for label, budget, d in paired_rows]
+            parts += [f"Paired differences vs the full cache on the same items ({task}):", "",
+                      markdown_table(["strategy", "budget", *[f"Δ {m} [95% CI]" for m in paired_metrics], "pairs"],
+                                     table_rows), ""]
+        between = strategy_pairs(group, out_dir, table, head) if head else []
+        if between:
+            parts += [f"Paired differences between strategies at the same budget ({task}, {head}):", "",
+                      markdown_table(["strategy", "vs", "budget", f"Δ {head} [95% CI]", "pairs"], between), ""]
     if figures:
         parts += ["## Figures", ""] + [f"- [{p.name}]({p.relative_to(out_dir)})" if p.is_relative_to(out_dir)
                                        else f"- {p}" for p in figures] + [""]
@@ -217,7 +295,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     matplotlib.use("Agg")  # files only, no display needed
     figures: list[Path] = []
     for (model, task), group in frame.groupby(["model", "task"]):
-        figures.append(quality_plot(group, model, task, plots_dir))
+        figures.append(quality_plot(group, model, task, plots_dir, out_dir))
     for model in sorted(frame["model"].unique()):
         model_runs = [r for r in runs if r["model"] == model]
         figures += attention_loss_plots(model_runs, model, plots_dir)

@@ -4,7 +4,10 @@ tidy table.
     <out_dir>/<model>/<task>/<strategy>-b<budget>-s<seed>-<id>/
         config.json        the flags, the resolved per-layer cache spec, the input fingerprints, versions
         predictions.jsonl  one line per item (per scored position for fidelity)
-        metrics.json       its `identity` says which inputs produced the numbers
+        items.jsonl        one line per item: its metrics and the exact token ids fed (see read_items)
+        kept_positions.npz per item and layer, the positions the cache held after prefill
+        metrics.json       its `identity` says which inputs produced the numbers; every mean over items
+                           with its 95% bootstrap interval (<metric>_ci_low / _ci_high, n = n_items)
     <out_dir>/results.csv  one row per finished run, rebuilt from every metrics.json
 
 The directory's id hashes the configuration (model name, dtype, task options, cache flags, seed); cache
@@ -28,9 +31,11 @@ import platform
 import shutil
 import sys
 import tempfile
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftovers, replace_dir, temp_dir_beside
@@ -51,7 +56,9 @@ TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "de
 # before identities existed have none: they stay in the table and plots, and eval runs them again.
 REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 # Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
-NOT_COMPUTE = ("eval/plot.py", "eval/sweep.py", "eval/sweep_ray.py", "eval/bench/", "train_gates.py")  # a "/": a folder
+# Sources that do not change a run's numbers (a trailing "/": a whole folder).
+NOT_COMPUTE = ("eval/plot.py", "eval/compare.py", "eval/replay.py", "eval/sweep.py", "eval/sweep_ray.py",
+               "eval/bench/", "train_gates.py")
 
 
 
@@ -234,11 +241,64 @@ def write_jsonl_atomic(path: Path, rows: list[dict], overwrite: bool = True) -> 
             f.write(json.dumps(row) + "\n")
 
 
-def finish_run(tmp: Path, path: Path, config: dict, predictions: list[dict], metrics: dict) -> None:
+ITEMS_FILE = "items.jsonl"
+KEPT_FILE = "kept_positions.npz"
+
+
+def kept_key(index: int, layer: int) -> str:
+    return f"item{index}_layer{layer}"
+
+
+def compact_positions(positions: np.ndarray) -> np.ndarray:
+    """int16 when every position fits (contexts below 32k tokens: half the bytes), else int32."""
+    a = np.asarray(positions)
+    return a.astype(np.int16 if a.size == 0 or int(a.max()) < 2**15 else np.int32)
+
+
+def write_items(directory: Path, items: list[dict]) -> None:
+    """items.jsonl (each item without its kept positions) and kept_positions.npz: per item and layer an
+    integer array [heads, n] of positions (-1 pads a head that holds fewer), compressed: position lists are
+    long and repetitive (sinks, recent windows)."""
+    arrays = {kept_key(it["index"], layer): compact_positions(a)
+              for it in items for layer, a in enumerate(it.get("kept_positions") or [])}
+    write_jsonl_atomic(directory / ITEMS_FILE, [{k: v for k, v in it.items() if k != "kept_positions"}
+                                                for it in items])
+    with atomic_target(directory / KEPT_FILE, overwrite=True) as tmp, tmp.open("wb") as f:
+        np.savez_compressed(f, **arrays)
+
+
+def read_items(run: Path, with_kept: bool = True) -> list[dict] | None:
+    """A run's items.jsonl with each item's kept positions (a list of per-layer arrays) attached unless
+    `with_kept` is False; None for runs written before items were recorded. A damaged file raises
+    ValueError (OSError when unreadable)."""
+    try:
+        lines = (run / ITEMS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    items = [json.loads(line) for line in lines]
+    if not all(isinstance(it, dict) and isinstance(it.get("index"), int) for it in items):
+        raise ValueError(f"{ITEMS_FILE}: a line is not an item")
+    if with_kept and (run / KEPT_FILE).is_file():
+        try:
+            with np.load(run / KEPT_FILE) as kept:
+                for it in items:
+                    layers = []
+                    while kept_key(it["index"], len(layers)) in kept:
+                        layers.append(kept[kept_key(it["index"], len(layers))])
+                    it["kept_positions"] = layers
+        except (zipfile.BadZipFile, EOFError, ValueError) as e:  # np.load on a damaged or foreign file
+            raise ValueError(f"{KEPT_FILE}: {e}") from None
+    return items
+
+
+def finish_run(tmp: Path, path: Path, config: dict, predictions: list[dict], metrics: dict,
+               items: list[dict] | None = None) -> None:
     """Write the run into `tmp` (from start_run) and swap it in for `path`; `tmp` is gone afterwards."""
     try:
         atomic_write(tmp / "config.json", json.dumps(config, indent=2) + "\n", overwrite=True)
         write_jsonl_atomic(tmp / "predictions.jsonl", predictions)
+        if items is not None:
+            write_items(tmp, items)
         atomic_write(tmp / "metrics.json", json.dumps(metrics, indent=2) + "\n", overwrite=True)
         replace_dir(tmp, path)
     finally:
@@ -307,8 +367,18 @@ def results_frame(out_dir: Path, runs: list[dict] | None = None) -> pd.DataFrame
         return pd.DataFrame(columns=LEADING_COLUMNS + TRAILING_COLUMNS)
     frame = pd.DataFrame(rows)
     known = LEADING_COLUMNS + TRAILING_COLUMNS
-    middle = sorted(c for c in frame.columns if c not in known)
-    columns = [c for c in LEADING_COLUMNS if c in frame] + middle + [c for c in TRAILING_COLUMNS if c in frame]
+    # An interval's bounds follow their metric: `x, x_ci_low, x_ci_high`.
+    bounds = {c for c in frame.columns if c.endswith(("_ci_low", "_ci_high"))}
+    middle = []
+    for c in sorted(c for c in frame.columns if c not in known and c not in bounds):
+        middle += [c] + [b for b in (f"{c}_ci_low", f"{c}_ci_high") if b in bounds]
+    leading = []
+    for c in LEADING_COLUMNS:
+        if c in frame:
+            leading += [c] + [b for b in (f"{c}_ci_low", f"{c}_ci_high") if b in bounds]
+    placed = set(leading) | set(middle)
+    middle += sorted(b for b in bounds if b not in placed)  # bounds of a metric that is missing
+    columns = leading + middle + [c for c in TRAILING_COLUMNS if c in frame]
     frame["_budget_order"] = pd.to_numeric(frame["budget"], errors="coerce")
     frame = frame.sort_values(["model", "task", "strategy", "_budget_order", "seed", "run_id"], ascending=[
         True, True, True, False, True, True], kind="stable")

@@ -43,7 +43,8 @@ def test_runs_are_written_next_to_the_baseline_and_skipped_when_finished(tiny_di
     dirs = run_dirs(tmp_path)
     assert [d.parent.name for d in dirs] == ["fidelity", "fidelity"] and dirs[0].parent.parent.name == tiny_dir.name
     for d in dirs:
-        assert {p.name for p in d.iterdir()} == {"config.json", "predictions.jsonl", "metrics.json"}
+        assert {p.name for p in d.iterdir()} == {"config.json", "predictions.jsonl", "metrics.json", "items.jsonl",
+                                                 "kept_positions.npz"}
     config = json.loads((dirs[1] / "config.json").read_text())
     assert [s["strategy"] for s in config["cache_spec"]] == ["recent_global"] * 2
     assert config["cache_spec"][0]["max_cache_length"] == 60 and config["identity"]["seed"] == 0

@@ -52,6 +52,21 @@ class TaskResult:
     stats: dict  # measured cache statistics, averaged over items
     timings: Timings
     config: dict = field(default_factory=dict)  # what the run used beyond the flags (text hash, spec)
+    # One per item (see item_record): its metrics, for confidence intervals and paired comparisons, and
+    # what is needed to replay it: the exact token ids fed and the positions kept after prefill.
+    items: list[dict] = field(default_factory=list)
+
+
+def item_record(index: int, ids: list[int], n_context: int, n_prefill: int, metrics: dict,
+                kept: list | None, **extra: object) -> dict:
+    """One item of items.jsonl (plus its kept positions, which results.py writes to kept_positions.npz).
+
+    ids[:n_context] is the context (what a query-agnostic run compresses before the question), the rest
+    the question and answer prefix; ids[:n_prefill] went through prefill, the rest one token at a time.
+    """
+    return {"index": index, "metrics": {k: v for k, v in metrics.items() if v is not None},
+            "context_ids": list(ids[:n_context]), "question_ids": list(ids[n_context:]),
+            "n_prefill": n_prefill, **extra, "kept_positions": kept or []}
 
 
 class Task:
@@ -76,6 +91,11 @@ class Task:
 
     def run(self, rt: Runtime) -> TaskResult:
         raise NotImplementedError
+
+    def derived_intervals(self, items: list[dict]) -> dict:
+        """Intervals of aggregates that are functions of item means rather than means themselves
+        (eval.uncertainty.bootstrap_function); metric name -> Interval. None by default."""
+        return {}
 
 
 TASKS: dict[str, type[Task]] = {}
@@ -181,7 +201,7 @@ class GenerationTask(Task):
         # static shapes, so a compiled decode step is compiled once.
         specs = cache_specs(rt, rt.args, longest, max_new)
         attach_caches(rt, specs, longest + max_new)
-        timings, predictions, stats = Timings(), [], []
+        timings, predictions, stats, items = Timings(), [], [], []
         for i, (ex, (ids, n_context)) in enumerate(tqdm(list(zip(examples, encoded, strict=True)),
                                                      desc=self.name, leave=False, disable=rt.progress)):
             n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
@@ -194,10 +214,13 @@ class GenerationTask(Task):
             predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill,
                                 "answers": ex.answers, "prediction": text, **scores,
                                 "compression_ratio": item_stats.get("compression_ratio"), **ex.meta})
+            items.append(item_record(i, ids, n_context, n_prefill,
+                                     {**scores, "compression_ratio": item_stats.get("compression_ratio")},
+                                     rt.kept, answers=ex.answers, output_ids=tokens))
         rt.model.remove_caches()
         metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in scores}
         return TaskResult(predictions, metrics, average_stats(stats), timings,
-                          {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest})
+                          {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest}, items)
 
 
 class SyntheticTask(GenerationTask):

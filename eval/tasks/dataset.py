@@ -34,6 +34,7 @@ from eval.tasks.base import (
     TaskResult,
     continuation_ids,
     encode_example,
+    item_record,
     register_task,
     use_chat,
 )
@@ -155,19 +156,24 @@ class MultipleChoice(Task):
             raise UserError(f"multiple_choice: prompts of {longest} tokens exceed the model's context")
         specs = cache_specs(rt, rt.args, longest, max_option)
         attach_caches(rt, specs, longest + max_option)
-        timings, predictions, stats = Timings(), [], []
+        timings, predictions, stats, records = Timings(), [], [], []
         for i, (ids, n_context, choices, options, label) in enumerate(
                 tqdm(items, desc=self.name, leave=False, disable=rt.progress)):
             n_prefill = prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"],
                                        prefill_limit(rt, specs))
             logliks = option_logliks(rt, ids, n_prefill, options, timings)
             stats.append(measure_caches(rt.model.caches()))
+            kept = rt.kept
             norm = [ll / max(len(c), 1) for ll, c in zip(logliks, choices, strict=True)]
             pick, pick_norm = logliks.index(max(logliks)), norm.index(max(norm))
             predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, "label": label,
                                 "prediction": pick, "prediction_norm": pick_norm, "logliks": logliks,
                                 "accuracy": float(pick == label), "accuracy_norm": float(pick_norm == label)})
+            scores = {k: predictions[-1][k] for k in self.metrics}
+            records.append(item_record(i, ids, n_context, n_prefill,
+                                       {**scores, "compression_ratio": stats[-1].get("compression_ratio")}, kept,
+                                       choices=choices, option_ids=options, label=label))
         rt.model.remove_caches()
         metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in self.metrics}
         return TaskResult(predictions, metrics, average_stats(stats), timings,
-                          {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest})
+                          {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest}, records)

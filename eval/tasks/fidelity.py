@@ -12,13 +12,15 @@ or the `--text_column` of a `--dataset`; `--limit` consecutive windows from `--t
 
 from __future__ import annotations
 
+import numpy as np
 from tqdm import tqdm
 
 from errors import UserError
 from eval.data import check_columns, load_rows, pydoc_corpus, read_text_file, text_sha256
 from eval.harness import Runtime, Timings, average_stats, cache_specs, teacher_force
 from eval.metrics import summarize_fidelity
-from eval.tasks.base import Task, TaskResult, register_task
+from eval.tasks.base import Task, TaskResult, item_record, register_task
+from eval.uncertainty import bootstrap_function
 
 # Characters per token is about 4 for English; 16 leaves room when joining dataset rows.
 _CHARS_PER_TOKEN_BOUND = 16
@@ -32,6 +34,18 @@ class Fidelity(Task):
     reads = ("limit", "seq_len", "prefill_tokens", "text_file", "text_offset", "dataset", "dataset_config",
              "split", "text_column", "decode_first_token")
     defaults = {"limit": 1, "seq_len": 2048, "prefill_tokens": 128, "text_offset": 0, "split": "train"}
+
+    def derived_intervals(self, items: list[dict]) -> dict:
+        """Perplexities are exp(mean NLL) over the pooled positions, i.e. (equal windows) of the mean of
+        the windows' mean NLLs: resampling windows and recomputing gives their intervals."""
+        if not items or not all("nll_mean" in it["metrics"] and "nll_full_mean" in it["metrics"] for it in items):
+            return {}
+        columns = {"nll": [it["metrics"]["nll_mean"] for it in items],
+                   "nll_full": [it["metrics"]["nll_full_mean"] for it in items]}
+        functions = {"perplexity": lambda nll, nll_full: np.exp(nll),
+                     "perplexity_delta": lambda nll, nll_full: np.exp(nll) - np.exp(nll_full),
+                     "perplexity_ratio": lambda nll, nll_full: np.exp(nll - nll_full)}
+        return {name: bootstrap_function(columns, fn) for name, fn in functions.items()}
 
     def text(self, tokens_needed: int) -> tuple[str, str]:
         """(text, where it came from)."""
@@ -66,13 +80,23 @@ class Fidelity(Task):
         if not windows:
             raise UserError(f"the text ({source}) has {max(len(ids) - offset, 0)} tokens after --text_offset "
                             f"{offset}; fidelity needs --seq_len {seq_len}")
-        timings, predictions, stats = Timings(), [], []
+        timings, predictions, stats, items = Timings(), [], [], []
         trace_all = {"kl": [], "agree": [], "nll_full": [], "nll": []}
         with tqdm(total=len(windows) * (seq_len - n_prompt), desc="fidelity", unit="tok", leave=False,
                   disable=rt.progress) as bar:
             for w, window in enumerate(windows):
                 trace, cache_stats = teacher_force(rt, window, n_prompt, o["decode_first_token"], timings, bar)
                 stats.append(cache_stats)
+                # A window is the item: its positions share one text and one cache, so they are not
+                # independent draws. Every window scores the same number of positions, so the means of
+                # the windows' means are the pooled kl_mean and top1_agreement.
+                window_metrics = {"kl_mean": sum(trace.kl) / len(trace.kl),
+                                  "top1_agreement": sum(trace.agree) / len(trace.agree),
+                                  "nll_mean": sum(trace.nll) / len(trace.nll),
+                                  "nll_full_mean": sum(trace.nll_full) / len(trace.nll_full),
+                                  "compression_ratio": cache_stats.get("compression_ratio")}
+                items.append(item_record(w, window, n_prompt, trace.n_prefill,
+                                         window_metrics, rt.kept))
                 for key in trace_all:
                     trace_all[key] += getattr(trace, key)
                 for i, pos in enumerate(trace.positions):
@@ -83,4 +107,4 @@ class Fidelity(Task):
         specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolved them
         config = {"text_source": source, "text_sha256": text_sha256(text), "text_tokens": len(ids),
                   "windows": len(windows), "cache_spec": [s.to_dict() for s in specs]}
-        return TaskResult(predictions, metrics, average_stats(stats), timings, config)
+        return TaskResult(predictions, metrics, average_stats(stats), timings, config, items)

@@ -1,0 +1,93 @@
+"""`python -m eval.replay RUN_DIR --item N`: run one stored item again from its recorded token ids, and say
+whether the answer, the score and the positions kept after prefill are the ones the run recorded.
+
+Nothing is regenerated from the task's generator or dataset: the prompt is items.jsonl's `context_ids`
++ `question_ids`, the flags are config.json's, the caches are sized as the run sized them (from the
+longest prompt of its set, `prompt_tokens_max`). Generation tasks only (RULER tasks, qa): fidelity and
+multiple_choice store their items too, but replaying them is not implemented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from errors import CliParser, UserError, run_cli
+from eval import results
+from eval.harness import Runtime, Timings, attach_caches, cache_specs, greedy_answer
+from eval.tasks import get_task
+from eval.tasks.base import Example, GenerationTask
+
+
+def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
+    """(config.json, items by index) of a finished run; a UserError when it has no items."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        items = results.read_items(run_dir)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read run {run_dir}: {e}") from None
+    if items is None:
+        raise UserError(f"run {run_dir} has no {results.ITEMS_FILE} (written before items were recorded)")
+    return config, {it["index"]: it for it in items}
+
+
+def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: object) -> dict:
+    """Greedy answer, scores and kept positions of item `index` of `run_dir`, computed again with `model`
+    (the run's model: config.json's inputs say which)."""
+    config, items = stored_run(Path(run_dir))
+    if index not in items:
+        raise UserError(f"run {run_dir} has no item {index} (items: 0..{max(items)})")
+    args = argparse.Namespace(**config["flags"])
+    task = get_task(config["identity"]["task"])(args)
+    if not isinstance(task, GenerationTask):
+        raise UserError(f"replay supports generation tasks, not {task.name}")
+    item, max_new = items[index], task.options["max_new_tokens"]
+    rt = Runtime(model, tokenizer, args, progress=True)
+    specs = cache_specs(rt, args, config["prompt_tokens_max"], max_new)
+    if json.loads(json.dumps([s.to_dict() for s in specs], default=str)) != config["cache_spec"]:
+        raise UserError("the flags resolve to another cache spec than the run's (other code or model?)")
+    with torch.inference_mode():
+        attach_caches(rt, specs, config["prompt_tokens_max"] + max_new)
+        try:
+            ids = item["context_ids"] + item["question_ids"]
+            tokens = greedy_answer(rt, ids, item["n_prefill"], max_new, Timings())
+        finally:
+            model.remove_caches()
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    scores = task.score(text, Example(context="", answers=item["answers"]))
+    return {"output_ids": tokens, "metrics": scores, "kept_positions": rt.kept, "stored": item}
+
+
+def same_kept(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = CliParser(prog="python -m eval.replay", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("run_dir", help="a finished run directory (with items.jsonl)")
+    parser.add_argument("--item", type=int, default=0, help="the item's index")
+    args = parser.parse_args(argv)
+    from checkpoint import parse_dtype
+    from eval.cli import load_model
+
+    config, _ = stored_run(Path(args.run_dir))
+    flags = config["flags"]
+    dtype = parse_dtype(flags["dtype"], flags["device"])
+    model, tokenizer = load_model(flags["checkpoint_path"], flags["device"], dtype)
+    out = replay_item(Path(args.run_dir), args.item, model, tokenizer)
+    stored = out["stored"]
+    checks = {"answer tokens": out["output_ids"] == stored.get("output_ids"),
+              "scores": all(stored["metrics"].get(k) == v for k, v in out["metrics"].items()),
+              "kept positions": same_kept(out["kept_positions"], stored.get("kept_positions", []))}
+    for name, ok in checks.items():
+        print(f"{name}: {'same' if ok else 'DIFFERENT'}")
+    print(f"scores: {out['metrics']}")
+    return out
+
+
+if __name__ == "__main__":
+    run_cli(main)
