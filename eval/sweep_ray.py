@@ -146,7 +146,8 @@ class SweepWorker:
             lines = (path / "predictions.jsonl").read_text().splitlines()
             reply = {"run_dir": str(path.relative_to(scratch)), "config": config,
                      "predictions": [json.loads(line) for line in lines],
-                     "metrics": json.loads(metrics_path.read_text())}
+                     "metrics": json.loads(metrics_path.read_text()),
+                     "items": results.read_items(path)}  # per-item records and kept positions (numpy arrays)
         except UserError as e:
             reply = {"error": str(e)}
         except Exception:  # reported with the run, which is recorded as failed; the worker goes on
@@ -247,7 +248,7 @@ def record(out_dir: Path, job: list[str], path: Path, reply: dict) -> str | None
         return f"the worker computed run directory {reply['run_dir']}, the driver {expected}: same code on every node?"
     tmp = results.start_run(path)
     try:
-        results.finish_run(tmp, path, reply["config"], reply["predictions"], reply["metrics"])
+        results.finish_run(tmp, path, reply["config"], reply["predictions"], reply["metrics"], reply.get("items"))
     finally:
         results.abandon_run(tmp)  # a no-op after finish_run; if the driver is interrupted, no leftovers
     if not cli.job_is_current(job):  # the worker hashed other files than the driver: resume would redo it

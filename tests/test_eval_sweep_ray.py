@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 from errors import UserError, run_cli
-from eval import cli, sweep, sweep_ray
+from eval import cli, results, sweep, sweep_ray
 from eval.results import TRAILING_COLUMNS
 from eval.sweep_ray import SCRATCH
 from tests.conftest import ROOT
@@ -252,6 +252,10 @@ def test_ray_and_local_give_the_same_rows_and_files(ray_session, tiny_dir, refer
             continue
         ours = out_dir / path.relative_to(reference)
         assert (ours / "predictions.jsonl").read_bytes() == (path / "predictions.jsonl").read_bytes()
+        assert (ours / "items.jsonl").read_bytes() == (path / "items.jsonl").read_bytes()
+        ours_kept, their_kept = (results.read_items(d) for d in (ours, path))
+        assert [[a.tolist() for a in it["kept_positions"]] for it in ours_kept] == [
+            [a.tolist() for a in it["kept_positions"]] for it in their_kept]
         ours_metrics, their_metrics = (json.loads((d / "metrics.json").read_text()) for d in (ours, path))
         assert {k: v for k, v in ours_metrics.items() if k not in TIMING_KEYS} == {
             k: v for k, v in their_metrics.items() if k not in TIMING_KEYS}
