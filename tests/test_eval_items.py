@@ -11,7 +11,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cache import CACHE_STRATEGIES
 from errors import UserError
 from eval import cli, plot, replay, results
 from tests.eval_helpers import (
@@ -19,8 +18,6 @@ from tests.eval_helpers import (
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     write_tiny_checkpoint,
 )
-
-pytestmark = pytest.mark.skipif("recent_global" not in CACHE_STRATEGIES, reason="needs recent_global")
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +141,6 @@ def test_replay_command_line(tiny_dir, tmp_path, capsys):
         replay.main([str(run)])
 
 
-@pytest.mark.skipif("random" not in CACHE_STRATEGIES, reason="needs random")
 def test_summary_pairs_strategies_at_the_same_budget(tiny_dir, tmp_path):
     base = ["--tasks", "fidelity", "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT),
             "--seq_len", "64", "--prefill_tokens", "16", "--limit", "4", "--out_dir", str(tmp_path),
