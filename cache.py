@@ -10,7 +10,8 @@ decode step never recompiles:
 - `pos`: original position held in each slot, -1 when empty: [B, n_kv_heads or 1, L] (per head only
   for head-specific strategies, which evict different tokens in different heads).
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
-- `inserted`: tokens that went through this cache, per head [B, n_kv_heads].
+- `inserted`: tokens that went through this cache, per head [B, n_kv_heads]; `filled`: slots in use, filled
+  from slot 0 (the next empty slot) until the cache is full, [B, n_kv_heads or 1].
 
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the
@@ -91,6 +92,7 @@ class KVCache(nn.Module):
         self.register_buffer("pos", torch.full((B, pos_heads, L), -1, dtype=torch.long, **kw))
         self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, **kw))
         self.register_buffer("inserted", torch.zeros(B, H, dtype=torch.long, **kw))
+        self.register_buffer("filled", torch.zeros(B, pos_heads, dtype=torch.long, **kw))
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
@@ -107,8 +109,8 @@ class KVCache(nn.Module):
         cache, compressing it when it exceeds the budget. q [B, n_head, T, D] is there for compressors
         and initial scores that need the prompt's attention."""
         B, H, T, _ = k.shape
-        if T > self.max_cache_length:
-            keep = self.select_prompt_tokens(input_pos, k, v, q)  # [B, pos_heads, L], sorted
+        if T > self.prompt_target():
+            keep = self.select_prompt_tokens(input_pos, k, v, q)  # [B, pos_heads, target], sorted
         else:
             keep = torch.arange(T, device=k.device).view(1, 1, T).expand(B, self.pos.shape[1], T)
         n = keep.shape[-1]
@@ -119,6 +121,7 @@ class KVCache(nn.Module):
         self.pos[:, :, :n] = input_pos[keep]
         self.mask[:, :, 0, :n] = True
         self.inserted.fill_(T)
+        self.filled.fill_(n)
         self.after_prefill(keep, input_pos, k, q)
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -130,8 +133,30 @@ class KVCache(nn.Module):
         self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, slot.shape[1], 1))
         self.mask.scatter_(3, head_slot[..., None, None], True)
         self.inserted += 1
+        self.filled += (self.filled < self.max_cache_length).long()
         self.after_insert(slot, input_pos, k)
         return self.keys(), self.values(), self.mask
+
+    def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Insert a chunk of T tokens after the prompt (input_pos [T]; k, v [B, n_kv, T, D]) into empty slots,
+        evicting nothing: the question of the kvpress protocol, appended uncompressed in one forward step.
+        Each token goes through `update_kv` so per-token state (scores, gates, KIVI flushes) is exactly a
+        decode step's; attention statistics are not updated for a chunk. Returns (keys, values, mask)."""
+        T = k.shape[2]
+        if int(self.filled.max()) + T > self.max_cache_length:
+            raise ValueError(f"a {self.name} cache of {self.max_cache_length} slots has no room for a chunk of {T}")
+        for i in range(T):
+            self.before_chunk_token(i)
+            self.update_kv(input_pos[i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
+        return self.keys(), self.values(), self.mask
+
+    def room(self) -> int:
+        """Empty slots left before this cache evicts (an eager read, for callers choosing how to feed)."""
+        return self.max_cache_length - int(self.filled.max())
+
+    def before_chunk_token(self, i: int) -> None:
+        """Hook: token i of a chunk (`append`) is next; per-token inputs the model passed for the whole chunk
+        (gates, token ids) are moved into place here."""
 
     def update_state(self, probs: Tensor) -> None:
         """This step's attention probabilities over the slots, [B, n_kv, rep, L] (rep query heads per KV head)."""
@@ -188,6 +213,9 @@ class KVCache(nn.Module):
     # the one definition of their defaults (the flags read them from here).
     snapkv_window: int = 32
     snapkv_kernel: int = 7
+    # Compress a long prompt to this many tokens instead of the whole budget (None: the budget), leaving the
+    # other slots for what follows: the kvpress protocol's per-item budget (eval --protocol kvpress).
+    prompt_budget: int | None = None
 
     def configure(self, **settings: object) -> None:
         """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""
@@ -200,9 +228,14 @@ class KVCache(nn.Module):
         """The token budget this layer was given (what statistics report)."""
         return self.max_cache_length
 
+    def prompt_target(self) -> int:
+        """Tokens a prompt is compressed to: `prompt_budget` when set (the rest of the slots stay empty for
+        what follows the prompt), else the whole budget."""
+        return self.prompt_budget or self.max_cache_length
+
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
-        filled = self.inserted[:, : self.pos.shape[1]]
+        filled = self.filled
         if self.max_cache_length >= self.capacity_needed:
             return filled  # never full (the full cache, or a budget above the sequence): skip scoring
         scores = self.token_scores(input_pos).masked_fill(self.protected(input_pos), float("inf"))
@@ -400,7 +433,7 @@ class HeavyHitterCache(KVCache):
     @classmethod
     def prompt_protected_window(cls, cache: KVCache) -> int:
         # SnapKV keeps its observation window itself (as far as the budget allows after the sinks).
-        return max(cache.recent_window, min(cache.snapkv_window, cache.max_cache_length - cache.global_tokens))
+        return max(cache.recent_window, min(cache.snapkv_window, cache.prompt_target() - cache.global_tokens))
 
     def update_state(self, probs: Tensor) -> None:
         attn = grouped_mean(probs)

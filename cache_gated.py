@@ -44,6 +44,10 @@ class GatedCache(KVCache):
         else:
             self.prompt_log_gates = log_gates
 
+    def before_chunk_token(self, i: int) -> None:
+        # A chunk's gates arrive together (observe_gates saw T tokens): token i's goes in with token i.
+        self.incoming_log_gate.copy_(self.prompt_log_gates[..., i : i + 1])
+
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.log_retention(self.log_gate, input_pos - self.pos)  # the most decayed token goes first
 

@@ -94,6 +94,14 @@ class HybridCache(KVCache):
             settings["token_classes"] = {name: mask.to(device) for name, mask in classes.items()}
         super().configure(**settings)
 
+    def room(self) -> int:
+        held = self.mask[:, :, 0, : self.max_cache_length].sum(-1)  # its heads grow by their own policy
+        return self.max_cache_length - int(held.max())
+
+    def before_chunk_token(self, i: int) -> None:
+        # A chunk's ids arrive together (observe_tokens saw T tokens): token i's class decides its admission.
+        self.current_token.copy_(self.prompt_ids[:, i : i + 1])
+
     def _use(self, component: str) -> Tensor:
         return self.uses[..., COMPONENTS.index(component)]
 
@@ -146,7 +154,7 @@ class HybridCache(KVCache):
             has = torch.tensor([component in p for p in self.policies], device=k.device)
             self.uses[..., c_index] = has[chosen]
         # At most L tokens per head: special/punct first, then by attention (ties: the newest).
-        L = self.max_cache_length
+        L = self.prompt_target()
         priority = received + input_pos.float() * 1e-9 + (is_special | is_punct) * 1e6
         priority = priority.masked_fill(~keep, float("-inf"))
         top = priority.topk(min(L, T), dim=-1)

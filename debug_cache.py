@@ -72,6 +72,17 @@ class DebugCache(KVCache):
         self.current_pos.copy_(input_pos)
         return super().update_kv(input_pos, k, v)
 
+    def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.shadow.room() < k.shape[2]:  # the full cache always has room; the shadow must too
+            raise ValueError(f"a {self.shadow.name} cache has no room for a chunk of {k.shape[2]}")
+        return super().append(input_pos, k, v)
+
+    def before_chunk_token(self, i: int) -> None:
+        self.shadow.before_chunk_token(i)
+
+    def room(self) -> int:
+        return min(super().room(), self.shadow.room())
+
     def observe_tokens(self, token_ids: Tensor) -> None:
         self.shadow.observe_tokens(token_ids)
 

@@ -226,7 +226,7 @@ class Attention(nn.Module):
         self.soft_gating: tuple[int, int] | None = None
         self.retained: Tensor | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False) -> Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -243,6 +243,13 @@ class Attention(nn.Module):
             cache.observe_gates(self.gate(x))
         if cache is None and self.soft_gating is not None:
             y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
+        elif append and cache is not None:
+            # A chunk after the prompt (kvpress protocol): into the cache's empty slots, then each query attends
+            # over the held tokens at or before its own position.
+            k_all, v_all, mask = cache.append(input_pos, k, v)
+            pos = cache.pos.expand(B, self.n_kv_head, -1)
+            visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))  # [B, n_kv, T, L]
+            y, _ = grouped_attention(q, k_all, v_all, visible.repeat(1, 1, self.n_head // self.n_kv_head, 1))
         elif T > 1 or cache is None:
             # Prefill: causal attention over the prompt itself (the fused kernel; no probabilities).
             if self.sliding_window and T > self.sliding_window:
@@ -291,11 +298,11 @@ class TransformerBlock(nn.Module):
             self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.sandwich = args.sandwich_norms
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False) -> Tensor:
         if self.sandwich:
-            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, input_pos))
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, input_pos, append))
             return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos)
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, append)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -365,13 +372,14 @@ class Transformer(nn.Module):
             cache.reset()
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
-                run_block: Callable[..., Tensor] | None = None) -> Tensor:
+                run_block: Callable[..., Tensor] | None = None, append: bool = False) -> Tensor:
         """idx: [B, T] token ids; input_pos: [T] absolute positions (a device tensor).
 
         Returns float32 logits [B, T, vocab], or [B, 1, vocab] with `last_logits_only` (a prefill needs
         only the last position, and the vocabulary projection is the largest matmul of a long prompt).
         `run_block(layer, x, cos, sin, input_pos)` replaces each block's call: the compiled decode step
-        passes one compiled function that every layer shares (generate.CompiledDecodeStep).
+        passes one compiled function that every layer shares (generate.CompiledDecodeStep). `append`: the T
+        tokens follow what the caches already hold (KVCache.append) instead of being a prompt.
         """
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         for cache in self.caches():
@@ -385,7 +393,7 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
         for layer in self.layers:
             rope = local if layer.attention.sliding_window else (cos, sin)
-            x = layer(x, *rope, input_pos) if run_block is None else run_block(layer, x, *rope, input_pos)
+            x = layer(x, *rope, input_pos, append) if run_block is None else run_block(layer, x, *rope, input_pos)
         if last_logits_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x)).float()

@@ -106,7 +106,7 @@ def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int) -> Tensor:
 def compress_prompt(cache, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:
     """Sorted indices of the prompt tokens `cache` keeps: [B, pos_heads, budget]."""
     rule = cache.prompt_compressor
-    T, budget = k.shape[2], cache.max_cache_length
+    T, budget = k.shape[2], cache.prompt_target()
     scores = None if rule is None else rule.prompt_scores(cache, k, q)
     if scores is None:
         name = "full" if rule is None else rule.name

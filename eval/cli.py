@@ -45,6 +45,12 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--query_aware", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill context and question together, so prompt compression sees the question "
                         "(default: query-agnostic, the context is compressed before the question)")
+    g.add_argument("--protocol", choices=["decode", "kvpress"], default="decode",
+                   help="decode: the cache is sized from the longest prompt + answer and evicts while the question "
+                        "and answer go through it (query-agnostic unless --query_aware); kvpress: as kvpress and "
+                        "RULER's tables: each item's context is compressed once to the budget (a fraction of that "
+                        "context, or tokens), the question is appended uncompressed in one forward step, and "
+                        "nothing is evicted while answering (generation tasks)")
     g.add_argument("--decode_first_token", action="store_true",
                    help="feed the last prompt token through the decode path, so the first answer token "
                         "is computed over the compressed cache")

@@ -2,8 +2,9 @@
 feeding through the decode path, greedy answers, teacher forcing against the full cache, option
 log-likelihoods, and the measured statistics of each run.
 
-After the prompt's prefill, tokens go through `decode_one_token` one at a time: the caches accept a
-multi-token chunk only at prefill, and eviction happens token by token.
+After the prompt's prefill, tokens go through `decode_one_token` one at a time, so eviction happens token
+by token; under the kvpress protocol the question is appended as one chunk into slots left empty for it
+(KVCache.append), and nothing is evicted while answering.
 """
 
 from __future__ import annotations
@@ -189,8 +190,10 @@ def prefill_length(
     return max(n, 1)
 
 
-def run_prompt(rt: Runtime, ids: list[int], n_prefill: int, timings: Timings) -> Tensor:
-    """Reset the caches, prefill ids[:n_prefill], feed the rest one by one; logits after the last, [vocab]."""
+def run_prompt(rt: Runtime, ids: list[int], n_prefill: int, timings: Timings, chunk: bool = False) -> Tensor:
+    """Reset the caches, prefill ids[:n_prefill], then the rest: one by one through the decode path, or with
+    `chunk` appended in one forward step when every cache has room for it (KVCache.append; same logits as
+    one by one, nothing evicted); logits after the last, [vocab]."""
     model, device = rt.model, rt.device
     model.reset_caches()
     t0 = time.perf_counter()
@@ -199,6 +202,16 @@ def run_prompt(rt: Runtime, ids: list[int], n_prefill: int, timings: Timings) ->
     timings.prefill_tokens += n_prefill
     timings.prefill_seconds += time.perf_counter() - t0
     rt.kept = kept_positions(model.caches())
+    rest = len(ids) - n_prefill
+    if chunk and rest > 0 and all(c.room() >= rest for c in model.caches()):
+        t0 = time.perf_counter()
+        positions = torch.arange(n_prefill, len(ids), device=device)
+        logits = model(torch.tensor([ids[n_prefill:]], device=device), positions, last_logits_only=True,
+                       append=True)[:, -1]
+        sync(device)
+        timings.prefill_tokens += rest
+        timings.prefill_seconds += time.perf_counter() - t0
+        return logits[0]
     for pos in range(n_prefill, len(ids)):
         logits = timed_step(rt, ids[pos], pos, timings)
     return logits[0]
@@ -216,9 +229,10 @@ def timed_step(rt: Runtime, token: int, pos: int, timings: Timings) -> Tensor:
     return logits
 
 
-def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: int, timings: Timings) -> list[int]:
+def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: int, timings: Timings,
+                  chunk: bool = False) -> list[int]:
     """Greedy continuation of the prompt `ids`, stopping at EOS or after `max_new_tokens` tokens."""
-    logits = run_prompt(rt, ids, n_prefill, timings)
+    logits = run_prompt(rt, ids, n_prefill, timings, chunk)
     eos = set(rt.tokenizer.eos_ids)
     tokens: list[int] = []
     while True:

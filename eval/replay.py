@@ -20,7 +20,7 @@ from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.harness import Runtime, Timings, attach_caches, cache_specs, greedy_answer
 from eval.tasks import get_task
-from eval.tasks.base import Example, GenerationTask
+from eval.tasks.base import Example, GenerationTask, kvpress_budgets
 
 
 def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
@@ -46,15 +46,23 @@ def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: ob
     if not isinstance(task, GenerationTask):
         raise UserError(f"replay supports generation tasks, not {task.name}")
     item, max_new = items[index], task.options["max_new_tokens"]
+    ids = item["context_ids"] + item["question_ids"]
+    kvpress = task.options.get("protocol") == "kvpress"
+    if kvpress:  # this item's context budget, in caches of the run's slots (sized from all its items)
+        budget = kvpress_budgets(args, [(ids, len(item["context_ids"]))])[0]
+        slots = float(config["cache_spec"][0]["max_cache_length"])
+        args = argparse.Namespace(**{**vars(args), "max_cache_length": [slots], "cache_length_pattern": "tile"})
     rt = Runtime(model, tokenizer, args, progress=True)
     specs = cache_specs(rt, args, config["prompt_tokens_max"], max_new)
     if json.loads(json.dumps([s.to_dict() for s in specs], default=str)) != config["cache_spec"]:
         raise UserError("the flags resolve to another cache spec than the run's (other code or model?)")
     with torch.inference_mode():
-        attach_caches(rt, specs, config["prompt_tokens_max"] + max_new)
+        caches = attach_caches(rt, specs, config["prompt_tokens_max"] + max_new)
+        if kvpress:
+            for cache in caches:
+                cache.configure(prompt_budget=min(budget, len(item["context_ids"])))
         try:
-            ids = item["context_ids"] + item["question_ids"]
-            tokens = greedy_answer(rt, ids, item["n_prefill"], max_new, Timings())
+            tokens = greedy_answer(rt, ids, item["n_prefill"], max_new, Timings(), chunk=kvpress)
         finally:
             model.remove_caches()
     text = tokenizer.decode(tokens, skip_special_tokens=True)

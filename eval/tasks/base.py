@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from tqdm import tqdm
 
+from cache_spec import tokens_from_budget
 from errors import UserError
 from eval.harness import (
     Runtime,
@@ -83,6 +84,9 @@ class Task:
         self.args = args
         self.options = {k: self.defaults.get(k) if getattr(args, k, None) is None else getattr(args, k)
                         for k in self.reads}
+        if getattr(args, "protocol", "decode") != "decode" and "protocol" not in self.reads:
+            raise UserError(f"{self.name}: --protocol {args.protocol} applies to tasks that answer a question "
+                            "after a context (the RULER tasks, qa)")
         for key, least in (("limit", 1), ("seq_len", 1), ("max_new_tokens", 1), ("prefill_tokens", 1),
                            ("text_offset", 0)):
             value = self.options.get(key)
@@ -177,6 +181,7 @@ class GenerationTask(Task):
     """Greedy answers under the configured cache, scored with `score` (RULER's string match by default)."""
 
     metrics = ("string_match",)
+    reads = Task.reads + ("protocol",)
 
     def examples(self, rt: Runtime) -> list[Example]:
         raise NotImplementedError
@@ -197,21 +202,31 @@ class GenerationTask(Task):
         if longest + max_new > rt.model.args.context_length:
             raise UserError(f"{self.name}: prompts of {longest} tokens plus {max_new} new tokens exceed the "
                             f"model's context of {rt.model.args.context_length}")
-        # One set of caches for all examples (budgets are fractions of the longest prompt + new tokens):
-        # static shapes, so a compiled decode step is compiled once.
-        specs = cache_specs(rt, rt.args, longest, max_new)
-        attach_caches(rt, specs, longest + max_new)
+        kvpress = self.options["protocol"] == "kvpress"
+        context_budgets = kvpress_budgets(rt.args, encoded) if kvpress else None
+        # One set of caches for all examples (budgets are fractions of the longest prompt + new tokens; under
+        # the kvpress protocol, room for the largest context budget + question + answer): static shapes,
+        # so a compiled decode step is compiled once.
+        args = kvpress_cache_args(rt.args, encoded, context_budgets, max_new) if kvpress else rt.args
+        specs = cache_specs(rt, args, longest, max_new)
+        caches = attach_caches(rt, specs, longest + max_new)
         timings, predictions, stats, items = Timings(), [], [], []
         for i, (ex, (ids, n_context)) in enumerate(tqdm(list(zip(examples, encoded, strict=True)),
                                                      desc=self.name, leave=False, disable=rt.progress)):
-            n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
-                                       self.options["decode_first_token"], prefill_limit(rt, specs))
-            tokens = greedy_answer(rt, ids, n_prefill, max_new, timings)
+            if kvpress:  # the context alone is compressed, to this item's budget; the question is appended
+                n_prefill = n_context
+                for cache in caches:
+                    cache.configure(prompt_budget=min(context_budgets[i], n_context))
+            else:
+                n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
+                                           self.options["decode_first_token"], prefill_limit(rt, specs))
+            tokens = greedy_answer(rt, ids, n_prefill, max_new, timings, chunk=kvpress)
             text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
             item_stats = measure_caches(rt.model.caches())
             stats.append(item_stats)
             scores = self.score(text, ex)
-            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill,
+            budget_note = {"context_budget": min(context_budgets[i], n_context)} if kvpress else {}
+            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, **budget_note,
                                 "answers": ex.answers, "prediction": text, **scores,
                                 "compression_ratio": item_stats.get("compression_ratio"), **ex.meta})
             items.append(item_record(i, ids, n_context, n_prefill,
@@ -221,6 +236,30 @@ class GenerationTask(Task):
         metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in scores}
         return TaskResult(predictions, metrics, average_stats(stats), timings,
                           {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest}, items)
+
+
+def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int]]) -> list[int]:
+    """Each item's context budget under the kvpress protocol: --max_cache_length as a fraction of that
+    item's context (or tokens), as kvpress sizes a press per input. The full cache keeps every token."""
+    if args.query_aware or args.decode_first_token or getattr(args, "feed_long_prompts", False):
+        raise UserError("--protocol kvpress compresses the context alone and appends the question: it does not "
+                        "combine with --query_aware, --decode_first_token or --feed_long_prompts")
+    if len(args.max_cache_length) != 1 or args.cache_length_pattern not in ("tile", "repeat"):
+        raise UserError("--protocol kvpress takes one --max_cache_length (per item, of its context) and no "
+                        "funnel / pyramid pattern")
+    if any(n_context == 0 or n_context == len(ids) for ids, n_context in encoded):
+        raise UserError("--protocol kvpress needs items with a context and a question after it")
+    if all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
+        return [n_context for _, n_context in encoded]
+    return [tokens_from_budget(args.max_cache_length[0], n_context, "--max_cache_length") for _, n_context in encoded]
+
+
+def kvpress_cache_args(args: argparse.Namespace, encoded: list[tuple[list[int], int]], budgets: list[int],
+                       max_new: int) -> argparse.Namespace:
+    """The flags with the cache's slots set to the largest context budget + its question + the answer: the
+    slots past an item's compressed context stay empty for its question and answer, so nothing is evicted."""
+    slots = max(b + len(ids) - n_context + max_new for b, (ids, n_context) in zip(budgets, encoded, strict=True))
+    return argparse.Namespace(**{**vars(args), "max_cache_length": [float(slots)], "cache_length_pattern": "tile"})
 
 
 class SyntheticTask(GenerationTask):

@@ -1,0 +1,93 @@
+"""The kvpress protocol (`--protocol kvpress`): each item's context compressed once to its own budget, the
+question appended as one chunk, nothing evicted while answering; and the chunk append itself, which must
+give the logits of feeding the same tokens one at a time, for every strategy and storage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from errors import UserError
+from eval import cli, replay, results
+from generate import decode_one_token, prefill
+from tests.conftest import make_tiny_model
+from tests.eval_helpers import (
+    PYDOC_EXCERPT,
+    one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    write_tiny_checkpoint,
+)
+from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, token_ids
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+@pytest.mark.parametrize("strategy", ALL)
+def test_a_chunk_appended_after_the_prompt_equals_feeding_it_token_by_token(strategy, storage):
+    ids = token_ids()
+    logits = []
+    for chunk in (False, True):
+        model = make_tiny_model()
+        attach(model, cache_args(strategy, "40", storage))  # room for every token: nothing is evicted
+        with torch.inference_mode():
+            model.reset_caches()
+            prefill(model, ids[:, :16])
+            if chunk:
+                out = model(ids[:, 16:PROMPT], torch.arange(16, PROMPT), append=True)[:, -1]
+            else:
+                for p in range(16, PROMPT):
+                    out = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))
+        logits.append(out)
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def kvpress_flags(tiny_dir, out_dir, *more: str) -> list[str]:
+    return ["--tasks", "niah_single", "--checkpoint_path", str(tiny_dir), "--haystack", str(PYDOC_EXCERPT),
+            "--seq_len", "400", "--limit", "3", "--max_new_tokens", "6", "--out_dir", str(out_dir),
+            "--protocol", "kvpress", *more]
+
+
+def test_kvpress_protocol_compresses_each_context_to_its_budget_and_never_evicts_after(tiny_dir, tmp_path):
+    cli.main(kvpress_flags(tiny_dir, tmp_path, "--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25",
+                           "--global_tokens", "2", "--recent_window", "4"))
+    dirs = {d.name.split("-")[0]: d for d in (p.parent for p in tmp_path.glob("*/*/*/metrics.json"))}
+    items = results.read_items(dirs["heavy_hitter"])
+    predictions = [json.loads(x) for x in (dirs["heavy_hitter"] / "predictions.jsonl").read_text().splitlines()]
+    metrics = json.loads((dirs["heavy_hitter"] / "metrics.json").read_text())
+    for it, pred in zip(items, predictions, strict=True):
+        n_context = len(it["context_ids"])
+        budget = round(0.25 * n_context)  # per item, of its own context (kvpress's compression ratio)
+        assert pred["context_budget"] == budget and it["n_prefill"] == n_context
+        for layer in it["kept_positions"]:  # what the context was compressed to, per head
+            assert ((layer >= 0).sum(axis=1) == budget).all() and layer.max() < n_context
+    # Nothing evicted after the context: the last item's cache holds its compressed context, the whole
+    # question and every answer token but the last (which is never fed back).
+    last, pred = items[-1], predictions[-1]
+    held = budget + len(last["question_ids"]) + len(last["output_ids"]) - 1
+    seen = len(last["context_ids"]) + len(last["question_ids"]) + len(last["output_ids"]) - 1
+    assert pred["compression_ratio"] == pytest.approx(1 - held / seen, abs=1e-4)
+    assert 0 < metrics["compression_ratio"] < 0.75
+    # The full cache under the same protocol keeps every context token.
+    full_items = results.read_items(dirs["full"])
+    assert all(((layer >= 0).sum() == len(it["context_ids"])) for it in full_items for layer in it["kept_positions"])
+    # Replayed from the stored token ids: the same answer and kept positions.
+    model, tokenizer = cli.load_model(str(tiny_dir), "cpu", torch.float32)
+    again = replay.replay_item(dirs["heavy_hitter"], 1, model, tokenizer)
+    assert again["output_ids"] == items[1]["output_ids"]
+    assert replay.same_kept(again["kept_positions"], items[1]["kept_positions"])
+
+
+@pytest.mark.parametrize(("more", "message"), [
+    (["--tasks", "fidelity"], "applies to tasks that answer"),
+    (["--query_aware"], "does not combine"),
+    (["--max_cache_length", "0.5", "0.25"], "one --max_cache_length"),
+])
+def test_kvpress_protocol_refuses_what_it_cannot_mean(tiny_dir, tmp_path, more, message):
+    with pytest.raises(UserError, match=message):
+        cli.main(kvpress_flags(tiny_dir, tmp_path, "--cache_strategy", "recent_global", "--max_cache_length", "0.5",
+                               *more))
