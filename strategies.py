@@ -12,11 +12,12 @@ from __future__ import annotations
 import cache
 import cache_gated
 import cache_hybrid
+import cache_tova
 from cache import KVCache
 from debug_cache import debug_strategy
 from errors import UserError
 
-STRATEGY_FILES = (cache, cache_gated, cache_hybrid)
+STRATEGY_FILES = (cache, cache_gated, cache_hybrid, cache_tova)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -1,0 +1,54 @@
+"""Naive oracles of the strategies from the recent literature (tova, keydiff, expected_attention): each
+rule re-computed here from the layer-0 keys and queries of a full-cache run, and compared with what the
+cache evicted at every decode step and kept at prefill (budget 16 of a 24-token prompt + 16 new tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.strategy_matrix import GLOBAL, PROMPT, RECENT
+from tests.test_strategies import evictions, layer0_queries, naive_probs, reference_kv, unprotected
+
+BUDGET = 16
+
+
+def assert_evicts_lowest(steps, score) -> int:
+    """Every full decode step evicts the lowest `score(p, h, held_before, x)` unprotected token (near-ties
+    allowed), and the prefill kept the protected tokens + the best others by `score(PROMPT, h, prompt, x)`."""
+    prompt = set(range(PROMPT))
+    for h, kept in enumerate(steps[0][1]):
+        protected = set(range(GLOBAL)) | set(range(PROMPT - RECENT, PROMPT))
+        others = sorted(prompt - protected, key=lambda x, h=h: -score(PROMPT, h, prompt, x))
+        expected = protected | set(others[: BUDGET - len(protected)])
+        assert kept == expected, f"prefill, head {h}: kept {sorted(kept)}, expected {sorted(expected)}"
+    checked = 0
+    for p, before, after in steps:
+        for h, (b, a) in enumerate(zip(before, after, strict=True)):
+            if len(b) == BUDGET:
+                scores = {x: score(p, h, b, x) for x in unprotected(b, p)}
+                lowest = min(scores.values())
+                ties = {x for x, v in scores.items() if v <= lowest + 1e-6}
+                evicted = b - a
+                assert len(evicted) == 1 and evicted <= ties, f"step {p} head {h}: {evicted} not in {ties}"
+                checked += 1
+    return checked
+
+
+def test_tova_evicts_the_token_the_latest_query_attends_to_least():
+    """Naive TOVA: the query of the previous position, softmax over what the cache held when it attended
+    (the whole prompt for the last prompt query), averaged over the query heads of each KV group."""
+    model, ids, steps = evictions("tova", str(BUDGET))
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)
+    n_kv = model.args.n_kv_head
+    cache: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        # At step p the latest query is p − 1; at prefill it attended over the whole prompt.
+        attended = sorted(set(range(PROMPT)) if p == PROMPT else held)
+        if (p, h) not in cache:
+            cache[(p, h)] = naive_probs(q[:, p - 1], ref_k, attended, n_kv)
+        return cache[(p, h)][x][h].item()
+
+    checked = assert_evicts_lowest(steps, score)
+    assert checked > 0
