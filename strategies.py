@@ -12,12 +12,13 @@ from __future__ import annotations
 import cache
 import cache_gated
 import cache_hybrid
+import cache_keydiff
 import cache_tova
 from cache import KVCache
 from debug_cache import debug_strategy
 from errors import UserError
 
-STRATEGY_FILES = (cache, cache_gated, cache_hybrid, cache_tova)
+STRATEGY_FILES = (cache, cache_gated, cache_hybrid, cache_tova, cache_keydiff)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -5,6 +5,7 @@ cache evicted at every decode step and kept at prefill (budget 16 of a 24-token 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT
 from tests.test_strategies import evictions, layer0_queries, naive_probs, reference_kv, unprotected
@@ -52,3 +53,16 @@ def test_tova_evicts_the_token_the_latest_query_attends_to_least():
 
     checked = assert_evicts_lowest(steps, score)
     assert checked > 0
+
+
+def test_keydiff_evicts_the_key_closest_to_the_mean_key_direction():
+    """Naive KeyDiff: the anchor is the mean of the unit keys the head holds (the whole prompt at prefill);
+    the held key with the highest cosine similarity to it is evicted."""
+    model, ids, steps = evictions("keydiff", str(BUDGET))
+    ref_k, _ = reference_kv(model, ids)
+
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        anchor = torch.stack([ref_k[h, y] / ref_k[h, y].norm() for y in sorted(held)]).mean(0)
+        return -F.cosine_similarity(ref_k[h, x], anchor, dim=0).item()
+
+    assert assert_evicts_lowest(steps, score) > 0
