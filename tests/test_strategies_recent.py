@@ -4,6 +4,9 @@ cache evicted at every decode step and kept at prefill (budget 16 of a 24-token 
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -66,3 +69,50 @@ def test_keydiff_evicts_the_key_closest_to_the_mean_key_direction():
         return -F.cosine_similarity(ref_k[h, x], anchor, dim=0).item()
 
     assert assert_evicts_lowest(steps, score) > 0
+
+
+@pytest.mark.parametrize(("window", "covariance"), [(64, "full"), (8, "full"), (8, "diagonal"), (8, "none")])
+def test_expected_attention_evicts_the_lowest_expected_logit(window, covariance):
+    """Naive expected attention: per query head, the mean and covariance of its last `window` prompt queries;
+    averaged over each KV group's heads; a key's expected logit is μ·k/√d + kᵀΣk/(2d)."""
+    model, ids, steps = evictions("expected_attention", str(BUDGET), "--expected_attention_window", str(window),
+                                  "--expected_attention_covariance", covariance)
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)  # [n_head, TOTAL, d]
+    n_kv, d = model.args.n_kv_head, model.args.head_dim
+    rep = q.shape[0] // n_kv
+    stats = []
+    for g in range(n_kv):
+        means, covs = [], []
+        for head in range(g * rep, (g + 1) * rep):
+            rows = [q[head, j] for j in range(max(0, PROMPT - window), PROMPT)]
+            mean = sum(rows) / len(rows)
+            cov = sum(torch.outer(r - mean, r - mean) for r in rows) / len(rows)
+            means.append(mean)
+            covs.append(cov)
+        cov = sum(covs) / rep
+        cov = {"full": cov, "diagonal": torch.diag(torch.diag(cov)), "none": torch.zeros_like(cov)}[covariance]
+        stats.append((sum(means) / rep, cov))
+
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        mean, cov = stats[h]
+        k = ref_k[h, x]
+        return (mean @ k / math.sqrt(d) + k @ cov @ k / (2 * d)).item()
+
+    assert assert_evicts_lowest(steps, score) > 0
+
+
+def test_expected_logit_is_the_log_of_the_expected_attention_weight_of_a_gaussian_query():
+    """E[exp(qᵀk/√d)] for q ~ N(μ, Σ), by Monte Carlo, is exp of the expected logit the rule ranks by."""
+    from cache_expected_attention import expected_logit
+
+    gen = torch.Generator().manual_seed(0)
+    d = 8
+    mean = torch.randn(d, generator=gen, dtype=torch.float64) * 0.5
+    a = torch.randn(d, d, generator=gen, dtype=torch.float64) * 0.3
+    cov = a @ a.T
+    k = torch.randn(3, d, generator=gen, dtype=torch.float64)
+    samples = mean + torch.randn(400_000, d, generator=gen, dtype=torch.float64) @ a.T
+    monte_carlo = torch.exp(samples @ k.T / math.sqrt(d)).mean(0).log()
+    ours = expected_logit(k.view(1, 1, 3, d), mean.view(1, 1, d).float(), cov.view(1, 1, d, d).float())[0, 0]
+    torch.testing.assert_close(ours.double(), monte_carlo, atol=0.02, rtol=0)
