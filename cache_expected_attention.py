@@ -25,7 +25,8 @@ Where this differs from kvpress, and why:
 - No decode query reaches a cache (update_kv gets K/V, update_state probabilities), so the statistics are
   fixed at prefill; each inserted key gets its expected logit under them once, when it arrives.
 
-Buffers: `query_mean` [B, n_kv, d], `query_cov` [B, n_kv, d, d] (diagonal or zero in those modes),
+Buffers: `query_mean` [B, n_kv, d], `query_cov` [B, n_kv, d, d] (only its diagonal [B, n_kv, d] in the
+other modes, zero for `none`),
 `expected_logit` [B, n_kv, L]; all fixed-shape, so the compiled step never recompiles.
 """
 
@@ -46,26 +47,30 @@ COVARIANCE_MODES = ("full", "diagonal", "none")
 
 
 def query_statistics(q: Tensor, n_kv: int, window: int, covariance: str) -> tuple[Tensor, Tensor]:
-    """Mean [B, n_kv, d] and covariance [B, n_kv, d, d] (float32) of the last `window` queries q
-    [B, n_head, T, d] of each query head, averaged over the query heads of each KV group."""
+    """Mean [B, n_kv, d] and covariance (float32) of the last `window` queries q [B, n_head, T, d] of each
+    query head, averaged over the query heads of each KV group. The covariance is [B, n_kv, d, d] when
+    `full`, else its diagonal [B, n_kv, d] (zero for `none`)."""
     B, H, T, d = q.shape
     recent = q[:, :, T - min(window, T) :].float().reshape(B, n_kv, H // n_kv, -1, d)
     mean = recent.mean(dim=3)  # [B, n_kv, rep, d]
     centred = recent - mean[:, :, :, None]
-    cov = (centred.transpose(-1, -2) @ centred / centred.shape[3]).mean(dim=2)  # [B, n_kv, d, d]
-    if covariance == "diagonal":
-        cov = torch.diag_embed(cov.diagonal(dim1=-2, dim2=-1))
-    elif covariance == "none":
-        cov = torch.zeros_like(cov)
+    if covariance == "full":
+        cov = (centred.transpose(-1, -2) @ centred / centred.shape[3]).mean(dim=2)  # [B, n_kv, d, d]
+    else:
+        cov = centred.square().mean(dim=3).mean(dim=2) * (covariance == "diagonal")  # [B, n_kv, d]
     return mean.mean(dim=2), cov
 
 
 def expected_logit(k: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
-    """μᵀk / √d + kᵀΣk / (2d) of keys k [B, n_kv, n, d]: [B, n_kv, n] float32."""
+    """μᵀk / √d + kᵀΣk / (2d) of keys k [B, n_kv, n, d]: [B, n_kv, n] float32 (Σ full [B, n_kv, d, d], or
+    its diagonal [B, n_kv, d])."""
     kf = k.float()
     d = kf.shape[-1]
     linear = (kf @ mean[..., None])[..., 0] / math.sqrt(d)
-    quadratic = ((kf @ cov) * kf).sum(-1) / (2 * d)
+    if cov.dim() == kf.dim():  # full
+        quadratic = ((kf @ cov) * kf).sum(-1) / (2 * d)
+    else:
+        quadratic = (kf.square() * cov[:, :, None]).sum(-1) / (2 * d)
     return linear + quadratic
 
 
@@ -87,11 +92,12 @@ class ExpectedAttentionCache(KVCache):
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, head_dim, *args, **kwargs)
-        settings(self)  # refuse bad settings when the cache is built
         B, H, L, d = batch_size, n_kv_heads, self.max_cache_length, head_dim
         kw = dict(device=self.pos.device)
         self.register_buffer("query_mean", torch.zeros(B, H, d, **kw))
-        self.register_buffer("query_cov", torch.zeros(B, H, d, d, **kw))
+        # The full covariance only when it is used (d × d per KV head), else its diagonal.
+        cov_shape = (B, H, d, d) if settings(self)[1] == "full" else (B, H, d)
+        self.register_buffer("query_cov", torch.zeros(cov_shape, **kw))
         self.register_buffer("expected_logit", torch.zeros(B, H, L, **kw))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
