@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from cache import KVCache
+from cache_expected_attention import COVARIANCE_MODES, DEFAULT_WINDOW
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
 from kv_storage import DENSE, SCHEMES, StorageSpec
@@ -82,6 +83,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="hybrid: local window, fraction of tokens")
     g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3,
                    help="hybrid: heavy hitters, fraction of tokens (0.3 as cold-compress's FastGen)")
+    g.add_argument("--expected_attention_window", type=int, default=DEFAULT_WINDOW,
+                   help="expected_attention: the last W prompt queries whose mean and covariance model future queries")
+    g.add_argument("--expected_attention_covariance", choices=COVARIANCE_MODES, default=COVARIANCE_MODES[0],
+                   help="expected_attention: the query covariance term (full, its diagonal, or none: the mean only)")
     g.add_argument("--gates_path", default=None,
                    help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
@@ -267,6 +272,8 @@ def check_cache_flags(args: argparse.Namespace) -> None:
                             f"{', '.join(prompt_rules())}")
     if args.history_window_size < 1:
         raise UserError(f"--history_window_size must be ≥ 1, got {args.history_window_size}")
+    if args.expected_attention_window < 1:
+        raise UserError(f"--expected_attention_window must be ≥ 1, got {args.expected_attention_window}")
     if args.snapkv_window < 1 or args.snapkv_kernel < 1 or args.snapkv_kernel % 2 == 0:
         raise UserError("--snapkv_window must be ≥ 1 and --snapkv_kernel a positive odd number")
     if not 0 < args.min_recovery_frac <= 1:

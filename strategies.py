@@ -10,13 +10,16 @@ that file's import to STRATEGY_FILES if it is a new file.
 from __future__ import annotations
 
 import cache
+import cache_expected_attention
 import cache_gated
 import cache_hybrid
+import cache_keydiff
+import cache_tova
 from cache import KVCache
 from debug_cache import debug_strategy
 from errors import UserError
 
-STRATEGY_FILES = (cache, cache_gated, cache_hybrid)
+STRATEGY_FILES = (cache, cache_gated, cache_hybrid, cache_tova, cache_keydiff, cache_expected_attention)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls
