@@ -31,13 +31,18 @@ _RENAME_EXCHANGE = 2  # renameat2 flag (Linux ≥ 3.15): swap two paths atomical
 _AT_FDCWD = -100
 
 
-def check_writable(path: str | Path, overwrite: bool, flag: str = "output") -> Path:
-    """Fail now (UserError) if `path` could not be written later; creates missing parent directories."""
-    path = Path(path)
+def refuse_replacing(path: Path, overwrite: bool, flag: str = "output") -> Path:
+    """`path`, unless it is a directory or (without `overwrite`) an existing file: then a UserError."""
     if path.is_dir():
         raise UserError(f"{flag} {path} is a directory, not a file")
     if path.exists() and not overwrite:
         raise UserError(f"{path} exists; pass --overwrite to replace it")
+    return path
+
+
+def check_writable(path: str | Path, overwrite: bool, flag: str = "output") -> Path:
+    """Fail now (UserError) if `path` could not be written later; creates missing parent directories."""
+    path = refuse_replacing(Path(path), overwrite, flag)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}{TMP_MARK}"):
@@ -54,11 +59,7 @@ def atomic_target(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     Without `overwrite` an existing target is refused (UserError), also one that appeared while the
     block ran: the final step is then a hard link, which fails instead of replacing.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path} is a directory, not a file")
-    if path.exists() and not overwrite:
-        raise UserError(f"{path} exists; pass --overwrite to replace it")
+    path = refuse_replacing(Path(path), overwrite)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}{TMP_MARK}")

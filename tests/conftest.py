@@ -45,3 +45,11 @@ def make_tiny_model(seed: int = 0, **overrides) -> Transformer:
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.2)  # sharp attention, so cache differences show in logits
     return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random checkpoint saved as a Hugging Face directory, written once per test module."""
+    from tests.eval_helpers import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))

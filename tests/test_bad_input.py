@@ -27,15 +27,9 @@ from eval import cli, plot, sweep
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
-    write_tiny_checkpoint,
-)
+    )
 
 BINARY = bytes(range(256)) * 4  # not UTF-8 (0xff never is)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def _gates_file(tiny_dir: Path, path: Path, edit: Callable[[dict], None]) -> Path:

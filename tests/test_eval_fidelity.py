@@ -12,13 +12,7 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     tiny_runtime,
-    write_tiny_checkpoint,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def run_fidelity(rt: Runtime):

@@ -16,13 +16,7 @@ from eval import cli, plot, replay, results
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
-    write_tiny_checkpoint,
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    )
 
 
 def naive_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -16,8 +16,7 @@ from tests.conftest import make_tiny_model
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
-    write_tiny_checkpoint,
-)
+    )
 from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, token_ids
 
 
@@ -39,11 +38,6 @@ def test_a_chunk_appended_after_the_prompt_equals_feeding_it_token_by_token(stra
                     out = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))
         logits.append(out)
     torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def kvpress_flags(tiny_dir, out_dir, *more: str) -> list[str]:

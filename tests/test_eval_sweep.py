@@ -22,18 +22,12 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     single_thread,
-    write_tiny_checkpoint,
 )
 
 # 2 strategies × 2 budgets × 1 task: the full cache once, recent_global at two budgets (three runs). Before
 # recent_global exists, full alone (one run).
 STRATEGIES = ["full", "recent_global"]
 TIMING_COLUMNS = [c for c in TRAILING_COLUMNS if c not in ("run_id", "run_dir")]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def sweep_flags(tiny_dir, out_dir) -> list[str]:

@@ -28,7 +28,6 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     single_thread,
-    write_tiny_checkpoint,
 )
 
 RUNS = 3  # the full cache, then recent_global at two budgets: more runs than the 2 workers
@@ -103,11 +102,6 @@ def ray_summary(stderr: str) -> tuple[int, int, int, int]:
                       r"(\d+) re-sent", stderr)
     assert match, stderr
     return tuple(int(g) for g in match.groups())
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

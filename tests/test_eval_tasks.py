@@ -22,16 +22,10 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     tiny_runtime,
-    write_tiny_checkpoint,
 )
 
 SYNTHETIC = ["niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words_extraction",
              "frequent_words_extraction"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def examples(tiny_dir, name: str, *flags: str) -> list:
