@@ -36,7 +36,7 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     """Task flags; a task reads only some of them (Task.reads), and unset ones take the task's default."""
     g = parser.add_argument_group("tasks")
     g.add_argument("--limit", type=int, default=None,
-                   help="items per task: examples (RULER: 20), dataset rows (all), fidelity windows (1)")
+                   help="items per task: examples (RULER: 50), dataset rows (all), fidelity windows (1)")
     g.add_argument("--seq_len", type=int, default=None,
                    help="prompt length in tokens: RULER target (1024), fidelity window (2048)")
     g.add_argument("--max_new_tokens", type=int, default=None, help="answer length (task default)")
