@@ -231,7 +231,7 @@ class KVCache(nn.Module):
     def prompt_target(self) -> int:
         """Tokens a prompt is compressed to: `prompt_budget` when set (the rest of the slots stay empty for
         what follows the prompt), else the whole budget."""
-        return self.prompt_budget or self.max_cache_length
+        return min(self.prompt_budget, self.max_cache_length) if self.prompt_budget else self.max_cache_length
 
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""

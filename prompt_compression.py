@@ -25,13 +25,14 @@ from errors import UserError
 
 
 def prompt_attention(q: Tensor, k: Tensor, rows: Tensor) -> Tensor:
-    """Causal attention of the prompt queries at `rows` over all prompt keys, averaged over the query
-    heads of each KV group (GQA): [B, n_kv, len(rows), T], float32."""
-    B, H, T, D = q.shape
-    n_kv = k.shape[1]
+    """Causal attention of the prompt queries at `rows` over the prompt keys k holds (positions 0..S-1,
+    S = k.shape[2], at least the last row + 1), averaged over the query heads of each KV group (GQA):
+    [B, n_kv, len(rows), S], float32."""
+    B, H, _, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
     qc = q[:, :, rows].reshape(B, n_kv, H // n_kv, len(rows), D)
     scores = (qc @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
-    scores = scores.masked_fill(torch.arange(T, device=q.device) > rows[:, None], float("-inf"))
+    scores = scores.masked_fill(torch.arange(S, device=q.device) > rows[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1).mean(dim=2)
 
 
@@ -48,26 +49,17 @@ def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = 
     With `count_above_uniform`, the number of queries that gave the key at least uniform attention
     (1 / number of keys the query sees) instead. Computed in query chunks, each over the keys it can see
     only (causal: chunk [s, e) reads keys [0, e)), so memory stays O(chunk × T) and the work is half of a
-    full T × T pass; the query heads of a group are rows of one matmul against their shared keys.
+    full T × T pass.
     """
-    B, H, T, D = q.shape
-    n_kv = k.shape[1]
-    rep = H // n_kv
-    received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)
-    scale = 1.0 / D**0.5
+    B, _, T, _ = q.shape
+    received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         rows = torch.arange(start, end, device=q.device)
-        qc = q[:, :, start:end].reshape(B, n_kv, rep * (end - start), D)
-        scores = (qc @ k[:, :, :end].transpose(-1, -2)).float().mul_(scale)  # [B, n_kv, rep*rows, end]
-        future = torch.arange(end, device=q.device) > rows[:, None]  # [rows, end]
-        scores.masked_fill_(future.repeat(rep, 1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if count_above_uniform:  # the group's mean attention against uniform, as at decode (above_uniform)
-            mean = probs.view(B, n_kv, rep, end - start, end).mean(dim=2)
-            received[:, :, :end] += above_uniform(mean, rows).sum(dim=2)
-        else:
-            received[:, :, :end] += probs.sum(dim=2) / rep
+        attn = prompt_attention(q, k[:, :, :end], rows)  # [B, n_kv, rows, end]: the keys these rows can see
+        if count_above_uniform:
+            attn = above_uniform(attn, rows)
+        received[:, :, :end] += attn.sum(dim=2)
     return received
 
 

@@ -108,8 +108,8 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
 
 def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:
     a = rt.args
-    setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer, snapkv_window=getattr(a, "snapkv_window", 32),
-                 snapkv_kernel=getattr(a, "snapkv_kernel", 7))
+    setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer, snapkv_window=a.snapkv_window,
+                 snapkv_kernel=a.snapkv_kernel)
     return rt.model.caches()
 
 

@@ -60,7 +60,7 @@ def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: ob
         caches = attach_caches(rt, specs, config["prompt_tokens_max"] + max_new)
         if kvpress:
             for cache in caches:
-                cache.configure(prompt_budget=min(budget, len(item["context_ids"])))
+                cache.configure(prompt_budget=budget)
         try:
             tokens = greedy_answer(rt, ids, item["n_prefill"], max_new, Timings(), chunk=kvpress)
         finally:

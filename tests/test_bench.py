@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from eval.bench.cli import build_parser
 from eval.bench.measure import FIELDS
@@ -147,3 +148,26 @@ def test_targets():
     assert t["scored_prefill_of_full"]["value"] == {"hybrid@4096": 0.4}
     assert t["scored_prefill_of_full"]["met"] is False
     assert t["recompilations"]["met"] is True
+
+
+def test_random_weight_shapes_are_the_real_models(bundled):
+    """`--random_weights smollm2-135m` has the bundled checkpoint's shapes (read from its GGUF): the shape table
+    is checked against a real model, and the random model is built without touching its weights' memory."""
+    from eval.bench.measure import random_weight_model, weight_bytes
+
+    model, _ = bundled
+    random = random_weight_model("smollm2-135m", "meta", torch.bfloat16)
+    keys = ("n_layer", "n_head", "n_kv_head", "dim", "intermediate_size", "vocab_size", "head_dim",
+            "tie_embeddings", "context_length")
+    assert {k: getattr(random.args, k) for k in keys} == {k: getattr(model.args, k) for k in keys}
+    assert random.args.rope_base == model.args.rope_base
+    assert weight_bytes(random) == weight_bytes(model) // 2  # bf16 against the fixture's float32
+
+
+def test_random_weights_and_a_checkpoint_exclude_each_other(tmp_path):
+    from errors import UserError
+    from eval.bench.cli import main
+
+    with pytest.raises(UserError, match="exclude each other"):
+        main(["--random_weights", "llama-3.1-8b", "--checkpoint_path", str(tmp_path), "--dry_run"])
+    assert main(["--random_weights", "llama-3.1-8b", "--dry_run", "--no_hf"]) == []

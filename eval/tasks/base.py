@@ -216,7 +216,7 @@ class GenerationTask(Task):
             if kvpress:  # the context alone is compressed, to this item's budget; the question is appended
                 n_prefill = n_context
                 for cache in caches:
-                    cache.configure(prompt_budget=min(context_budgets[i], n_context))
+                    cache.configure(prompt_budget=context_budgets[i])
             else:
                 n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
                                            self.options["decode_first_token"], prefill_limit(rt, specs))
@@ -225,7 +225,7 @@ class GenerationTask(Task):
             item_stats = measure_caches(rt.model.caches())
             stats.append(item_stats)
             scores = self.score(text, ex)
-            budget_note = {"context_budget": min(context_budgets[i], n_context)} if kvpress else {}
+            budget_note = {"context_budget": context_budgets[i]} if kvpress else {}
             predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, **budget_note,
                                 "answers": ex.answers, "prediction": text, **scores,
                                 "compression_ratio": item_stats.get("compression_ratio"), **ex.meta})
@@ -251,7 +251,8 @@ def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int
         raise UserError("--protocol kvpress needs items with a context and a question after it")
     if all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
         return [n_context for _, n_context in encoded]
-    return [tokens_from_budget(args.max_cache_length[0], n_context, "--max_cache_length") for _, n_context in encoded]
+    return [min(tokens_from_budget(args.max_cache_length[0], n_context, "--max_cache_length"), n_context)
+            for _, n_context in encoded]
 
 
 def kvpress_cache_args(args: argparse.Namespace, encoded: list[tuple[list[int], int]], budgets: list[int],
