@@ -12,6 +12,8 @@ decode step never recompiles:
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
 - `inserted`: tokens that went through this cache, per head [B, n_kv_heads]; `filled`: slots in use, filled
   from slot 0 (the next empty slot) until the cache is full, [B, n_kv_heads or 1].
+- With `--budget_allocation adakv` (cache_allocation.py) the heads share one pool: the storage has one head of
+  n_kv·L slots and `pos` / `mask` / per-slot state are per head over the pool; `pooled` says so to the model.
 
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the

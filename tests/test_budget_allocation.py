@@ -28,7 +28,7 @@ from cache_spec import add_cache_arguments, build_caches, format_cache_spec, par
 from errors import CliParser, UserError, run_cli
 from eval.harness import kept_positions
 from generate import compile_decode_step, decode_one_token, prefill
-from model import apply_rope
+from model import apply_rope, grouped_attention
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES
 from tests.conftest import make_tiny_model
@@ -276,11 +276,13 @@ def naive_decode(model, ids, p: int, held: list[set[int]], ref_k, ref_v) -> tupl
     return y, model.output(model.norm(h)).float()
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
-@pytest.mark.parametrize("strategy", ADAKV_STRATEGIES)
+# Eager: every strategy; compiled: one that reads attention and one that does not (the matrix compiles all).
+DECODE_CASES = [pytest.param(s, False, id=f"{s}-eager") for s in ADAKV_STRATEGIES] + [
+    pytest.param(s, True, id=f"{s}-compiled", marks=pytest.mark.slow) for s in ("heavy_hitter", "keydiff")]
+
+
+@pytest.mark.parametrize(("strategy", "compiled"), DECODE_CASES)
 def test_decode_attention_is_each_heads_attention_over_its_own_tokens(strategy, compiled):
-    if compiled and strategy not in ("heavy_hitter", "keydiff"):
-        pytest.skip("compiled: one strategy that reads attention and one that does not (the matrix compiles all)")
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
@@ -315,6 +317,27 @@ def test_decode_attention_is_each_heads_attention_over_its_own_tokens(strategy, 
     if not compiled:
         hook.remove()
     assert checked == TOTAL - PROMPT
+
+
+def test_the_fused_kernels_mask_for_a_pool_is_each_query_heads_own_slots():
+    """The GPU branch of model.py gives SDPA the pooled mask as [B, n_head, 1, P] (mask.transpose(1, 2) of the
+    grouped rows): on the CPU, the same call equals the grouped attention and a naive per-head softmax."""
+    model = make_tiny_model(n_layer=1)
+    cache = attach(model, adakv_args("l2"))[0]
+    with torch.inference_mode():
+        model.reset_caches()
+        prefill(model, token_ids()[:, :PROMPT])
+    n_head, n_kv, P, D = 4, 2, cache.pool_slots, model.args.head_dim
+    rows = cache.mask.expand(-1, -1, n_head // n_kv, -1).reshape(1, 1, n_head, P)  # as model.py builds it
+    q = torch.randn(1, n_head, 1, D, generator=torch.Generator().manual_seed(0))
+    k, v = cache.keys(), cache.values()
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rows.transpose(1, 2), enable_gqa=True)
+    grouped, _ = grouped_attention(q, k, v, rows)
+    torch.testing.assert_close(fused, grouped, atol=1e-5, rtol=0)
+    for i in range(n_head):
+        slots = cache.mask[0, i // 2, 0].nonzero().flatten()
+        weights = torch.softmax(q[0, i, 0] @ k[0, 0, slots].T / math.sqrt(D), 0)
+        torch.testing.assert_close(fused[0, i, 0], weights @ v[0, 0, slots], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("storage", ADAKV_STORAGES)
