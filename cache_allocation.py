@@ -60,7 +60,6 @@ class PooledCache(KVCache):
     """The pooled layer cache; mixed in before a head-specific strategy by `adakv_strategy`."""
 
     pooled = True
-    allocation = "adakv"
 
     def __init__(
         self,
