@@ -12,6 +12,8 @@ decode step never recompiles:
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
 - `inserted`: tokens that went through this cache, per head [B, n_kv_heads]; `filled`: slots in use, filled
   from slot 0 (the next empty slot) until the cache is full, [B, n_kv_heads or 1].
+- With `--budget_allocation adakv` (cache_allocation.py) the heads share one pool: the storage has one head of
+  n_kv·L slots and `pos` / `mask` / per-slot state are per head over the pool; `pooled` says so to the model.
 
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the
@@ -28,7 +30,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from kv_storage import DENSE, StorageSpec, make_storage
+from kv_storage import DENSE, Storage, StorageSpec, make_storage
 from prompt_compression import (
     above_uniform,
     compress_prompt,
@@ -58,6 +60,9 @@ class KVCache(nn.Module):
     needs_gates: ClassVar[bool] = False
     # Chooses the kept prompt tokens itself (its own `prefill`), so it pairs with no other prompt rule.
     profiles_prompt: ClassVar[bool] = False
+    # One K/V pool of n_kv·L slots shared by the heads (cache_allocation.py, --budget_allocation adakv):
+    # keys()/values() are [B, 1, n_kv·L, D] and `mask` [B, n_kv, 1, n_kv·L] says which slots each head holds.
+    pooled: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -87,7 +92,7 @@ class KVCache(nn.Module):
         self.hparams = dict(hyperparameters)
         B, H, L, D = batch_size, n_kv_heads, max_cache_length, head_dim
         kw = dict(device=device)
-        self.storage = make_storage(storage, B, H, L, D, dtype, device, self.capacity_needed)
+        self.storage = make_storage(storage, B, 1 if self.pooled else H, L, D, dtype, device, self.capacity_needed)
         pos_heads = H if self.head_specific else 1
         self.register_buffer("pos", torch.full((B, pos_heads, L), -1, dtype=torch.long, **kw))
         self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, **kw))
@@ -268,6 +273,16 @@ class KVCache(nn.Module):
     def nbytes(self) -> int:
         """Physical bytes of every buffer this cache holds (K/V or codes, scales, positions, masks, scores)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def kv_bytes(self) -> int:
+        """Physical bytes of the K/V storage alone (codes, scales and residual included; a debug cache's
+        full reference cache and its shadow's storage both count)."""
+        return sum(b.numel() * b.element_size() for m in self.modules() if isinstance(m, Storage) for b in m.buffers())
+
+    def head_budgets(self) -> Tensor:
+        """Slots each KV head may hold, [B, n_kv]: the layer budget in every head, unless the heads share a
+        pool (cache_allocation.py), where each head owns its own quota of it."""
+        return torch.full_like(self.inserted, self.budget())
 
     def extra_statistics(self) -> dict[str, Tensor]:
         """Strategy-specific statistics (e.g. attention loss), each [n_kv] or a scalar tensor."""
@@ -491,6 +506,9 @@ def cache_statistics(caches: list[KVCache]) -> dict:
         "tokens_held_per_head": [[round(float(x), 2) for x in h] for h in held],
         "evictions_per_layer": [round(float((s - h).sum()), 2) for s, h in zip(seen, held, strict=True)],
         "cache_budget_per_layer": [c.budget() for c in caches],
+        # Slots each head may hold: the layer budget in every head, or each head's quota of a shared pool.
+        "cache_budget_per_head": [[round(float(x), 2) for x in c.head_budgets().float().mean(dim=0)] for c in caches],
+        "cache_kv_bytes": sum(c.kv_bytes() for c in caches),
     }
     extras = [c.extra_statistics() | c.storage_statistics() for c in caches]
     for key in sorted({k for e in extras for k in e}):

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from cache import KVCache
+from cache_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
 from cache_expected_attention import COVARIANCE_MODES, DEFAULT_WINDOW
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
@@ -100,6 +101,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
                    help="kivi: newest tokens kept in full precision (a multiple of --q_group_size; 128 as "
                         "KIVI and transformers)")
+    g.add_argument("--budget_allocation", choices=ALLOCATIONS, default=ALLOCATIONS[0],
+                   help="uniform: every KV head of a layer holds up to the budget; adakv: the heads share n_kv × "
+                        "budget slots by score mass, chosen at prefill (Ada-KV, arXiv 2407.11550; "
+                        "head-specific strategies)")
+    g.add_argument("--adakv_floor", type=finite_float, default=DEFAULT_FLOOR,
+                   help="adakv: every head keeps at least this fraction of the budget (Ada-KV's and kvpress's "
+                        "safeguard alpha, 0.2)")
     g.add_argument("--cache_config", default=None,
                    help="YAML preset: a path or a name in configs/ (flags given explicitly win)")
     g.add_argument("--print_cache_spec", action="store_true", help="print the resolved per-layer table")
@@ -113,6 +121,7 @@ class LayerCacheSpec:
     hyperparameters: dict
     prompt_compression: str = "full"
     storage: StorageSpec = DENSE
+    budget_allocation: str = "uniform"  # or adakv: the heads share the layer's slots (cache_allocation.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -284,6 +293,7 @@ def check_cache_flags(args: argparse.Namespace) -> None:
     for policy in args.hybrid_policies:
         parse_policy(policy)
     storage_spec(args)
+    check_budget_allocation(args)
 
 
 def storage_spec(args: argparse.Namespace) -> StorageSpec:
@@ -355,6 +365,7 @@ def resolve_cache_spec(
     storage = storage_spec(args)
     compressors = expand_to_layers(list(args.prompt_compression_strategy), n_layer, args.cache_strategy_pattern,
                                    "--prompt_compression_strategy")
+    allocation = getattr(args, "budget_allocation", "uniform")  # configs recorded before the flag: uniform
     specs = []
     for layer, (name, budget, compressor) in enumerate(zip(strategies, budgets, compressors, strict=True)):
         cls = get_strategy(name)
@@ -363,6 +374,8 @@ def resolve_cache_spec(
         hp = {}
         for key in cls.hyperparameters:
             hp[key] = getattr(args, key)
+        if allocation == "adakv":
+            hp["adakv_floor"] = args.adakv_floor
         if "recent_window" in hp:
             window = hp["recent_window"]
             hp["recent_window"] = round(window * budget) if window < 1 else int(window)
@@ -378,7 +391,7 @@ def resolve_cache_spec(
                 "tokens and prompt compression 'full' keeps everything: choose a --prompt_compression_strategy "
                 "or pass --feed_long_prompts"
             )
-        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage))
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation))
     return specs
 
 
@@ -422,7 +435,7 @@ def build_caches(
         if spec.storage.scheme == "kivi" and spec.storage.bits < 16 and head_dim % group:
             raise UserError(f"--q_group_size {spec.storage.q_group_size}: kivi value groups of {group} channels "
                             f"must divide the model's head_dim {head_dim}")
-        cls = get_strategy(spec.strategy)
+        cls = with_allocation(get_strategy(spec.strategy), spec.budget_allocation)
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
         settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
@@ -437,9 +450,12 @@ def build_caches(
 
 
 def format_cache_spec(specs: list[LayerCacheSpec]) -> str:
-    lines = [f"{'layer':>5}  {'strategy':<22} {'budget':>7}  {'prompt compression':<18} {'bits':<18}  hyper-parameters"]
+    """The per-layer table of --print_cache_spec. The budget is per KV head; with adakv allocation the heads
+    share n_kv × budget slots, split at prefill (the statistics' cache_budget_per_head)."""
+    lines = [f"{'layer':>5}  {'strategy':<22} {'budget':>7}  {'allocation':<10} {'prompt compression':<18} "
+             f"{'bits':<18}  hyper-parameters"]
     for s in specs:
         hp = ", ".join(f"{k}={v}" for k, v in s.hyperparameters.items())
-        lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.prompt_compression:<18} "
-                     f"{s.storage.describe():<18}  {hp}")
+        lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.budget_allocation:<10} "
+                     f"{s.prompt_compression:<18} {s.storage.describe():<18}  {hp}")
     return "\n".join(lines)

@@ -50,7 +50,8 @@ class DebugCache(KVCache):
 
     def configure(self, **settings: object) -> None:
         self.shadow.configure(**settings)
-        super().configure(**{k: v for k, v in settings.items() if hasattr(KVCache, k)})
+        # The reference keeps the whole sequence: a prompt budget (kvpress protocol) is the shadow's alone.
+        super().configure(**{k: v for k, v in settings.items() if hasattr(KVCache, k) and k != "prompt_budget"})
 
     @property
     def needs_token_ids(self) -> bool:  # type: ignore[override]
@@ -62,6 +63,9 @@ class DebugCache(KVCache):
 
     def budget(self) -> int:
         return self.shadow.budget()
+
+    def head_budgets(self) -> Tensor:
+        return self.shadow.head_budgets()
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         super().prefill(input_pos, k, v, q)

@@ -249,7 +249,10 @@ class Attention(nn.Module):
             k_all, v_all, mask = cache.append(input_pos, k, v)
             pos = cache.pos.expand(B, self.n_kv_head, -1)
             visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))  # [B, n_kv, T, L]
-            y, _ = grouped_attention(q, k_all, v_all, visible.repeat(1, 1, self.n_head // self.n_kv_head, 1))
+            visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
+            if cache.pooled:  # one K/V pool for all heads (cache_allocation.py): every query row over it
+                visible = visible.reshape(B, 1, -1, visible.shape[-1])
+            y, _ = grouped_attention(q, k_all, v_all, visible)
         elif T > 1 or cache is None:
             # Prefill: causal attention over the prompt itself (the fused kernel; no probabilities).
             if self.sliding_window and T > self.sliding_window:
@@ -261,6 +264,10 @@ class Attention(nn.Module):
                 cache.prefill(input_pos, k, v, q)
         else:
             k_all, v_all, mask = cache.update_kv(input_pos, k, v)
+            if cache.pooled:
+                # One K/V pool for all heads (cache_allocation.py): each query head attends over the slots its KV
+                # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
+                mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
             if cache.needs_attention or x.device.type == "cpu":
                 # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached
                 # tokens (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
@@ -269,7 +276,8 @@ class Attention(nn.Module):
                     # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
                     cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
             else:  # GPU: the fused kernel, no probabilities materialised
-                head_mask = mask.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+                head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
+                    self.n_head // self.n_kv_head, dim=1)
                 y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -13,6 +13,9 @@ It also holds the prompt-attention helpers those rules and the caches' initial s
   head; the window is always kept.
 - `full`: keeps everything, so it refuses a prompt longer than the budget; `hybrid` (FastGen) profiles
   the prompt itself.
+
+With `--budget_allocation adakv` (cache_allocation.py) a head-specific rule's scores choose (head, token)
+pairs over the whole layer instead (`adaptive_prompt_tokens`: Ada-KV), so heads keep different numbers.
 """
 
 from __future__ import annotations
@@ -119,3 +122,22 @@ def top_prompt_tokens(scores: Tensor, global_tokens: int, recent_window: int, bu
     protected = (pos < global_tokens) | (pos >= T - recent_window)
     keep = scores.masked_fill(protected, float("inf")).topk(budget, dim=-1).indices.sort(dim=-1).values
     return keep.expand(B, pos_heads, budget)
+
+
+def adaptive_prompt_tokens(scores: Tensor, global_tokens: int, recent_window: int, budget: int, floor: int) -> Tensor:
+    """Ada-KV's selection (Feng et al. 2024, arXiv 2407.11550): the layer keeps `budget` tokens per head on
+    average, chosen as the best (head, token) pairs over all heads at once, so a head whose scores are
+    concentrated gives slots to one whose scores are spread. Protected tokens (the first `global_tokens`,
+    the last `recent_window`) are kept in every head, and every head keeps at least its `floor` best
+    tokens (protected ones count; Ada-KV's safeguard, as kvpress's AdaKVPress: floor = int(alpha·budget)).
+
+    scores [B, H, T] (one row per KV head, T > budget) -> keep [B, H, T] bool, exactly H·budget per batch row.
+    """
+    B, H, T = scores.shape
+    pos = torch.arange(T, device=scores.device)
+    protected = (pos < global_tokens) | (pos >= T - recent_window)
+    s = scores.float().masked_fill(protected, float("inf"))
+    if floor > 0:  # the safeguard: each head's best `floor` cannot lose to another head's
+        s = s.scatter(-1, s.topk(min(floor, T), dim=-1).indices, float("inf"))
+    chosen = s.flatten(1).topk(H * budget, dim=-1).indices
+    return torch.zeros(B, H * T, dtype=torch.bool, device=scores.device).scatter(1, chosen, True).view(B, H, T)

@@ -72,6 +72,8 @@ def cache_identity(args: argparse.Namespace) -> dict:
         unused |= {"max_cache_length", "cache_length_pattern"}
     if len(strategies) == 1:
         unused.add("cache_strategy_pattern")
+    if flags.get("budget_allocation") == "uniform":
+        unused.add("adakv_floor")  # read by pooled caches only (cache_allocation.py)
     return {k: v for k, v in flags.items() if k not in unused}
 
 
@@ -85,6 +87,8 @@ def model_name(checkpoint_path: str | None) -> str:
 def strategy_label(args: argparse.Namespace) -> str:
     names = list(dict.fromkeys(args.cache_strategy))
     label = "+".join(names)
+    if getattr(args, "budget_allocation", "uniform") != "uniform":  # a line of its own in tables and plots
+        label += f" {args.budget_allocation}"
     return label if len(names) == 1 else f"{label} ({args.cache_strategy_pattern})"
 
 

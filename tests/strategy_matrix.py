@@ -32,6 +32,14 @@ STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fract
 COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
+# The budget-allocation axis (--budget_allocation adakv, cache_allocation.py): every head-specific strategy that
+# can pool its heads (hybrid sizes them itself) and its debug_ twin, on dense and per-token-quantized storage
+# (KIVI is refused). A short SnapKV window, so heavy_hitter's prompt rule protects less than the budget and
+# heads really receive different quotas.
+ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items()) if c.head_specific and not c.profiles_prompt]
+ADAKV = ADAKV_STRATEGIES + [f"debug_{s}" for s in ADAKV_STRATEGIES]
+ADAKV_STORAGES = ["dense", "4bit"]
+ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapkv_window", "4"]}
 
 
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
@@ -46,8 +54,8 @@ def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32,
     if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
         attach_random_gates(model, seed=0)
     a = model.args
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device,
-                          token_classes=TOKEN_CLASSES)
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device, args.snapkv_window,
+                          args.snapkv_kernel, token_classes=TOKEN_CLASSES)
     model.setup_caches(caches)
     return caches
 

@@ -1,0 +1,84 @@
+"""Uniform vs head-adaptive budgets (--budget_allocation adakv) on the bundled model: after a ~1k-token
+pydoc prefill, each layer's per-head quotas, the cache bytes (K/V apart), the attention mass the
+compressed caches keep (debug_ twins: 1 − attention loss over the next steps), and eager decode speed.
+One process, one model load; numbers are reported, never asserted.
+
+    python benchmarks/adakv_allocation.py --strategy heavy_hitter --budget 0.25 --out results/adakv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cache import cache_statistics  # noqa: E402
+from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
+from eval.data import pydoc_corpus  # noqa: E402
+from generate import decode_one_token, prefill, setup_caches, write_json_atomic  # noqa: E402
+
+
+def run(model, tokenizer, ids: list[int], strategy: str, budget: float, allocation: str, steps: int) -> dict:
+    """Prefill all but the last `steps` tokens, then teacher-force those: statistics after prefill, after the
+    steps, and the seconds the steps took."""
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    args = parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget),
+                              "--budget_allocation", allocation])
+    prompt, rest = torch.tensor([ids[:-steps]]), ids[-steps:]
+    setup_caches(model, resolve_cache_spec(args, model.args.n_layer, prompt.shape[1], steps), len(ids), tokenizer)
+    model.reset_caches()
+    with torch.inference_mode():
+        prefill(model, prompt)
+        after_prefill = cache_statistics(model.caches())  # the allocation
+        t0 = time.perf_counter()
+        for i, token in enumerate(rest):  # the same tokens whatever the cache holds
+            decode_one_token(model, torch.tensor([[token]]), torch.tensor([prompt.shape[1] + i]))
+        seconds = time.perf_counter() - t0
+    return {"prefill": after_prefill, "end": cache_statistics(model.caches()), "seconds": seconds}
+
+
+def measure(model, tokenizer, ids: list[int], strategy: str, budget: float, allocation: str, steps: int) -> dict:
+    out = run(model, tokenizer, ids, strategy, budget, allocation, steps)
+    stats, quotas = out["prefill"], out["prefill"]["cache_budget_per_head"]
+    # The debug_ twin: 1 − attention loss is the attention mass the compressed cache holds, per step.
+    loss = run(model, tokenizer, ids, f"debug_{strategy}", budget, allocation, steps)["end"]["attention_loss_mean"]
+    return {"allocation": allocation, "budget_per_layer": stats["cache_budget_per_layer"][0],
+            "budget_per_head": quotas, "cache_bytes": stats["cache_bytes"], "cache_kv_bytes": stats["cache_kv_bytes"],
+            "min_head": min(min(q) for q in quotas), "max_head": max(max(q) for q in quotas),
+            "decode_ms_per_step": round(1000 * out["seconds"] / steps, 1), "attention_mass_kept": round(1 - loss, 5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--strategy", default="heavy_hitter")
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--prompt_tokens", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps after the prompt")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_checkpoint(None, "cpu", torch.float32)
+    ids = tokenizer.encode(pydoc_corpus())[: args.prompt_tokens + args.steps]
+    report = {"strategy": args.strategy, "budget": args.budget, "prompt_tokens": args.prompt_tokens,
+              "steps": args.steps, "torch_threads": torch.get_num_threads(), "runs": []}
+    for allocation in ("uniform", "adakv"):
+        row = measure(model, tokenizer, ids, args.strategy, args.budget, allocation, args.steps)
+        report["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "budget_per_head"}))
+        if allocation == "adakv":
+            for layer, quota in enumerate(row["budget_per_head"]):
+                print(f"layer {layer:2d}: {' '.join(f'{q:4.0f}' for q in quota)}")
+    if args.out:
+        write_json_atomic(args.out, report, overwrite=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Head-adaptive budgets: `--budget_allocation adakv` (Ada-KV, Feng et al. 2024, arXiv 2407.11550).
+
+With the default `uniform` allocation every KV head of a layer holds at most L tokens (buffers
+[B, n_kv, L, ...]). Ada-KV gives the layer one budget of n_kv·L tokens and lets the heads share it by
+score mass: at prefill the best n_kv·L (head, token) pairs of the layer are kept, with every head keeping
+at least `--adakv_floor` × L of its own best (prompt_compression.adaptive_prompt_tokens). Heads whose
+attention is concentrated then hold fewer tokens and heads whose attention is spread hold more.
+
+The memory is really shared, not a masked uniform buffer (kvpress's AdaKVPress masks evicted keys and
+saves nothing): the K/V storage of a pooled cache has one "head" of P = n_kv·L slots, [B, 1, P, D], so
+it holds exactly the bytes of the uniform [B, n_kv, L, D] (dense and per-token-quantized storage work
+unchanged). Each slot is owned by one head: head h owns the contiguous slots
+[offset_h, offset_h + quota_h), with Σ quota_h = P.
+
+- `pos` [B, n_kv, P] and `mask` [B, n_kv, 1, P] are per head over the pool (−1 / False outside the head's
+  own slots). The strategy's own per-slot state has the same layout ([B, n_kv, P]: a row per head, read
+  only at its slots), so every head-specific strategy runs unchanged: its hooks index slots of the pool.
+  That bookkeeping is n_kv × the uniform cache's (statistics report `cache_kv_bytes` apart from
+  `cache_bytes`; tests assert the bound).
+- Decode: attention of KV head h runs over the whole pool with a mask of h's slots (model.py builds the
+  per-query-head mask), so attention computes n_kv × the dot products of the uniform cache while reading
+  the same K/V bytes; update_state still gets probabilities [B, n_kv, rep, P] (zero outside the head's
+  slots). Each head fills its empty slots, then evicts its own lowest-scoring unprotected slot: quotas are
+  fixed after prefill. Slot choice is tensor ops on fixed shapes, as for every cache.
+- Allocation happens at prefill, when the prompt exceeds the per-head target (L, or the kvpress
+  protocol's `prompt_budget`); a prompt within it gives every head L slots (uniform). Slots left for
+  what follows the prompt (L − target per head) are shared out equally, so every head has room for an
+  appended chunk (`append`), which every head receives whole.
+
+Refused (`check_budget_allocation`, before anything loads): strategies that are not head-specific (one
+score per token: nothing to allocate by), `hybrid` (FastGen sizes its heads by its own policies), prompt
+rules that are not head-specific, KIVI storage (its key groups share per-channel scales over consecutive
+slots of one head and its residual flushes per head, which a pool of mixed heads breaks), and
+`--feed_long_prompts` (its prefill fits the budget, so nothing would ever be allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import Tensor
+
+from cache import KVCache
+from debug_cache import DebugCache, debug_strategy
+from errors import UserError
+from kv_storage import DENSE, StorageSpec
+from prompt_compression import adaptive_prompt_tokens
+from strategies import CACHE_STRATEGIES, get_strategy
+
+ALLOCATIONS = ("uniform", "adakv")
+# Ada-KV's safeguard: every head keeps at least this fraction of its budget (0.2 in Ada-KV's code and in
+# kvpress's AdaKVPress, `alpha_safeguard`).
+DEFAULT_FLOOR = 0.2
+
+_POOLED_CLASSES: dict[type[KVCache], type[KVCache]] = {}
+
+
+class PooledCache(KVCache):
+    """The pooled layer cache; mixed in before a head-specific strategy by `adakv_strategy`."""
+
+    pooled = True
+
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_cache_length: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        storage: StorageSpec = DENSE,
+        capacity_needed: int | None = None,
+        **hyperparameters: object,
+    ) -> None:
+        # The strategy sizes its buffers by max_cache_length: the pool, P = n_kv·L slots.
+        pool = n_kv_heads * max_cache_length
+        super().__init__(batch_size, n_kv_heads, head_dim, pool, dtype, device, storage,
+                         capacity_needed=capacity_needed, **hyperparameters)
+        self.max_cache_length = max_cache_length  # the per-head budget L: the average quota
+        self.pool_slots = pool
+        self.floor_fraction = float(self.hparams.get("adakv_floor", DEFAULT_FLOOR))
+        kw = dict(dtype=torch.long, device=self.pos.device)
+        self.register_buffer("quota", torch.zeros(batch_size, n_kv_heads, **kw))  # slots each head owns
+        self.register_buffer("offset", torch.zeros(batch_size, n_kv_heads, **kw))  # its first slot
+        self.uniform_quotas()
+
+    def uniform_quotas(self) -> None:
+        """L slots per head, head h from slot h·L: the layout of a prompt within the budget."""
+        L = self.max_cache_length
+        self.quota.fill_(L)
+        self.offset.copy_(torch.arange(self.n_kv_heads, device=self.pos.device).expand_as(self.offset) * L)
+
+    def reset(self) -> None:
+        super().reset()
+        self.uniform_quotas()  # a step on reset caches (compile warm-up) then behaves as an empty cache
+
+    def owned(self) -> Tensor:
+        """Which pool slots each head owns, [B, n_kv, P]."""
+        slots = torch.arange(self.pool_slots, device=self.pos.device)
+        start = self.offset[..., None]
+        return (slots >= start) & (slots < start + self.quota[..., None])
+
+    def head_budgets(self) -> Tensor:
+        return self.quota.clone()
+
+    def room(self) -> int:
+        return int((self.quota - self.filled).min())
+
+    # ---- prefill: the allocation --------------------------------------------------------------------------
+
+    def select_pairs(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
+        """The (head, token) pairs kept from a prompt longer than the per-head target: [B, n_kv, T] bool."""
+        rule = self.prompt_compressor
+        scores = None if rule is None else rule.prompt_scores(self, k, q)
+        if scores is None or scores.shape[1] != k.shape[1]:
+            name = "full" if rule is None else rule.name
+            raise UserError(f"--budget_allocation adakv needs head-specific prompt scores; prompt compression "
+                            f"'{name}' gives none (choose a head-specific --prompt_compression_strategy)")
+        target = self.prompt_target()
+        return adaptive_prompt_tokens(scores, self.global_tokens, rule.prompt_protected_window(self), target,
+                                      int(self.floor_fraction * target))
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        B, H, T, D = k.shape
+        L, P, target = self.max_cache_length, self.pool_slots, self.prompt_target()
+        n = min(T, target)  # tokens kept per head on average
+        if T > target:
+            keep = self.select_pairs(input_pos, k, v, q)
+        else:
+            keep = torch.ones(B, H, T, dtype=torch.bool, device=k.device)
+        counts = keep.sum(-1)  # [B, H]
+        # Each head owns what it keeps plus an equal share of the slots left for what follows the prompt.
+        self.quota.copy_(counts + (L - n))
+        self.offset.copy_(self.quota.cumsum(-1) - self.quota)
+        # The H·n kept pairs in head-major, position order (a sort, not nonzero: fixed shapes, any device);
+        # pair i of head h goes to slot offset_h + its rank in h, which is i + h·(L − n).
+        m = H * n
+        flat = torch.arange(H * T, device=k.device).expand(B, -1)
+        pairs = torch.where(keep.flatten(1), flat, flat + H * T).sort(dim=-1).values[:, :m]  # [B, m]
+        head, token = pairs // T, pairs % T
+        slot = torch.arange(m, device=k.device) + head * (L - n)
+        rows = pairs[..., None].expand(B, m, D)
+        k_kept, v_kept = (x.flatten(1, 2).gather(1, rows)[:, None] for x in (k, v))  # [B, 1, m, D]
+        self.storage.write(slot[:, None], k_kept, v_kept)
+        cell = head * P + slot  # (head, slot) in the flattened per-head buffers
+        self.pos.view(B, H * P).scatter_(1, cell, input_pos[token])
+        self.mask.view(B, H * P).scatter_(1, cell, True)
+        self.inserted.fill_(T)
+        self.filled.copy_(counts)
+        # Strategy hooks write per-slot state as state[:, :, :n] = per_token.gather(2, keep): give them, for
+        # every head's row, the prompt token each pool slot holds (rows of other heads are never read;
+        # empty slots get token 0 and are initialised by after_insert when they receive a token).
+        slot_token = torch.zeros(B, P, dtype=torch.long, device=k.device).scatter(1, slot, token)
+        self.after_prefill(slot_token[:, None].expand(B, H, P), input_pos, k, q)
+
+    # ---- decode: each head evicts within its own slots ---------------------------------------------------------
+
+    def choose_slot(self, input_pos: Tensor) -> Tensor:
+        """Per head [B, n_kv]: its next empty slot while it has one, else its lowest-scoring unprotected slot."""
+        empty = self.offset + self.filled
+        if self.max_cache_length >= self.capacity_needed:
+            return empty  # never full: skip scoring
+        blocked = self.protected(input_pos) | ~self.owned()
+        # A head's quota exceeds its protected tokens (it keeps them, and its prompt target exceeds them).
+        scores = self.token_scores(input_pos).masked_fill(blocked, float("inf"))
+        return torch.where(self.filled < self.quota, empty, scores.argmin(dim=-1))
+
+    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        slot = self.choose_slot(input_pos)  # [B, n_kv]: distinct slots, each in its head's range
+        B, H = k.shape[:2]
+        self.storage.write(slot[:, None], k.transpose(1, 2), v.transpose(1, 2))  # H rows of the one pool head
+        self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, H, 1))
+        self.mask.scatter_(3, slot[..., None, None], True)
+        self.inserted += 1
+        self.filled += (self.filled < self.quota).long()
+        self.after_insert(slot, input_pos, k)
+        return self.keys(), self.values(), self.mask
+
+    def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        T = k.shape[2]
+        if self.room() < T:
+            raise ValueError(f"a pooled {self.name} cache has no room for a chunk of {T} in every head")
+        for i in range(T):
+            self.before_chunk_token(i)
+            self.update_kv(input_pos[i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
+        return self.keys(), self.values(), self.mask
+
+
+def adakv_strategy(inner: type[KVCache]) -> type[KVCache]:
+    """The pooled class of a head-specific strategy, made once; it reads the strategy's flags and
+    `adakv_floor`, and keeps its name (statistics, the spec table and debug_ twins name the strategy)."""
+    if not inner.head_specific or inner.profiles_prompt or issubclass(inner, (DebugCache, PooledCache)):
+        raise UserError(f"--budget_allocation adakv cannot pool the {inner.name} cache")
+    if inner not in _POOLED_CLASSES:
+        _POOLED_CLASSES[inner] = type(
+            f"AdaKV{inner.__name__}", (PooledCache, inner),
+            {"hyperparameters": (*inner.hyperparameters, "adakv_floor"),
+             "__doc__": f"`{inner.name}` with head-adaptive budgets over one K/V pool (cache_allocation.py)."},
+        )
+    return _POOLED_CLASSES[inner]
+
+
+def with_allocation(cls: type[KVCache], allocation: str) -> type[KVCache]:
+    """The cache class of a layer: `cls` itself (uniform), or its pooled class (a debug_ twin pools its shadow)."""
+    if allocation == "uniform":
+        return cls
+    if allocation != "adakv":
+        raise UserError(f"unknown --budget_allocation {allocation!r}; available: {', '.join(ALLOCATIONS)}")
+    if issubclass(cls, DebugCache):
+        return debug_strategy(adakv_strategy(cls.shadow_class))
+    return adakv_strategy(cls)
+
+
+def check_budget_allocation(args: argparse.Namespace) -> None:
+    """The --budget_allocation / --adakv_floor flags against the rest, before anything loads: one line each."""
+    allocation = getattr(args, "budget_allocation", "uniform")
+    floor = getattr(args, "adakv_floor", DEFAULT_FLOOR)
+    if allocation not in ALLOCATIONS:
+        raise UserError(f"unknown --budget_allocation {allocation!r}; available: {', '.join(ALLOCATIONS)}")
+    if allocation == "uniform":
+        if floor != DEFAULT_FLOOR:
+            raise UserError("--adakv_floor applies to --budget_allocation adakv only")
+        return
+    if not 0 <= floor <= 1:
+        raise UserError(f"--adakv_floor is a fraction of the per-head budget in [0, 1], got {floor:g}")
+    pooled = sorted(n for n, c in CACHE_STRATEGIES.items() if c.head_specific and not c.profiles_prompt)
+    for name in dict.fromkeys(args.cache_strategy):
+        own = getattr(get_strategy(name), "shadow_class", get_strategy(name))
+        if own.profiles_prompt:
+            raise UserError(f"--budget_allocation adakv: the {name} cache sizes its heads by its own policies "
+                            f"(FastGen); use one of: {', '.join(pooled)}")
+        if not own.head_specific:
+            raise UserError(f"--budget_allocation adakv shares a layer's budget between KV heads by their own "
+                            f"scores, but the {name} cache keeps the same tokens in every head; use one of: "
+                            f"{', '.join(pooled)}")
+    for name in dict.fromkeys(args.prompt_compression_strategy):
+        if name not in ("auto", "full") and not get_strategy(name).head_specific:
+            raise UserError(f"--budget_allocation adakv allocates by per-head prompt scores, and prompt compression "
+                            f"'{name}' scores tokens alike in every head; use auto or one of: {', '.join(pooled)}")
+    if getattr(args, "cache_bits", 16) < 16 and getattr(args, "cache_quantization", "per_token") == "kivi":
+        raise UserError("--budget_allocation adakv pools the heads' slots, which KIVI cannot do (its key groups "
+                        "share per-channel scales over consecutive slots of one head); use --cache_quantization "
+                        "per_token")
+    if getattr(args, "feed_long_prompts", False):
+        raise UserError("--budget_allocation adakv allocates when a prefill exceeds the budget, and "
+                        "--feed_long_prompts prefills only what fits it: nothing would be allocated")
+
