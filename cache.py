@@ -237,7 +237,9 @@ class KVCache(nn.Module):
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
         filled = self.filled
         if self.max_cache_length >= self.capacity_needed:
-            return filled  # never full (the full cache, or a budget above the sequence): skip scoring
+            # Never full (the full cache, or a budget above the sequence): skip scoring. A copy, since update_kv
+            # advances `filled` in place before after_insert reads the slot.
+            return filled.clone()
         scores = self.token_scores(input_pos).masked_fill(self.protected(input_pos), float("inf"))
         return torch.where(filled < self.max_cache_length, filled, scores.argmin(dim=-1))
 
