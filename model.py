@@ -286,8 +286,8 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            if cache is not None:
-                cache.prefill(input_pos, k, v, q, k_plain if rerotate else None)
+            if cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
+                cache.prefill(input_pos, k, v, q, **({"k_store": k_plain} if rerotate else {}))
         else:
             k_all, v_all, mask = cache.update_kv(input_pos, k, v)
             if by_rank:
