@@ -85,7 +85,9 @@ def model_name(checkpoint_path: str | None) -> str:
 def strategy_label(args: argparse.Namespace) -> str:
     names = list(dict.fromkeys(args.cache_strategy))
     label = "+".join(names)
-    return label if len(names) == 1 else f"{label} ({args.cache_strategy_pattern})"
+    label = label if len(names) == 1 else f"{label} ({args.cache_strategy_pattern})"
+    # Re-rotated positions change the numbers: their own line in tables and plots (getattr: older configs).
+    return f"{label} rerotated" if getattr(args, "rerotate_positions", False) else label
 
 
 def budget_value(args: argparse.Namespace) -> float | str:

@@ -2,7 +2,8 @@
 
 - ranks against a naive count; the attention of layer 0 against a naive re-rotated attention written here
   (held pre-RoPE keys rotated by a complex rotation at 0..n−1 in order of position, the query at its rank)
-  for every registered strategy and debug_ twin, eager, and compiled equal to eager with no recompilation;
+  for every registered strategy and debug_ twin, eager, and compiled (every strategy) equal to eager with no
+  recompilation;
   on a tiny model whose context (32) the prompt (24) fits and the sequence (40) does not, so any RoPE
   lookup by position past the context would fail;
 - without eviction re-rotation is a no-op (RoPE is relative): the same logits as the normal path;
@@ -143,7 +144,7 @@ def test_attention_equals_a_naive_rerotated_attention_past_the_context(strategy)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ALL)
+@pytest.mark.parametrize("strategy", STRATEGIES)  # a compile each (seconds): the twins run eager above
 def test_compiled_rerotation_equals_eager_without_recompiling(strategy):
     model, _ = rerotating_model(strategy, n_layer=1)
     ids = token_ids()
