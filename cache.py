@@ -6,7 +6,8 @@ decode step never recompiles:
 
 - `storage` (kv_storage.py): the K/V of L slots, L = this layer's budget: dense, quantized per token
   (`--cache_bits`) or KIVI's residual scheme; `keys()` / `values()` give [B, n_kv_heads, L, head_dim].
-  Keys are stored after RoPE at their original position; eviction leaves gaps, nothing is re-rotated.
+  Keys are stored after RoPE at their original position; eviction leaves gaps, nothing is re-rotated
+  (with `rerotate_positions` they are stored before RoPE and rotated by rank: rerotation.py).
 - `pos`: original position held in each slot, -1 when empty: [B, n_kv_heads or 1, L] (per head only
   for head-specific strategies, which evict different tokens in different heads).
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
@@ -109,10 +110,11 @@ class KVCache(nn.Module):
 
     # ---- the contract used by model.Attention ------------------------------------------------------------
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
         """Store the prompt (positions `input_pos` from 0; k, v [B, n_kv, T, D] after RoPE) in the empty
         cache, compressing it when it exceeds the budget. q [B, n_head, T, D] is there for compressors
-        and initial scores that need the prompt's attention."""
+        and initial scores that need the prompt's attention. `k_store`: the keys to store when they are not
+        the scored ones (before RoPE, under `rerotate_positions`)."""
         B, H, T, _ = k.shape
         if T > self.prompt_target():
             keep = self.select_prompt_tokens(input_pos, k, v, q)  # [B, pos_heads, target], sorted
@@ -122,7 +124,7 @@ class KVCache(nn.Module):
         head_keep = keep.expand(B, H, n)
         gather = head_keep[..., None].expand(B, H, n, k.shape[-1])
         slots = torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n)
-        self.storage.write(slots, k.gather(2, gather), v.gather(2, gather))
+        self.storage.write(slots, (k if k_store is None else k_store).gather(2, gather), v.gather(2, gather))
         self.pos[:, :, :n] = input_pos[keep]
         self.mask[:, :, 0, :n] = True
         self.inserted.fill_(T)
@@ -221,6 +223,9 @@ class KVCache(nn.Module):
     # Compress a long prompt to this many tokens instead of the whole budget (None: the budget), leaving the
     # other slots for what follows: the kvpress protocol's per-item budget (eval --protocol kvpress).
     prompt_budget: int | None = None
+    # Keys are stored before RoPE and the layer rotates them by rank at each step (--rerotate_positions,
+    # rerotation.py): the cache itself only stores what it is given.
+    rerotate_positions: bool = False
 
     def configure(self, **settings: object) -> None:
         """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""
@@ -242,7 +247,9 @@ class KVCache(nn.Module):
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
         filled = self.filled
         if self.max_cache_length >= self.capacity_needed:
-            return filled  # never full (the full cache, or a budget above the sequence): skip scoring
+            # Never full (the full cache, or a budget above the sequence): skip scoring. A copy, since update_kv
+            # advances `filled` in place before after_insert reads the slot.
+            return filled.clone()
         scores = self.token_scores(input_pos).masked_fill(self.protected(input_pos), float("inf"))
         return torch.where(filled < self.max_cache_length, filled, scores.argmin(dim=-1))
 

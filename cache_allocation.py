@@ -242,6 +242,9 @@ def check_budget_allocation(args: argparse.Namespace) -> None:
         raise UserError("--budget_allocation adakv pools the heads' slots, which KIVI cannot do (its key groups "
                         "share per-channel scales over consecutive slots of one head); use --cache_quantization "
                         "per_token")
+    if getattr(args, "rerotate_positions", False):
+        raise UserError("--budget_allocation adakv and --rerotate_positions do not combine: a pooled slot's key would "
+                        "need its owner head's rank, and the pool is rotated as one row")
     if getattr(args, "feed_long_prompts", False):
         raise UserError("--budget_allocation adakv allocates when a prefill exceeds the budget, and "
                         "--feed_long_prompts prefills only what fits it: nothing would be allocated")

@@ -131,7 +131,7 @@ class HybridCache(KVCache):
 
     # ---- prefill: profile each head, keep what its policy keeps -------------------------------------------
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
         if self.prompt_ids is None:
             raise UserError("the hybrid cache did not see the prompt's token ids")
         B, H, T, D = k.shape
@@ -162,7 +162,8 @@ class HybridCache(KVCache):
         idx = top.indices
         n = idx.shape[-1]
         gather = idx[..., None].expand(B, H, n, D)
-        self.storage.write(torch.arange(n, device=k.device).expand(B, H, n), k.gather(2, gather), v.gather(2, gather))
+        stored = (k if k_store is None else k_store).gather(2, gather)
+        self.storage.write(torch.arange(n, device=k.device).expand(B, H, n), stored, v.gather(2, gather))
         self.pos[:, :, :n] = torch.where(valid, input_pos[idx], -1)
         self.mask[:, :, 0, :n] = valid
         self.slot_special[:, :, :n] = ((is_special & self._use("special")[..., None])

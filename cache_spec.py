@@ -108,6 +108,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adakv_floor", type=finite_float, default=DEFAULT_FLOOR,
                    help="adakv: every head keeps at least this fraction of the budget (Ada-KV's and kvpress's "
                         "safeguard alpha, 0.2)")
+    g.add_argument("--rerotate_positions", action="store_true",
+                   help="RoPE positions inside the cache, as StreamingLLM: each head's held tokens at 0..n-1 in order, "
+                        "the query at its rank (keys stored before RoPE); a sequence may then exceed the model's "
+                        "context when every layer's budget fits it")
     g.add_argument("--cache_config", default=None,
                    help="YAML preset: a path or a name in configs/ (flags given explicitly win)")
     g.add_argument("--print_cache_spec", action="store_true", help="print the resolved per-layer table")
@@ -122,6 +126,7 @@ class LayerCacheSpec:
     prompt_compression: str = "full"
     storage: StorageSpec = DENSE
     budget_allocation: str = "uniform"  # or adakv: the heads share the layer's slots (cache_allocation.py)
+    rerotate_positions: bool = False  # keys stored before RoPE, rotated by rank each step (rerotation.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -366,6 +371,8 @@ def resolve_cache_spec(
     compressors = expand_to_layers(list(args.prompt_compression_strategy), n_layer, args.cache_strategy_pattern,
                                    "--prompt_compression_strategy")
     allocation = getattr(args, "budget_allocation", "uniform")  # configs recorded before the flag: uniform
+    # getattr: flags recorded by runs made before the flag existed (eval.replay) lack it.
+    rerotate = bool(getattr(args, "rerotate_positions", False))
     specs = []
     for layer, (name, budget, compressor) in enumerate(zip(strategies, budgets, compressors, strict=True)):
         cls = get_strategy(name)
@@ -391,7 +398,7 @@ def resolve_cache_spec(
                 "tokens and prompt compression 'full' keeps everything: choose a --prompt_compression_strategy "
                 "or pass --feed_long_prompts"
             )
-        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation))
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation, rerotate))
     return specs
 
 
@@ -439,7 +446,8 @@ def build_caches(
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
         settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
-                        snapkv_window=snapkv_window, snapkv_kernel=snapkv_kernel)
+                        snapkv_window=snapkv_window, snapkv_kernel=snapkv_kernel,
+                        rerotate_positions=spec.rerotate_positions)
         if getattr(cls, "needs_token_classes", False):
             if token_classes is None:
                 raise UserError(f"the {spec.strategy} cache needs the tokenizer's special and punctuation tokens")
@@ -458,4 +466,6 @@ def format_cache_spec(specs: list[LayerCacheSpec]) -> str:
         hp = ", ".join(f"{k}={v}" for k, v in s.hyperparameters.items())
         lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.budget_allocation:<10} "
                      f"{s.prompt_compression:<18} {s.storage.describe():<18}  {hp}")
+    if any(s.rerotate_positions for s in specs):
+        lines.append("positions: re-rotated (--rerotate_positions): RoPE at each token's rank in its head's cache")
     return "\n".join(lines)

@@ -67,9 +67,9 @@ class DebugCache(KVCache):
     def head_budgets(self) -> Tensor:
         return self.shadow.head_budgets()
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
-        super().prefill(input_pos, k, v, q)
-        self.shadow.prefill(input_pos, k, v, q)
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
+        super().prefill(input_pos, k, v, q, k_store)
+        self.shadow.prefill(input_pos, k, v, q, k_store)
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         self.shadow.update_kv(input_pos, k, v)

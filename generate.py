@@ -35,6 +35,7 @@ from debug_cache import attention_loss_curve
 from errors import CliParser, UserError, run_cli
 from model import Transformer
 from model_policies import apply_model_layer_policies
+from rerotation import check_budgets
 from strategies import get_strategy
 from tokenizer import Tokenizer
 
@@ -310,13 +311,19 @@ def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool | None) -> list[in
     return tokenizer.encode(text)
 
 
-def check_lengths(prompt_length: int, max_new_tokens: int, context_length: int) -> None:
+def check_lengths(prompt_length: int, max_new_tokens: int, context_length: int,
+                  rerotate_positions: bool = False) -> None:
+    """The sequence must fit the model's context, unless positions are re-rotated: then only the prompt
+    (prefilled at its own positions) must, and rerotation.check_budgets checks every layer's budget."""
     if max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    if prompt_length + max_new_tokens > context_length:
+    if prompt_length > context_length:
+        raise UserError(f"the prompt ({prompt_length} tokens) exceeds the model's context of {context_length} tokens")
+    if prompt_length + max_new_tokens > context_length and not rerotate_positions:
         raise UserError(
             f"the prompt ({prompt_length} tokens) plus --max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context of {context_length} tokens"
+            f"model's context of {context_length} tokens; --rerotate_positions goes past it with a cache whose "
+            "budgets fit the context (e.g. --cache_strategy recent_global --max_cache_length 1024)"
         )
 
 
@@ -377,9 +384,10 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, dtype)
     load_seconds = time.perf_counter() - t0
     prompt_ids = encode_prompt(tokenizer, prompt_text, args.chat)
-    check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length)
+    check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
     specs = resolve_cache_spec(args, model.args.n_layer, len(prompt_ids), args.max_new_tokens)
     specs = apply_model_layer_policies(specs, model.args, len(prompt_ids), args.max_new_tokens)
+    check_budgets(specs, model.args.context_length, len(prompt_ids) + args.max_new_tokens)
     if args.print_cache_spec:
         print(format_cache_spec(specs))
     setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens, tokenizer, args.snapkv_window,

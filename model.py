@@ -16,6 +16,9 @@ Two entry points share one forward:
 - prefill (T > 1, positions 0..T-1): full causal attention over the prompt itself, then each layer's
   cache keeps what fits its budget (it may compress the prompt);
 - decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache.
+
+With re-rotation (`--rerotate_positions`, rerotation.py) the caches store keys before RoPE, and after the
+prompt RoPE is applied at ranks within each head's cache instead of at positions in the text.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 
 from cache import KVCache
 from errors import UserError
+from rerotation import query_ranks, slot_ranks
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -135,6 +139,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def rotate_by_rank(q: Tensor, keys: Tensor, pos: Tensor, input_pos: Tensor, cos: Tensor,
+                   sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Re-rotation (rerotation.py): pre-RoPE queries q [B, n_head, T, D] and cached keys [B, n_kv, L, D]
+    rotated by rank, the held keys of each head at 0..n−1 in order of position and each query (position
+    input_pos [T]) at its own rank. pos [B, 1 or n_kv, L] is the cache's; cos/sin are the whole tables.
+
+    Ranks stay below the cache's slots; the clamp only guards the tables' end (FastGen's `hybrid` can
+    reject a token when all of a head's slots are held, which puts the query one past the last slot).
+    """
+    B, H, T, _ = q.shape
+    n_kv = keys.shape[1]
+    last = cos.shape[0] - 1
+    k_rank = slot_ranks(pos).clamp(max=last)  # [B, P, L]
+    q_rank = query_ranks(pos, input_pos).clamp(max=last).expand(B, n_kv, T).repeat_interleave(H // n_kv, dim=1)
+    # F.embedding: a row gather ~8x faster than advanced indexing on the CPU (measured at L = 1024).
+    return (apply_rope(q, F.embedding(q_rank, cos), F.embedding(q_rank, sin)),
+            apply_rope(keys, F.embedding(k_rank, cos), F.embedding(k_rank, sin)))
+
+
 def sliding_causal_mask(T: int, window: int, device: torch.device) -> Tensor:
     """[T, T] bool: query t sees keys t − window < j ≤ t (the window counts the query's own token)."""
     t = torch.arange(T, device=device)
@@ -233,11 +256,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache = self.kv_cache
+        # Re-rotation (rerotation.py): the cache stores pre-RoPE keys; after the prompt, q and the held keys are
+        # rotated by rank once the cache has the new token, and cos/sin are the whole tables (Transformer.forward).
+        rerotate = cache is not None and cache.rerotate_positions
+        by_rank = rerotate and (append or T == 1)
+        k_plain = k
+        if not by_rank:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.q_rescale != 1.0:
             q = q * self.q_rescale
 
-        cache = self.kv_cache
         if cache is not None and cache.needs_gates:
             # Each token's gate goes to the cache before its K/V (prefill or update_kv) so they stay together.
             cache.observe_gates(self.gate(x))
@@ -247,6 +276,8 @@ class Attention(nn.Module):
             # A chunk after the prompt (kvpress protocol): into the cache's empty slots, then each query attends
             # over the held tokens at or before its own position.
             k_all, v_all, mask = cache.append(input_pos, k, v)
+            if by_rank:
+                q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
             pos = cache.pos.expand(B, self.n_kv_head, -1)
             visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))  # [B, n_kv, T, L]
             visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
@@ -260,14 +291,16 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            if cache is not None:
-                cache.prefill(input_pos, k, v, q)
+            if cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
+                cache.prefill(input_pos, k, v, q, **({"k_store": k_plain} if rerotate else {}))
         else:
             k_all, v_all, mask = cache.update_kv(input_pos, k, v)
             if cache.pooled:
                 # One K/V pool for all heads (cache_allocation.py): each query head attends over the slots its KV
                 # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
                 mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
+            if by_rank:
+                q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
             if cache.needs_attention or x.device.type == "cpu":
                 # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached
                 # tokens (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
@@ -364,6 +397,13 @@ class Transformer(nn.Module):
                 raise UserError(f"layer {i} attends to its last {window} tokens only, but its {cache.name} cache can "
                                 "hold older ones; sliding layers need the window policy "
                                 "(model_policies.apply_model_layer_policies)")
+        if len({c.rerotate_positions for c in caches}) > 1:
+            raise ValueError("either every layer's cache re-rotates positions or none does (one RoPE table per step)")
+        for i, cache in enumerate(caches):
+            if cache.rerotate_positions and cache.max_cache_length > self.args.context_length:
+                # Its ranks would index past the RoPE tables (rerotation.check_budgets says so to users, earlier).
+                raise ValueError(f"layer {i}: a re-rotating cache of {cache.max_cache_length} tokens exceeds the "
+                                 f"model's context of {self.args.context_length}")
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = cache
 
@@ -387,13 +427,19 @@ class Transformer(nn.Module):
         only the last position, and the vocabulary projection is the largest matmul of a long prompt).
         `run_block(layer, x, cos, sin, input_pos)` replaces each block's call: the compiled decode step
         passes one compiled function that every layer shares (generate.CompiledDecodeStep). `append`: the T
-        tokens follow what the caches already hold (KVCache.append) instead of being a prompt.
+        tokens follow what the caches already hold (KVCache.append) instead of being a prompt. With caches that
+        re-rotate positions, input_pos may exceed the context after the prompt (RoPE then sees ranks only).
         """
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        for cache in self.caches():
+        caches = self.caches()
+        for cache in caches:
             if cache.needs_token_ids:  # e.g. FastGen's special-token and punctuation policies
                 cache.observe_tokens(idx)
-        local = (self.rope_local_cos[input_pos], self.rope_local_sin[input_pos]) if self.args.local_rope_base \
+        # Re-rotating caches after the prompt: the layers index the tables by rank (rotate_by_rank), and
+        # input_pos, which may lie past the context then, indexes nothing.
+        by_rank = bool(caches) and caches[0].rerotate_positions and (append or idx.shape[1] == 1)
+        index = slice(None) if by_rank else input_pos
+        cos, sin = self.rope_cos[index], self.rope_sin[index]
+        local = (self.rope_local_cos[index], self.rope_local_sin[index]) if self.args.local_rope_base \
             else (cos, sin)
         x = self.tok_embeddings(idx)
         if self.args.embedding_scale != 1.0:

@@ -35,8 +35,10 @@ def apply_model_layer_policies(
         windowed.append(spec.layer)
         if spec.strategy.removeprefix("debug_") != "full":
             replaced.append(spec.layer)
+        # Re-rotation carries over: a window of contiguous tokens at ranks 0..n-1 has the same relative
+        # positions as at its original ones, so it changes nothing inside the window.
         out.append(LayerCacheSpec(spec.layer, WINDOW_STRATEGY, window, {"global_tokens": 0}, WINDOW_STRATEGY,
-                                  spec.storage))
+                                  spec.storage, rerotate_positions=spec.rerotate_positions))
     if windowed and not quiet:
         note = f" instead of the requested strategy on layers {', '.join(map(str, replaced))}" if replaced else ""
         print(f"note: {len(windowed)} of {len(specs)} layers attend to a sliding window of "

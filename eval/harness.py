@@ -27,6 +27,7 @@ from eval.metrics import step_fidelity
 from generate import decode_one_token, prefill, setup_caches
 from model import Transformer
 from model_policies import apply_model_layer_policies
+from rerotation import check_budgets
 from tokenizer import Tokenizer
 
 
@@ -103,7 +104,9 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
                 raise UserError(f"--max_cache_length {value:g} tokens is larger than the sequence ({total} tokens: "
                                 f"{prompt_length} prompt + {max_new_tokens} new); use a smaller budget or a fraction")
     specs = resolve_cache_spec(args, rt.model.args.n_layer, prompt_length, max_new_tokens)
-    return apply_model_layer_policies(specs, rt.model.args, prompt_length, max_new_tokens, quiet=True)
+    specs = apply_model_layer_policies(specs, rt.model.args, prompt_length, max_new_tokens, quiet=True)
+    check_budgets(specs, rt.model.args.context_length, total)
+    return specs
 
 
 def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:

@@ -89,7 +89,9 @@ def strategy_label(args: argparse.Namespace) -> str:
     label = "+".join(names)
     if getattr(args, "budget_allocation", "uniform") != "uniform":  # a line of its own in tables and plots
         label += f" {args.budget_allocation}"
-    return label if len(names) == 1 else f"{label} ({args.cache_strategy_pattern})"
+    label = label if len(names) == 1 else f"{label} ({args.cache_strategy_pattern})"
+    # Re-rotated positions change the numbers: their own line in tables and plots (getattr: older configs).
+    return f"{label} rerotated" if getattr(args, "rerotate_positions", False) else label
 
 
 def budget_value(args: argparse.Namespace) -> float | str:

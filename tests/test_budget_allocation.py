@@ -408,6 +408,7 @@ def test_uniform_allocation_builds_the_registered_caches(explicit):
     (["--prompt_compression_strategy", "recent_global"], "scores tokens alike in every head"),
     (["--cache_bits", "4", "--cache_quantization", "kivi"], "KIVI"),
     (["--feed_long_prompts"], "nothing would be allocated"),
+    (["--rerotate_positions"], "do not combine"),
     (["--adakv_floor", "1.5"], r"in \[0, 1\], got 1.5"),
     (["--adakv_floor", "-0.1"], r"in \[0, 1\], got -0.1"),
 ])

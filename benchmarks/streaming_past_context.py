@@ -1,0 +1,152 @@
+"""Stream past the model's context with re-rotated positions (StreamingLLM, arXiv 2309.17453 §3.2).
+
+    OMP_NUM_THREADS=1 python benchmarks/streaming_past_context.py --out results/streaming.json
+    python benchmarks/streaming_past_context.py --tokens 4096 --budget 512 --global_tokens 4 0
+
+Teacher-forces `--tokens` of CPython's pydoc text (default 2× the bundled SmolLM2's 8192-token context)
+through a `recent_global` cache of `--budget` tokens with `--rerotate_positions`, once per value of
+`--global_tokens` (4 attention sinks, and 0: a plain sliding window). The first `--budget` tokens are
+one prefill (nothing evicted yet; its logits score them), every later token goes one at a time through
+the decode path. Reported: perplexity per `--segment` tokens. Where the sequence fits the context, the
+full-attention perplexity of the same tokens (one cache-less forward over the first context-length
+tokens) is the reference; past the context there is none, which is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
+from checkpoint import load_checkpoint  # noqa: E402
+from errors import CliParser, UserError, run_cli  # noqa: E402
+from eval.data import pydoc_corpus  # noqa: E402
+from generate import check_lengths, compile_decode_step, decode_one_token, setup_caches, write_json_atomic  # noqa: E402
+from model_policies import apply_model_layer_policies  # noqa: E402
+from rerotation import check_budgets  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CliParser(prog="streaming_past_context.py", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint_path", default=None)
+    p.add_argument("--tokens", type=int, default=None, help="tokens teacher-forced (default: 2× the context)")
+    p.add_argument("--text_offset", type=int, default=0, help="first token of the pydoc text used")
+    p.add_argument("--budget", type=int, default=1024, help="recent_global budget in tokens (≤ the context)")
+    p.add_argument("--global_tokens", type=int, nargs="+", default=[4, 0], help="one run per value (sinks)")
+    p.add_argument("--segment", type=int, default=1024, help="tokens per reported perplexity")
+    p.add_argument("--no_reference", action="store_true", help="skip the full-attention reference")
+    p.add_argument("--compile", action="store_true", help="compile the decode step")
+    p.add_argument("--out", default=None, help="write the results as JSON")
+    p.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """NLL of each target under float32 logits [n, vocab]."""
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def streaming_nll(model, ids: torch.Tensor, budget: int, global_tokens: int, step, desc: str) -> torch.Tensor:
+    """NLL of tokens 1..N−1 [N−1] under a re-rotating recent_global cache of `budget` tokens."""
+    n = ids.shape[1]
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    args = parser.parse_args(["--cache_strategy", "recent_global", "--max_cache_length", str(budget),
+                              "--global_tokens", str(global_tokens), "--rerotate_positions"])
+    check_lengths(budget, n - budget, model.args.context_length, rerotate_positions=True)
+    specs = resolve_cache_spec(args, model.args.n_layer, budget, n - budget)
+    specs = apply_model_layer_policies(specs, model.args, budget, n - budget)
+    check_budgets(specs, model.args.context_length, n)
+    setup_caches(model, specs, n)
+    model.reset_caches()
+    nll = torch.empty(n - 1)
+    with torch.inference_mode():
+        # The first `budget` tokens fit the cache: one prefill, whose logits score them (nothing is evicted).
+        logits = model(ids[:, :budget], torch.arange(budget))[0]
+        nll[: budget - 1] = token_nll(logits[:-1], ids[0, 1:budget])
+        last = logits[-1:]
+        for p in tqdm(range(budget, n), desc=desc, unit="tok", mininterval=10):
+            nll[p - 1] = token_nll(last, ids[0, p : p + 1])[0]
+            if p + 1 < n:
+                last = step(model, ids[:, p : p + 1], torch.tensor([p]))
+    model.remove_caches()
+    return nll
+
+
+def reference_nll(model, ids: torch.Tensor) -> torch.Tensor:
+    """NLL of tokens 1..n−1 under full attention (one cache-less forward, n ≤ the context)."""
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(ids.shape[1]))[0]  # 8192 × 49152 float32: 1.6 GB for the bundled model
+        rows = range(0, ids.shape[1] - 1, 1024)  # log-softmax by rows, not a second copy of all of it
+        return torch.cat([token_nll(logits[s : s + 1024][: ids.shape[1] - 1 - s], ids[0, s + 1 : s + 1025])
+                          for s in rows])
+
+
+def per_segment(nll: torch.Tensor, segment: int) -> list[dict]:
+    """Perplexity per `segment` tokens of the sequence (token t's NLL is nll[t − 1]; token 0 is unscored)."""
+    rows = []
+    for start in range(0, nll.shape[0] + 1, segment):
+        part = nll[max(start - 1, 0) : start + segment - 1]
+        if part.numel():
+            rows.append({"tokens": f"{start}-{start + segment - 1}", "n": part.numel(),
+                         "perplexity": round(math.exp(float(part.double().mean())), 3)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.budget < 2 or args.segment < 1:
+        raise UserError("--budget must be ≥ 2 and --segment ≥ 1")
+    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
+    context = model.args.context_length
+    tokens = args.tokens or 2 * context
+    ids = tokenizer.encode(pydoc_corpus())[args.text_offset : args.text_offset + tokens]
+    if len(ids) < tokens or tokens <= args.budget:
+        raise UserError(f"need {tokens} tokens after --text_offset (> --budget), the text has {len(ids)}")
+    ids = torch.tensor([ids])
+    step = compile_decode_step() if args.compile else decode_one_token
+    runs, started = {}, time.perf_counter()
+    for g in args.global_tokens:
+        t0 = time.perf_counter()
+        nll = streaming_nll(model, ids, args.budget, g, step, f"global_tokens={g}")
+        runs[f"global_tokens={g}"] = {"segments": per_segment(nll, args.segment),
+                                      "perplexity": round(math.exp(float(nll.double().mean())), 3),
+                                      "seconds": round(time.perf_counter() - t0, 1)}
+    reference = None
+    if not args.no_reference:
+        ref = reference_nll(model, ids[:, : min(tokens, context)])
+        reference = {"segments": per_segment(ref, args.segment), "perplexity": round(math.exp(float(ref.mean())), 3)}
+    result = {"config": {**vars(args), "tokens": tokens, "context_length": context,
+                         "threads": torch.get_num_threads()},
+              "runs": runs, "full_attention_within_context": reference,
+              "seconds": round(time.perf_counter() - started, 1)}
+    print(format_table(result, args.segment))
+    if args.out:
+        write_json_atomic(args.out, result, overwrite=args.overwrite)
+    return result
+
+
+def format_table(result: dict, segment: int) -> str:
+    names = list(result["runs"])
+    ref = result["full_attention_within_context"]
+    header = ["tokens", *names] + (["full attention"] if ref else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, row in enumerate(result["runs"][names[0]]["segments"]):
+        cells = [row["tokens"]] + [f"{result['runs'][n]['segments'][i]['perplexity']:.2f}" for n in names]
+        if ref:
+            cells.append(f"{ref['segments'][i]['perplexity']:.2f}" if i < len(ref["segments"]) else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_cli(main)
