@@ -121,7 +121,9 @@ class PooledCache(KVCache):
         return adaptive_prompt_tokens(scores, self.global_tokens, rule.prompt_protected_window(self), target,
                                       int(self.floor_fraction * target))
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
+        if k_store is not None:  # keys to store before RoPE: --rerotate_positions, refused with adakv
+            raise ValueError("a pooled cache does not store keys for re-rotation")
         B, H, T, D = k.shape
         L, P, target = self.max_cache_length, self.pool_slots, self.prompt_target()
         n = min(T, target)  # tokens kept per head on average
