@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python -m eval.reproduce streamingllm              # results/reproduce/streamingllm/
     OMP_NUM_THREADS=1 python -m eval.reproduce all --profile quick       # every experiment + summary.md
     python -m eval.reproduce kivi --dry_run                              # the eval command of every arm
+    python -m eval.reproduce --summarize --out_dir DIR                   # DIR/summary.md from DIR/*/result.json
 
 Each experiment (eval/reproduce/experiments.py) runs its arms as `python -m eval` runs under --runs_dir
 (content-addressed: finished runs are reused), prints the claim, each arm's score with its 95% bootstrap
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the eval runs go (shared, so experiments reuse each other's finished runs)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing reports (runs are reused)")
     parser.add_argument("--dry_run", action="store_true", help="print each arm's eval command, run nothing")
+    parser.add_argument("--summarize", action="store_true",
+                        help="only rebuild summary.md / .csv under --out_dir from the experiments' result.json")
     parser.add_argument("--limit", type=int, default=None, help="items per arm instead of the profile's")
     parser.add_argument("--checkpoint_path", default=None, help="another model (default: the bundled one)")
     return parser
@@ -95,6 +98,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
             raise UserError("--list takes no experiment names")
         list_experiments()
         return []
+    if args.summarize:
+        root = Path(args.out_dir) if args.out_dir else DEFAULT_ROOT
+        found = report.read_results(root, selected(args.names) if args.names else list(EXPERIMENTS))
+        for path in report.write_summary(found, root, args.overwrite):
+            print(f"summary: {path}", file=sys.stderr)
+        return []
     names = selected(args.names)
     extra = overrides(args)
     runs_dir = Path(args.runs_dir)
@@ -127,7 +136,8 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
         print(f"report: {written[0]}", file=sys.stderr)
         outcomes.append(outcome)
     if several:
-        for path in report.write_summary(outcomes, root, args.overwrite):
+        found = [report.result_data(o, runs_dir) for o in outcomes]
+        for path in report.write_summary(found, root, args.overwrite):
             print(f"summary: {path}", file=sys.stderr)
     return outcomes
 

@@ -4,7 +4,8 @@ An experiment names the claim (paper, arXiv id), the task and metric with its di
 set of `python -m eval` flags), which arms are compared (treatment against control, on the same items),
 the eval flags the two arms of a comparison may differ in (everything else, budgets included, is equal),
 and per-profile task settings: `quick` fits this project's 2-core CPU with OMP_NUM_THREADS=1 in a few
-minutes, `full` is the same experiment with more and longer items (hours on a CPU, minutes on a GPU).
+minutes, `full` is the same experiment with more and longer items (hours on this CPU; not run for the
+shipped reports).
 
 Settings follow the papers where they can (H2O's half-recent budget split, SnapKV's observation window,
 KIVI's group of 32, PyramidKV's small per-layer KV size) and are otherwise chosen where the claimed effect
@@ -129,7 +130,8 @@ register(Experiment(
           "which holds the question, retrieves a needle more often than the same selection made before the "
           "question is seen, at the same budget.",
     task="niah_single", metric="string_match", higher_is_better=True,
-    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.2"),
+    # Half the sequence: where SnapKV's selection answers some items exactly on this model (see the notes).
+    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5"),
     arms=(Arm("query-aware", ("--query_aware",)),
           Arm("query-agnostic", ("--no-query_aware",)),
           FULL_QUERY_AWARE),
@@ -140,7 +142,13 @@ register(Experiment(
            "question (query-agnostic by construction), so it cannot hold the query-aware arm. The cache has the "
            "same slots in both arms; in the query-agnostic one the question then evicts context tokens by H2O's "
            "rule.",
-           "heavy_hitter's prompt rule is SnapKV's (observation window 32, max-pooling kernel 7)."),
+           "heavy_hitter's prompt rule is SnapKV's (observation window 32, max-pooling kernel 7).",
+           "Budget: half of prompt + answer. The first run at 0.2 (~105 slots; docs/reproduce_2026-11-30/"
+           "first_budgets/snapkv) left the query-aware arm at 0 of 40 exact answers (query-agnostic 2 of 40): "
+           "SnapKV kept the needle's first digits only (25 of 40 query-aware answers began with its first 4 "
+           "digits, 4 of 40 query-agnostic ones), which RULER's all-digits string match scores 0. At 0.5 the "
+           "query-aware cache answers some items exactly (3 of 10 in a pilot of that arm alone), so the claim "
+           "can show."),
 ))
 
 register(Experiment(
@@ -149,8 +157,8 @@ register(Experiment(
     claim="At the same total budget, giving lower layers more KV slots and upper layers fewer (a pyramid) "
           "retrieves a needle more often than the same slots spread uniformly over the layers.",
     task="niah_single", metric="string_match", higher_is_better=True,
-    # 64 slots per layer on average: PyramidKV's smallest KV size, where it reports its largest gains.
-    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "64", "--query_aware"),
+    # Half the sequence per layer on average: the smallest budget tried where the uniform arm is off the floor.
+    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--query_aware"),
     arms=(Arm("pyramid", ("--cache_length_pattern", "pyramid")),
           Arm("uniform", ("--cache_length_pattern", "tile")),
           FULL_QUERY_AWARE),
@@ -160,7 +168,12 @@ register(Experiment(
     notes=("The pyramid's budgets fall linearly from 1.5x the mean at the first layer to 0.5x at the last, with "
            "exactly the uniform total (cache_spec.depth_scaled_budgets); PyramidKV's own schedule is set by its "
            "beta.",
-           "Prompt selection is SnapKV's (heavy_hitter's prompt rule) in both arms, as in the paper."),
+           "Prompt selection is SnapKV's (heavy_hitter's prompt rule) in both arms, as in the paper.",
+           "Budget: half of prompt + answer per layer on average. The first run at 64 slots per layer "
+           "(PyramidKV's smallest KV size; docs/reproduce_2026-11-30/first_budgets/pyramidkv) left both arms at 0 "
+           "of 40, which tests nothing; at 0.5 the uniform arm answers some items (3 of 10 in a pilot of that arm "
+           "alone). PyramidKV reports its largest gains at small budgets, so this is the harder side of its "
+           "claim."),
 ))
 
 register(Experiment(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from atomic_files import atomic_write, check_writable
+from errors import UserError
 from eval.compare import format_interval
 from eval.reproduce.runner import PASS, VERDICT_RULE, ArmResult, Outcome
 from eval.uncertainty import Interval
@@ -71,12 +72,13 @@ def arm_rows(outcome: Outcome, runs_dir: Path) -> list[dict]:
     rows = []
     for a in outcome.arms:
         row = {"experiment": exp.name, "arm": a.arm.label, "reference": a.arm.reference, "flags": arm_flags(a),
-               "metric": exp.metric, "mean": a.estimate.estimate, "ci_low": a.estimate.low,
-               "ci_high": a.estimate.high, "n": a.estimate.n}
+               "metric": exp.metric, "mean": a.estimate.estimate, "ci_low": a.estimate.to_dict()["low"],
+               "ci_high": a.estimate.to_dict()["high"], "n": a.estimate.n}
         for name in ("compression_ratio", *exp.extra_metrics):
             iv = run_interval(a.metrics, name)
             row[name] = iv.estimate if iv else None
-            row[f"{name}_ci_low"], row[f"{name}_ci_high"] = (iv.low, iv.high) if iv else (None, None)
+            bounds = iv.to_dict() if iv else {"low": None, "high": None}
+            row[f"{name}_ci_low"], row[f"{name}_ci_high"] = bounds["low"], bounds["high"]
         row.update({"seconds": a.metrics.get("seconds"), "reused": a.reused,
                     "run_dir": _relative(a.run_dir, runs_dir), "identity": a.metrics.get("identity")})
         rows.append(row)
@@ -191,18 +193,17 @@ def plot_png(outcome: Outcome) -> bytes:
     return buffer.getvalue()
 
 
-def result_json(outcome: Outcome, runs_dir: Path) -> str:
+def result_data(outcome: Outcome, runs_dir: Path) -> dict:
     exp = outcome.experiment
-    data = {"experiment": exp.name, "paper": exp.paper, "claim": exp.claim, "task": exp.task,
+    return {"experiment": exp.name, "paper": exp.paper, "claim": exp.claim, "task": exp.task,
             "metric": exp.metric, "higher_is_better": exp.higher_is_better, "profile": outcome.profile,
-            "profile_flags": list(exp.profiles[outcome.profile]), "date": date.today().isoformat(),
-            "verdict": outcome.verdict, "verdict_rule": VERDICT_RULE, "wall_seconds": outcome.wall_seconds,
-            "compute_seconds": outcome.compute_seconds, "command": outcome.command,
-            "arms": arm_rows(outcome, runs_dir),
+            "profile_flags": list(exp.profiles[outcome.profile]), "model": outcome.arms[0].metrics.get("model"),
+            "date": date.today().isoformat(), "verdict": outcome.verdict, "verdict_rule": VERDICT_RULE,
+            "wall_seconds": outcome.wall_seconds, "compute_seconds": outcome.compute_seconds,
+            "command": outcome.command, "arms": arm_rows(outcome, runs_dir),
             "comparisons": [{"treatment": c.comparison.treatment, "control": c.comparison.control,
                              "note": c.comparison.note, "difference": c.difference.to_dict(),
                              "verdict": c.verdict} for c in outcome.comparisons]}
-    return json.dumps(data, indent=2, default=str) + "\n"
 
 
 def csv_text(rows: list[dict]) -> str:
@@ -212,7 +213,7 @@ def csv_text(rows: list[dict]) -> str:
 def write_report(outcome: Outcome, out_dir: Path, runs_dir: Path, overwrite: bool) -> list[Path]:
     files = {"report.md": markdown(outcome, runs_dir), "plot.png": plot_png(outcome),
              "arms.csv": csv_text(arm_rows(outcome, runs_dir)), "items.csv": csv_text(item_rows(outcome)),
-             "result.json": result_json(outcome, runs_dir)}
+             "result.json": json.dumps(result_data(outcome, runs_dir), indent=2, default=str) + "\n"}
     return [atomic_write(out_dir / name, data, overwrite) for name, data in files.items()]
 
 
@@ -236,48 +237,79 @@ def console_text(outcome: Outcome) -> str:
 # ---- several experiments ----------------------------------------------------------------------------------
 
 
-def summary_rows(outcomes: list[Outcome]) -> list[dict]:
+def _interval(mean: float | None, low: float | None, high: float | None, n: int) -> Interval:
+    def num(v: float | None) -> float:
+        return math.nan if v is None else float(v)
+
+    return Interval(num(mean), num(low), num(high), int(n))
+
+
+def summary_rows(results: list[dict]) -> list[dict]:
+    """One row per comparison, from the experiments' result.json contents (so a summary can be rebuilt from
+    the reports alone, whenever each was run)."""
     rows = []
-    for o in outcomes:
-        exp = o.experiment
-        for c in o.comparisons:
-            t, k = o.result(c.comparison.treatment), o.result(c.comparison.control)
+    for r in results:
+        arms = {a["arm"]: a for a in r["arms"]}
+        for c in r["comparisons"]:
+            t, k, d = arms[c["treatment"]], arms[c["control"]], c["difference"]
             rows.append({
-                "experiment": exp.name, "paper": exp.paper, "claim": exp.claim, "metric": exp.metric,
-                "higher_is_better": exp.higher_is_better, "treatment": c.comparison.treatment,
-                "control": c.comparison.control, "treatment_value": format_interval(t.estimate),
-                "control_value": format_interval(k.estimate),
-                "difference": format_interval(c.difference, signed=True), "n": c.difference.n,
-                "compression": f"{_ratio(t)} / {_ratio(k)}", "comparison_verdict": c.verdict,
-                "verdict": o.verdict, "profile": o.profile, "wall_seconds": round(o.wall_seconds),
-                "compute_seconds": round(o.compute_seconds), "date": date.today().isoformat()})
+                "experiment": r["experiment"], "paper": r["paper"], "claim": r["claim"], "metric": r["metric"],
+                "higher_is_better": r["higher_is_better"], "treatment": c["treatment"], "control": c["control"],
+                "treatment_value": format_interval(_interval(t["mean"], t["ci_low"], t["ci_high"], t["n"])),
+                "control_value": format_interval(_interval(k["mean"], k["ci_low"], k["ci_high"], k["n"])),
+                "difference": format_interval(_interval(d["estimate"], d["low"], d["high"], d["n"]), signed=True),
+                "n": d["n"], "compression": f"{_ratio(t)} / {_ratio(k)}", "comparison_verdict": c["verdict"],
+                "verdict": r["verdict"], "profile": r["profile"],
+                "model": r.get("model") or t["run_dir"].split("/")[0],
+                "wall_seconds": round(r["wall_seconds"]), "compute_seconds": round(r["compute_seconds"]),
+                "date": r["date"]})
     return rows
 
 
-def _ratio(arm: ArmResult) -> str:
-    value = arm.metrics.get("compression_ratio")
+def _ratio(arm: dict) -> str:
+    value = arm.get("compression_ratio")
     return f"{value:.3f}" if isinstance(value, int | float) else "?"
 
 
-def summary_markdown(outcomes: list[Outcome]) -> str:
+def summary_markdown(results: list[dict]) -> str:
+    rows = summary_rows(results)
+    dates = ", ".join(sorted({r["date"] for r in rows}))
+    profiles = ", ".join(sorted({r["profile"] for r in rows}))
+    models = ", ".join(sorted({str(r["model"]) for r in rows}))
     lines = ["# Reproducing the papers' claims: summary", "",
-             f"{date.today().isoformat()}, profile `{outcomes[0].profile}`, model "
-             f"`{outcomes[0].arms[0].metrics.get('model', '?')}`. Values: mean over items [95% bootstrap CI]; Δ: "
+             f"{dates}, profile `{profiles}`, model `{models}`. Values: mean over items [95% bootstrap CI]; Δ: "
              "treatment − control on the same items (paired bootstrap) with n pairs; compression: measured, "
-             "treatment / control.", "", f"Verdict rule: {VERDICT_RULE}", "",
-             "| experiment | claim | metric | treatment | control | Δ [95% CI] (n) | compression | verdict | wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary_rows(outcomes):
+             "treatment / control; wall s: the experiment's invocation (runs it shared with an experiment run "
+             "before it in the same invocation were reused), run s: what its runs took when computed.", "",
+             f"Verdict rule: {VERDICT_RULE}", "",
+             "| experiment | claim | metric | treatment | control | Δ [95% CI] (n) | compression | verdict | wall s "
+             "| run s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         arrow = "↑" if r["higher_is_better"] else "↓"
         verdict = r["comparison_verdict"] if r["comparison_verdict"] == r["verdict"] else \
             f"{r['comparison_verdict']} (claim: {r['verdict']})"
         lines.append(f"| [{r['experiment']}]({r['experiment']}/report.md) | {r['paper']}: {r['claim']} | "
                      f"{r['metric']} {arrow} | {r['treatment']}: {r['treatment_value']} | "
                      f"{r['control']}: {r['control_value']} | {r['difference']} ({r['n']}) | {r['compression']} | "
-                     f"**{verdict}** | {r['wall_seconds']} |")
+                     f"**{verdict}** | {r['wall_seconds']} | {r['compute_seconds']} |")
     return "\n".join(lines) + "\n"
 
 
-def write_summary(outcomes: list[Outcome], out_dir: Path, overwrite: bool) -> list[Path]:
-    return [atomic_write(out_dir / "summary.md", summary_markdown(outcomes), overwrite),
-            atomic_write(out_dir / "summary.csv", csv_text(summary_rows(outcomes)), overwrite)]
+def read_results(root: Path, names: list[str]) -> list[dict]:
+    """The result.json of each named experiment found under `root` (registry order); others are skipped."""
+    found = []
+    for name in names:
+        path = root / name / "result.json"
+        if path.is_file():
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {path}: {e}") from None
+    if not found:
+        raise UserError(f"no experiment reports (NAME/result.json) under {root}")
+    return found
+
+
+def write_summary(results: list[dict], out_dir: Path, overwrite: bool) -> list[Path]:
+    return [atomic_write(out_dir / "summary.md", summary_markdown(results), overwrite),
+            atomic_write(out_dir / "summary.csv", csv_text(summary_rows(results)), overwrite)]
