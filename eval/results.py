@@ -58,7 +58,7 @@ REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 # Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
 # Sources that do not change a run's numbers (a trailing "/": a whole folder).
 NOT_COMPUTE = ("eval/plot.py", "eval/compare.py", "eval/replay.py", "eval/sweep.py", "eval/sweep_ray.py",
-               "eval/bench/", "train_gates.py")
+               "eval/bench/", "eval/reproduce/", "train_gates.py")
 
 
 

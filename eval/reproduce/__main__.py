@@ -1,0 +1,6 @@
+"""`python -m eval.reproduce`: see eval/reproduce/cli.py."""
+
+from errors import run_cli
+from eval.reproduce.cli import main
+
+run_cli(main)

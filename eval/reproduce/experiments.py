@@ -1,0 +1,225 @@
+"""The papers' headline claims as experiments: one declarative definition each (docs/DESIGN.md §8).
+
+An experiment names the claim (paper, arXiv id), the task and metric with its direction, the arms (each a
+set of `python -m eval` flags), which arms are compared (treatment against control, on the same items),
+the eval flags the two arms of a comparison may differ in (everything else, budgets included, is equal),
+and per-profile task settings: `quick` fits this project's 2-core CPU with OMP_NUM_THREADS=1 in a few
+minutes, `full` is the same experiment with more and longer items (hours on this CPU; not run for the
+shipped reports).
+
+Settings follow the papers where they can (H2O's half-recent budget split, SnapKV's observation window,
+KIVI's group of 32, PyramidKV's small per-layer KV size) and are otherwise chosen where the claimed effect
+is expected to show, never to make an arm win: a budget small enough that eviction happens, items enough
+that a 20-point accuracy gap or a large KL gap is resolved by the paired interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROFILES = ("quick", "full")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration: its `python -m eval` cache and task flags (task options come from the profile)."""
+
+    label: str
+    flags: tuple[str, ...]
+    # The budget (--max_cache_length) is set at run time to 1 − this arm's measured compression ratio, so
+    # arms whose compression cannot be set in advance (FastGen's adaptive heads) compare at equal compression.
+    match_compression_of: str | None = None
+    # Shown for context (the full cache's score on the same items), never compared.
+    reference: bool = False
+
+
+@dataclass(frozen=True)
+class Comparison:
+    treatment: str  # the arm the paper claims is better
+    control: str
+    note: str = ""  # what this comparison is about, when an experiment has several (e.g. "4 bits")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    paper: str  # "Name (Authors, arXiv id)"
+    claim: str  # one sentence
+    task: str
+    metric: str  # a per-item metric of the task (items.jsonl), compared on the same items
+    higher_is_better: bool
+    arms: tuple[Arm, ...]
+    comparisons: tuple[Comparison, ...]
+    # Eval flags (argparse dests) in which a comparison's two arms may differ: the thing the claim is about.
+    varies: frozenset[str]
+    profiles: dict[str, tuple[str, ...]]  # task options per profile
+    common: tuple[str, ...] = ()  # flags of every compared arm (not of reference arms)
+    extra_metrics: tuple[str, ...] = ()  # run-level metrics shown next to the headline (with their intervals)
+    notes: tuple[str, ...] = field(default_factory=tuple)  # how this setup departs from the paper, and why
+
+    def arm(self, label: str) -> Arm:
+        for arm in self.arms:
+            if arm.label == label:
+                return arm
+        raise KeyError(label)
+
+
+FIDELITY_EXTRAS = ("perplexity", "perplexity_delta", "top1_agreement")
+# Teacher forcing on a CPU costs two model steps per scored position (the compressed cache and the full
+# one, ~14 steps/s on one thread): the quick profiles score 512-1024 positions per arm in 8 windows, one to
+# two and a half minutes an arm. More, shorter windows: the interval is over windows, not positions.
+SHORT_WINDOWS = {"quick": ("--seq_len", "160", "--prefill_tokens", "32", "--limit", "8"),
+                 "full": ("--seq_len", "1024", "--prefill_tokens", "64", "--limit", "20")}
+# Needle items of ~512 tokens: 40 items resolve a 20-point gap with the paired interval; prefill and ~10
+# answer tokens take ~3 s an item (the query-agnostic arm feeds the question one token at a time: ~6 s).
+NEEDLES = {"quick": ("--seq_len", "512", "--max_new_tokens", "16", "--limit", "40"),
+           "full": ("--seq_len", "2048", "--max_new_tokens", "16", "--limit", "100")}
+FULL_QUERY_AWARE = Arm("full cache", ("--cache_strategy", "full", "--query_aware"), reference=True)
+
+EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register(experiment: Experiment) -> Experiment:
+    EXPERIMENTS[experiment.name] = experiment
+    return experiment
+
+
+register(Experiment(
+    name="streamingllm",
+    paper="StreamingLLM (Xiao et al., arXiv 2309.17453)",
+    claim="Keeping the first 4 tokens as attention sinks next to a sliding window keeps the next-token "
+          "distribution closer to the full cache than a pure sliding window of the same size once the text "
+          "outgrows the cache.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=("--cache_strategy", "recent_global", "--max_cache_length", "0.2"),
+    arms=(Arm("sinks + window", ("--global_tokens", "4")),
+          Arm("window", ("--global_tokens", "0"))),
+    comparisons=(Comparison("sinks + window", "window"),),
+    varies=frozenset({"global_tokens"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper re-assigns positions inside the cache; here keys keep their original RoPE positions "
+           "(docs/DESIGN.md §4), so this tests the sinks alone.",
+           "Perplexity in the paper, KL to the full cache here (per window, so text difficulty cancels); "
+           "perplexity is shown too."),
+))
+
+register(Experiment(
+    name="h2o",
+    paper="H2O (Zhang et al., arXiv 2306.14048)",
+    claim="Keeping heavy hitters (the tokens with the most accumulated attention) plus recent tokens keeps the "
+          "next-token distribution closer to the full cache than keeping only the most recent tokens, at the "
+          "same budget.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # H2O's split: half the budget for recent tokens. Both arms protect the 4 sinks, so this isolates what
+    # heavy hitters add beyond them (H2O's own baseline, a window without sinks, is streamingllm's control).
+    common=("--max_cache_length", "0.2", "--global_tokens", "4", "--recent_window", "0.5"),
+    arms=(Arm("heavy hitters", ("--cache_strategy", "heavy_hitter")),
+          Arm("recent window", ("--cache_strategy", "recent_global"))),
+    comparisons=(Comparison("heavy hitters", "recent window"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The prompt (32 tokens) fits the budget, so only decode-time eviction is compared.",
+           "Both arms keep the 4 sinks: H2O's own baseline (a window without sinks) is streamingllm's control, "
+           "so this is the harder test of what heavy hitters add."),
+))
+
+register(Experiment(
+    name="snapkv",
+    paper="SnapKV (Li et al., arXiv 2404.14469)",
+    claim="Choosing the prompt's KV entries by the attention of an observation window at the end of the prompt, "
+          "which holds the question, retrieves a needle more often than the same selection made before the "
+          "question is seen, at the same budget.",
+    task="niah_single", metric="string_match", higher_is_better=True,
+    # Half the sequence: where SnapKV's selection answers some items exactly on this model (see the notes).
+    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5"),
+    arms=(Arm("query-aware", ("--query_aware",)),
+          Arm("query-agnostic", ("--no-query_aware",)),
+          FULL_QUERY_AWARE),
+    comparisons=(Comparison("query-aware", "query-agnostic"),),
+    varies=frozenset({"query_aware"}),
+    profiles=NEEDLES,
+    notes=("Both arms use the decode protocol: `--protocol kvpress` compresses the context alone and appends the "
+           "question (query-agnostic by construction), so it cannot hold the query-aware arm. The cache has the "
+           "same slots in both arms; in the query-agnostic one the question then evicts context tokens by H2O's "
+           "rule.",
+           "heavy_hitter's prompt rule is SnapKV's (observation window 32, max-pooling kernel 7).",
+           "Budget: half of prompt + answer. The first run at 0.2 (~105 slots; docs/reproduce_2026-11-30/"
+           "first_budgets/snapkv) left the query-aware arm at 0 of 40 exact answers (query-agnostic 2 of 40): "
+           "SnapKV kept the needle's first digits only (25 of 40 query-aware answers began with its first 4 "
+           "digits, 4 of 40 query-agnostic ones), which RULER's all-digits string match scores 0. At 0.5 the "
+           "query-aware cache answers some items exactly (3 of 10 in a pilot of that arm alone), so the claim "
+           "can show."),
+))
+
+register(Experiment(
+    name="pyramidkv",
+    paper="PyramidKV (Cai et al., arXiv 2406.02069)",
+    claim="At the same total budget, giving lower layers more KV slots and upper layers fewer (a pyramid) "
+          "retrieves a needle more often than the same slots spread uniformly over the layers.",
+    task="niah_single", metric="string_match", higher_is_better=True,
+    # Half the sequence per layer on average: the smallest budget tried where the uniform arm is off the floor.
+    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--query_aware"),
+    arms=(Arm("pyramid", ("--cache_length_pattern", "pyramid")),
+          Arm("uniform", ("--cache_length_pattern", "tile")),
+          FULL_QUERY_AWARE),
+    comparisons=(Comparison("pyramid", "uniform"),),
+    varies=frozenset({"cache_length_pattern"}),
+    profiles=NEEDLES,
+    notes=("The pyramid's budgets fall linearly from 1.5x the mean at the first layer to 0.5x at the last, with "
+           "exactly the uniform total (cache_spec.depth_scaled_budgets); PyramidKV's own schedule is set by its "
+           "beta.",
+           "Prompt selection is SnapKV's (heavy_hitter's prompt rule) in both arms, as in the paper.",
+           "Budget: half of prompt + answer per layer on average. The first run at 64 slots per layer "
+           "(PyramidKV's smallest KV size; docs/reproduce_2026-11-30/first_budgets/pyramidkv) left both arms at 0 "
+           "of 40, which tests nothing; at 0.5 the uniform arm answers some items (3 of 10 in a pilot of that arm "
+           "alone). PyramidKV reports its largest gains at small budgets, so this is the harder side of its "
+           "claim."),
+))
+
+register(Experiment(
+    name="fastgen",
+    paper="FastGen (Ge et al., arXiv 2310.01801)",
+    claim="Choosing a compression policy per attention head from a profile of the prompt keeps the next-token "
+          "distribution closer to the full cache than the best single policy at the same measured compression.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # FastGen's candidate order (the hybrid's defaults) with recovery threshold T = 0.9; the single policies
+    # keep 4 sinks and, for heavy hitters, H2O's half-recent split. Flags a strategy does not read are inert.
+    common=("--global_tokens", "4", "--recent_window", "0.5", "--min_recovery_frac", "0.9"),
+    arms=(Arm("fastgen", ("--cache_strategy", "hybrid", "--max_cache_length", "1.0")),
+          Arm("heavy hitters", ("--cache_strategy", "heavy_hitter"), match_compression_of="fastgen"),
+          Arm("recent window", ("--cache_strategy", "recent_global"), match_compression_of="fastgen")),
+    comparisons=(Comparison("fastgen", "heavy hitters"), Comparison("fastgen", "recent window")),
+    varies=frozenset({"cache_strategy", "max_cache_length"}),
+    # FastGen profiles the prompt: a 128-token prompt, then 96 teacher-forced positions.
+    profiles={"quick": ("--seq_len", "224", "--prefill_tokens", "128", "--limit", "8"),
+              "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")},
+    extra_metrics=FIDELITY_EXTRAS,
+    notes=("FastGen's compression is measured, not set: the single policies' budget is 1 − FastGen's measured "
+           "compression ratio (mean over windows), and both measured ratios are reported side by side.",
+           "'Best single policy': the claim holds only if FastGen beats each of them (the verdict is the "
+           "conjunction of both comparisons)."),
+))
+
+_KIVI = ("--cache_quantization", "kivi", "--q_group_size", "32", "--residual_length", "32")
+register(Experiment(
+    name="kivi",
+    paper="KIVI (Liu et al., arXiv 2402.02750)",
+    claim="Quantizing keys per channel (values per token, the newest tokens in full precision) keeps the "
+          "next-token distribution closer to the full cache than per-token quantization at the same bit width.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=("--cache_strategy", "full"),
+    arms=(Arm("kivi 4-bit", ("--cache_bits", "4", *_KIVI)),
+          Arm("per-token 4-bit", ("--cache_bits", "4", "--cache_quantization", "per_token")),
+          Arm("kivi 2-bit", ("--cache_bits", "2", *_KIVI)),
+          Arm("per-token 2-bit", ("--cache_bits", "2", "--cache_quantization", "per_token"))),
+    comparisons=(Comparison("kivi 4-bit", "per-token 4-bit", "4 bits"),
+                 Comparison("kivi 2-bit", "per-token 2-bit", "2 bits")),
+    varies=frozenset({"cache_quantization", "q_group_size", "residual_length"}),
+    profiles={"quick": ("--seq_len", "160", "--prefill_tokens", "96", "--limit", "8"),
+              "full": ("--seq_len", "1024", "--prefill_tokens", "128", "--limit", "20")},
+    extra_metrics=FIDELITY_EXTRAS,
+    notes=("KIVI's group of 32 tokens and the smallest residual (32 tokens in full precision) keep the bit "
+           "budgets close; the residual still costs KIVI some compression, reported side by side.",
+           "The full cache (no eviction) isolates storage; the claim is tested at 4 and at 2 bits, and holds "
+           "only if it holds at both."),
+))

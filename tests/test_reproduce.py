@@ -1,0 +1,226 @@
+"""`python -m eval.reproduce`: the verdict rule, the experiments' arms as eval flags, bad input, and one run
+end to end on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from errors import UserError
+from eval import cli as eval_cli
+from eval.reproduce import cli, runner
+from eval.reproduce.experiments import EXPERIMENTS, PROFILES
+from eval.reproduce.runner import FAIL, INCONCLUSIVE, PASS, combine, verdict
+from eval.tasks import TASKS
+from eval.uncertainty import Interval, paired_difference
+from tests.conftest import ROOT
+
+RUNS = Path("/nonexistent-runs")  # parsing never writes; a path that cannot exist shows it
+
+
+# ---- the verdict rule ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interval, higher, expected", [
+    (Interval(0.2, 0.05, 0.35, 40), True, PASS),  # entirely above 0, claimed above
+    (Interval(0.2, 0.05, 0.35, 40), False, FAIL),  # the same interval when lower was claimed
+    (Interval(-0.3, -0.5, -0.1, 8), False, PASS),  # KL went down, as claimed
+    (Interval(-0.3, -0.5, -0.1, 8), True, FAIL),
+    (Interval(0.1, -0.02, 0.2, 40), True, INCONCLUSIVE),  # straddles 0
+    (Interval(0.1, 0.0, 0.2, 40), True, INCONCLUSIVE),  # touches 0: not entirely on one side
+    (Interval(0.0, 0.0, 0.0, 40), False, INCONCLUSIVE),  # no difference at all
+    (Interval(0.5, math.nan, math.nan, 1), True, INCONCLUSIVE),  # one item: no interval
+])
+def test_verdict_from_interval(interval: Interval, higher: bool, expected: str) -> None:
+    assert verdict(interval, higher) == expected
+
+
+def test_verdict_on_two_items_is_their_sign() -> None:
+    """With two items the bootstrap means are d1, (d1+d2)/2, d2 with probability 1/4, 1/2, 1/4, so the 2.5% and
+    97.5% percentiles are exactly min(d) and max(d): the verdict is PASS iff both differences have the claimed
+    sign."""
+    both = paired_difference([0.5, 0.9], [0.4, 0.6])  # differences 0.1 and 0.3
+    assert (both.low, both.high) == pytest.approx((0.1, 0.3))
+    assert verdict(both, higher_is_better=True) == PASS
+    mixed = paired_difference([0.3, 0.9], [0.4, 0.6])  # -0.1 and +0.3
+    assert (mixed.low, mixed.high) == pytest.approx((-0.1, 0.3))
+    assert verdict(mixed, higher_is_better=True) == INCONCLUSIVE
+    assert verdict(paired_difference([0.1, 0.2], [0.4, 0.6]), higher_is_better=True) == FAIL
+
+
+def test_verdict_on_twenty_items_by_the_binomial() -> None:
+    """19 items improve by 1, one worsens by 1. A resample with k copies of the bad item has mean 1 − 2k/20,
+    k ~ Binomial(20, 1/20): P(k ≥ 4) = 0.016 < 0.025 < P(k ≥ 3) = 0.075, so the lower bound is about
+    1 − 6/20 = 0.7 (0.6 to 0.7 with the resampling noise), well above 0: PASS."""
+    d = paired_difference([1.0] * 19 + [0.0], [0.0] * 19 + [1.0])
+    assert d.estimate == pytest.approx(0.9)
+    assert 0.6 - 1e-9 <= d.low <= 0.7 + 1e-9
+    assert verdict(d, higher_is_better=True) == PASS
+    assert verdict(d, higher_is_better=False) == FAIL
+
+
+@pytest.mark.parametrize("verdicts, expected", [
+    ([PASS], PASS), ([PASS, PASS], PASS), ([PASS, INCONCLUSIVE], INCONCLUSIVE), ([PASS, FAIL], FAIL),
+    ([INCONCLUSIVE, FAIL], FAIL), ([INCONCLUSIVE], INCONCLUSIVE),
+])
+def test_a_claim_with_several_comparisons_needs_them_all(verdicts: list[str], expected: str) -> None:
+    assert combine(verdicts) == expected
+
+
+# ---- the experiments' arms --------------------------------------------------------------------------------
+
+
+def test_the_six_claims_are_registered() -> None:
+    assert {"streamingllm", "h2o", "snapkv", "pyramidkv", "fastgen", "kivi"} <= set(EXPERIMENTS)
+    for exp in EXPERIMENTS.values():
+        assert "arXiv " in exp.paper and exp.claim.endswith(".")
+        assert exp.task in TASKS and set(exp.profiles) == set(PROFILES)
+        # The declared direction is the task's own.
+        assert exp.higher_is_better == (exp.metric not in TASKS[exp.task].lower_is_better), exp.name
+
+
+def parsed(exp, arm, profile: str) -> dict:
+    return vars(eval_cli.parse_args(runner.arm_argv(exp, arm, profile, RUNS, [])))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_arms_parse_and_differ_only_in_what_the_claim_is_about(name: str, profile: str) -> None:
+    exp = EXPERIMENTS[name]
+    runner.check_experiment(exp, profile, RUNS, [])
+    args = {arm.label: parsed(exp, arm, profile) for arm in exp.arms}
+    for a in args.values():
+        assert a["tasks"] == [exp.task] and a["baseline"] is False and a["out_dir"] == str(RUNS)
+    for c in exp.comparisons:
+        t, k = args[c.treatment], args[c.control]
+        differ = {key for key in t if t[key] != k[key]}
+        assert differ, f"{name}: {c.treatment} and {c.control} are the same configuration"
+        assert differ <= exp.varies, f"{name}: {c.treatment} vs {c.control} also differ in {differ - exp.varies}"
+        if "max_cache_length" in differ:  # only at a budget matched to the treatment's measured compression
+            assert exp.arm(c.control).match_compression_of == c.treatment
+        else:
+            assert t["max_cache_length"] == k["max_cache_length"]
+        assert t["cache_bits"] == k["cache_bits"]
+        # The same items: every task option is equal (query_aware aside, which keeps the same tokens).
+        task_options = set(TASKS[exp.task].reads) - {"query_aware"}
+        assert {o: t[o] for o in task_options} == {o: k[o] for o in task_options}
+
+
+def test_pyramid_and_uniform_hold_the_same_total() -> None:
+    from cache_spec import resolve_cache_spec
+
+    exp = EXPERIMENTS["pyramidkv"]
+    totals = {}
+    for label in ("pyramid", "uniform"):
+        args = eval_cli.parse_args(runner.arm_argv(exp, exp.arm(label), "quick", RUNS, []))
+        budgets = [s.max_cache_length for s in resolve_cache_spec(args, 30, 500, 16)]
+        totals[label] = sum(budgets)
+        if label == "pyramid":
+            assert budgets[0] > budgets[-1] and budgets == sorted(budgets, reverse=True)
+        else:
+            assert len(set(budgets)) == 1
+    assert totals["pyramid"] == totals["uniform"] == 30 * round(0.5 * (500 + 16))
+
+
+def test_matched_budget_is_one_minus_the_measured_compression() -> None:
+    exp = EXPERIMENTS["fastgen"]
+    source = runner.ArmResult(exp.arm("fastgen"), [], Path("."), {"compression_ratio": 0.18234}, {},
+                              Interval(0, 0, 0, 2), True)
+    assert runner.matched_budget(source) == pytest.approx(0.818)
+    argv = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [], runner.matched_budget(source))
+    assert eval_cli.parse_args(argv).max_cache_length == [pytest.approx(0.818)]
+
+
+def test_overrides_replace_the_profiles_flags() -> None:
+    exp = EXPERIMENTS["h2o"]
+    argv = runner.arm_argv(exp, exp.arms[0], "quick", RUNS, ["--limit", "2"])
+    assert argv.count("--limit") == 1 and argv[argv.index("--limit") + 1] == "2"
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nope"], "unknown experiment 'nope'"),
+    (["h2o", "--profile", "huge"], "invalid choice: 'huge'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "eval.reproduce", *argv, "--runs_dir", str(tmp_path / "runs")],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "name an experiment"),
+    (["--list", "h2o"], "--list takes no experiment names"),
+    (["h2o", "--limit", "0"], "--limit must be ≥ 1"),
+    (["all", "nope"], "unknown experiment 'nope'"),
+])
+def test_bad_input_raises_user_error(argv: list[str], message: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=message):
+        cli.main([*argv, "--runs_dir", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_existing_report_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("earlier\n")
+    with pytest.raises(UserError, match="exists; pass --overwrite"):
+        cli.main(["h2o", "--out_dir", str(out), "--runs_dir", str(tmp_path / "runs"),
+                  "--checkpoint_path", str(tmp_path / "no-model")])
+    assert (out / "report.md").read_text() == "earlier\n" and not (tmp_path / "runs").exists()
+
+
+def test_list_and_dry_run_name_every_arm(capsys: pytest.CaptureFixture) -> None:
+    cli.main(["--list"])
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in EXPERIMENTS)
+    cli.main(["all", "--dry_run", "--runs_dir", str(RUNS)])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m eval ")]
+    assert len(commands) == sum(len(e.arms) for e in EXPERIMENTS.values())
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_on_the_tiny_model(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, runs = tmp_path / "reports" / "streamingllm", tmp_path / "runs"
+    argv = ["streamingllm", "--limit", "3", "--checkpoint_path", str(tiny_dir), "--out_dir", str(out),
+            "--runs_dir", str(runs)]
+    (outcome,) = cli.main(argv)
+    printed = capsys.readouterr().out
+    assert EXPERIMENTS["streamingllm"].claim in printed and f"verdict: {outcome.verdict}" in printed
+    assert {p.name for p in out.iterdir()} == {"report.md", "plot.png", "arms.csv", "items.csv", "result.json"}
+    result = json.loads((out / "result.json").read_text())
+    # The verdict again, from the per-item scores the report wrote (the same items, paired by key).
+    items = pd.read_csv(out / "items.csv")
+    sinks, window = (items[items["arm"] == a].set_index("item_key")["kl_mean"] for a in ("sinks + window", "window"))
+    assert len(sinks) == 3 and set(sinks.index) == set(window.index)
+    diff = paired_difference(sinks.to_numpy(), window.loc[sinks.index].to_numpy())
+    assert result["comparisons"][0]["difference"]["estimate"] == pytest.approx(diff.estimate)
+    assert result["verdict"] == verdict(diff, higher_is_better=False) == outcome.verdict
+    report = (out / "report.md").read_text()
+    assert f"**Verdict: {outcome.verdict}**" in report and "python -m eval.reproduce streamingllm" in report
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Never replaced silently; with --overwrite the finished runs are reused, not computed again.
+    with pytest.raises(UserError, match="exists"):
+        cli.main(argv)
+    (again,) = cli.main([*argv, "--overwrite"])
+    assert all(a.reused for a in again.arms) and again.verdict == outcome.verdict
+    # A summary rebuilt from the reports alone.
+    cli.main(["--summarize", "--out_dir", str(tmp_path / "reports")])
+    summary = (tmp_path / "reports" / "summary.md").read_text()
+    assert "[streamingllm](streamingllm/report.md)" in summary and f"**{outcome.verdict}**" in summary
+    with pytest.raises(UserError, match="no experiment reports"):
+        cli.main(["--summarize", "--out_dir", str(tmp_path / "nothing")])
