@@ -50,7 +50,9 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
                         "and answer go through it (query-agnostic unless --query_aware); kvpress: as kvpress and "
                         "RULER's tables: each item's context is compressed once to the budget (a fraction of that "
                         "context, or tokens), the question is appended uncompressed in one forward step, and "
-                        "nothing is evicted while answering (generation tasks)")
+                        "nothing is evicted while answering (generation tasks); with --query_aware, the SnapKV "
+                        "paper's setting: context and question are compressed together to the context's budget + "
+                        "the question's length (the same slots), then nothing is evicted while answering")
     g.add_argument("--decode_first_token", action="store_true",
                    help="feed the last prompt token through the decode path, so the first answer token "
                         "is computed over the compressed cache")

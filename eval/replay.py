@@ -20,7 +20,7 @@ from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.harness import Runtime, Timings, attach_caches, cache_specs, greedy_answer
 from eval.tasks import get_task
-from eval.tasks.base import Example, GenerationTask, kvpress_budgets
+from eval.tasks.base import Example, GenerationTask, kvpress_budgets, kvpress_prompt_budget
 
 
 def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
@@ -49,7 +49,9 @@ def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: ob
     ids = item["context_ids"] + item["question_ids"]
     kvpress = task.options.get("protocol") == "kvpress"
     if kvpress:  # this item's context budget, in caches of the run's slots (sized from all its items)
-        budget = kvpress_budgets(args, [(ids, len(item["context_ids"]))])[0]
+        n_context = len(item["context_ids"])
+        budget = kvpress_prompt_budget(kvpress_budgets(args, [(ids, n_context)])[0], len(ids), item["n_prefill"],
+                                       n_context)
         slots = float(config["cache_spec"][0]["max_cache_length"])
         args = argparse.Namespace(**{**vars(args), "max_cache_length": [slots], "cache_length_pattern": "tile"})
     rt = Runtime(model, tokenizer, args, progress=True)

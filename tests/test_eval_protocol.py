@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from cache import KVCache
 from errors import UserError
 from eval import cli, replay, results
 from generate import decode_one_token, prefill
@@ -76,9 +77,32 @@ def test_kvpress_protocol_compresses_each_context_to_its_budget_and_never_evicts
     assert replay.same_kept(again["kept_positions"], items[1]["kept_positions"])
 
 
+def test_kvpress_protocol_query_aware_compresses_context_and_question_to_the_same_slots(tiny_dir, tmp_path):
+    """SnapKV's setting: the whole prompt is prefilled and compressed to the context's budget + the question's
+    length (the slots the query-agnostic arm uses), with the question in the observation window."""
+    cli.main(kvpress_flags(tiny_dir, tmp_path, "--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25",
+                           "--global_tokens", "2", "--recent_window", "4", "--query_aware", "--no-baseline"))
+    run = next(p.parent for p in tmp_path.glob("*/*/*/metrics.json"))
+    items = results.read_items(run)
+    for it in items:
+        n_context, n_question = len(it["context_ids"]), len(it["question_ids"])
+        assert it["n_prefill"] == n_context + n_question
+        for layer in it["kept_positions"]:
+            held = layer >= 0
+            assert (held.sum(axis=1) == round(0.25 * n_context) + n_question).all()
+            n = n_context + n_question
+            window = set(range(n - min(KVCache.snapkv_window, n_question), n))  # SnapKV's observation window
+            for head in range(layer.shape[0]):
+                assert window <= set(layer[head][held[head]])
+    model, tokenizer = cli.load_model(str(tiny_dir), "cpu", torch.float32)
+    again = replay.replay_item(run, 0, model, tokenizer)
+    assert again["output_ids"] == items[0]["output_ids"]
+    assert replay.same_kept(again["kept_positions"], items[0]["kept_positions"])
+
+
 @pytest.mark.parametrize(("more", "message"), [
     (["--tasks", "fidelity"], "applies to tasks that answer"),
-    (["--query_aware"], "does not combine"),
+    (["--decode_first_token"], "does not combine"),
     (["--max_cache_length", "0.5", "0.25"], "one --max_cache_length"),
 ])
 def test_kvpress_protocol_refuses_what_it_cannot_mean(tiny_dir, tmp_path, more, message):

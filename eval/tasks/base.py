@@ -213,10 +213,13 @@ class GenerationTask(Task):
         timings, predictions, stats, items = Timings(), [], [], []
         for i, (ex, (ids, n_context)) in enumerate(tqdm(list(zip(examples, encoded, strict=True)),
                                                      desc=self.name, leave=False, disable=rt.progress)):
-            if kvpress:  # the context alone is compressed, to this item's budget; the question is appended
-                n_prefill = n_context
+            if kvpress:
+                # The context alone is compressed, to this item's budget, and the question appended; query-aware
+                # (SnapKV's setting): the whole prompt is compressed to the same slots, budget + question.
+                n_prefill = len(ids) if self.options["query_aware"] else n_context
+                budget = kvpress_prompt_budget(context_budgets[i], len(ids), n_prefill, n_context)
                 for cache in caches:
-                    cache.configure(prompt_budget=context_budgets[i])
+                    cache.configure(prompt_budget=budget)
             else:
                 n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
                                            self.options["decode_first_token"], prefill_limit(rt, specs))
@@ -241,9 +244,9 @@ class GenerationTask(Task):
 def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int]]) -> list[int]:
     """Each item's context budget under the kvpress protocol: --max_cache_length as a fraction of that
     item's context (or tokens), as kvpress sizes a press per input. The full cache keeps every token."""
-    if args.query_aware or args.decode_first_token or getattr(args, "feed_long_prompts", False):
-        raise UserError("--protocol kvpress compresses the context alone and appends the question: it does not "
-                        "combine with --query_aware, --decode_first_token or --feed_long_prompts")
+    if args.decode_first_token or getattr(args, "feed_long_prompts", False):
+        raise UserError("--protocol kvpress compresses the prompt once and answers without evicting: it does not "
+                        "combine with --decode_first_token or --feed_long_prompts")
     if len(args.max_cache_length) != 1 or args.cache_length_pattern not in ("tile", "repeat"):
         raise UserError("--protocol kvpress takes one --max_cache_length (per item, of its context) and no "
                         "funnel / pyramid pattern")
@@ -253,6 +256,12 @@ def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int
         return [n_context for _, n_context in encoded]
     return [min(tokens_from_budget(args.max_cache_length[0], n_context, "--max_cache_length"), n_context)
             for _, n_context in encoded]
+
+
+def kvpress_prompt_budget(context_budget: int, n_tokens: int, n_prefill: int, n_context: int) -> int:
+    """What the kvpress protocol compresses a prefill of `n_prefill` tokens to: the context's budget, plus the
+    question when it is prefilled with the context (query-aware), so both settings use the same slots."""
+    return context_budget + (n_tokens - n_context if n_prefill == n_tokens else 0)
 
 
 def kvpress_cache_args(args: argparse.Namespace, encoded: list[tuple[list[int], int]], budgets: list[int],
