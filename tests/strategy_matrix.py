@@ -13,7 +13,7 @@ from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
 from debug_cache import DebugCache
 from errors import CliParser
 from gates import attach_random_gates
-from generate import prefill
+from generate import decode_one_token, prefill
 from strategies import CACHE_STRATEGIES
 
 PROMPT, NEW = 24, 16
@@ -82,3 +82,16 @@ def run(model, ids, step_fn, check) -> None:
     for p in range(PROMPT, TOTAL):
         step_fn(model, ids[:, p : p + 1], torch.tensor([p], device=ids.device))
         check(p)
+
+
+def prompt_then_rest(model, ids: torch.Tensor, chunk: bool, prompt: int = 16) -> torch.Tensor:
+    """Prefill the first `prompt` tokens of `ids` on reset caches, then feed positions prompt..PROMPT-1 as one
+    appended chunk (KVCache.append) or one decode step each; the last position's logits."""
+    with torch.inference_mode():
+        model.reset_caches()
+        prefill(model, ids[:, :prompt])
+        if chunk:
+            return model(ids[:, prompt:PROMPT], torch.arange(prompt, PROMPT), append=True)[:, -1]
+        for p in range(prompt, PROMPT):
+            out = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))
+        return out

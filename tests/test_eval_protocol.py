@@ -12,13 +12,12 @@ import torch
 from cache import KVCache
 from errors import UserError
 from eval import cli, replay, results
-from generate import decode_one_token, prefill
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     )
-from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, token_ids
+from tests.strategy_matrix import ALL, STORAGES, attach, cache_args, prompt_then_rest, token_ids
 
 
 @pytest.mark.parametrize("storage", sorted(STORAGES))
@@ -29,15 +28,7 @@ def test_a_chunk_appended_after_the_prompt_equals_feeding_it_token_by_token(stra
     for chunk in (False, True):
         model = make_tiny_model()
         attach(model, cache_args(strategy, "40", storage))  # room for every token: nothing is evicted
-        with torch.inference_mode():
-            model.reset_caches()
-            prefill(model, ids[:, :16])
-            if chunk:
-                out = model(ids[:, 16:PROMPT], torch.arange(16, PROMPT), append=True)[:, -1]
-            else:
-                for p in range(16, PROMPT):
-                    out = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))
-        logits.append(out)
+        logits.append(prompt_then_rest(model, ids, chunk))
     torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
 
 

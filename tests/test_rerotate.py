@@ -30,7 +30,17 @@ from generate import compile_decode_step, decode_one_token, prefill
 from rerotation import check_budgets, query_ranks, slot_ranks
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import one_thread  # noqa: F401  (an autouse fixture: one torch thread)
-from tests.strategy_matrix import ALL, NEW, PROMPT, STRATEGIES, TOTAL, attach, cache_args, token_ids
+from tests.strategy_matrix import (
+    ALL,
+    NEW,
+    PROMPT,
+    STRATEGIES,
+    TOTAL,
+    attach,
+    cache_args,
+    prompt_then_rest,
+    token_ids,
+)
 
 CONTEXT = 32  # the tiny model's context here: the prompt (24) fits, the whole sequence (40) does not
 BUDGET = "16"
@@ -231,15 +241,7 @@ def test_a_chunk_appended_past_the_context_equals_feeding_it_token_by_token(stra
         caches = attach(model, cache_args(strategy, "20", "dense", "--rerotate_positions"))
         for cache in caches:
             cache.configure(prompt_budget=10)
-        with torch.inference_mode():
-            model.reset_caches()
-            prefill(model, ids[:, :16])
-            if chunk:
-                out = model(ids[:, 16:PROMPT], torch.arange(16, PROMPT), append=True)[:, -1]
-            else:
-                for p in range(16, PROMPT):
-                    out = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))
-        logits.append(out)
+        logits.append(prompt_then_rest(model, ids, chunk))
     torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=0)
 
 
