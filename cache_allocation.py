@@ -44,7 +44,6 @@ from torch import Tensor
 from cache import KVCache
 from debug_cache import DebugCache, debug_strategy
 from errors import UserError
-from kv_storage import DENSE, StorageSpec
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES, get_strategy
 
@@ -61,22 +60,12 @@ class PooledCache(KVCache):
 
     pooled = True
 
-    def __init__(
-        self,
-        batch_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_cache_length: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        storage: StorageSpec = DENSE,
-        capacity_needed: int | None = None,
-        **hyperparameters: object,
-    ) -> None:
-        # The strategy sizes its buffers by max_cache_length: the pool, P = n_kv·L slots.
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int, *args: object,
+                 **kwargs: object) -> None:
+        # The strategy sizes its buffers by max_cache_length: the pool, P = n_kv·L slots (the rest of
+        # KVCache's arguments pass through unchanged).
         pool = n_kv_heads * max_cache_length
-        super().__init__(batch_size, n_kv_heads, head_dim, pool, dtype, device, storage,
-                         capacity_needed=capacity_needed, **hyperparameters)
+        super().__init__(batch_size, n_kv_heads, head_dim, pool, *args, **kwargs)
         self.max_cache_length = max_cache_length  # the per-head budget L: the average quota
         self.pool_slots = pool
         self.floor_fraction = float(self.hparams.get("adakv_floor", DEFAULT_FLOOR))
