@@ -150,8 +150,8 @@ class KVCache(nn.Module):
         Each token goes through `update_kv` so per-token state (scores, gates, KIVI flushes) is exactly a
         decode step's; attention statistics are not updated for a chunk. Returns (keys, values, mask)."""
         T = k.shape[2]
-        if int(self.filled.max()) + T > self.max_cache_length:
-            raise ValueError(f"a {self.name} cache of {self.max_cache_length} slots has no room for a chunk of {T}")
+        if self.room() < T:
+            raise ValueError(f"a {self.name} cache has room for {self.room()} tokens per head, not a chunk of {T}")
         for i in range(T):
             self.before_chunk_token(i)
             self.update_kv(input_pos[i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])

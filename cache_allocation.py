@@ -168,15 +168,6 @@ class PooledCache(KVCache):
         self.after_insert(slot, input_pos, k)
         return self.keys(), self.values(), self.mask
 
-    def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        T = k.shape[2]
-        if self.room() < T:
-            raise ValueError(f"a pooled {self.name} cache has no room for a chunk of {T} in every head")
-        for i in range(T):
-            self.before_chunk_token(i)
-            self.update_kv(input_pos[i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
-        return self.keys(), self.values(), self.mask
-
 
 def adakv_strategy(inner: type[KVCache]) -> type[KVCache]:
     """The pooled class of a head-specific strategy, made once; it reads the strategy's flags and
