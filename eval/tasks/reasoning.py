@@ -79,7 +79,7 @@ class Math(GenerationTask):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        if self.options["protocol"] != "decode":
+        if self.options["protocol"] not in (None, "decode"):
             raise UserError("math: the problem is the whole prompt, there is no context to compress before a "
                             "question; use --protocol decode (eviction while the answer is generated)")
         fmt = self.options["math_format"]
