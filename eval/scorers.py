@@ -7,6 +7,11 @@ dataset, the best over an item's references, averaged over items, x100. Each fun
 definition it follows; where the original leans on a package (`rouge`, `fuzzywuzzy`) the package's own
 definition is followed, so no new dependency is needed. Only `jieba`'s word segmentation is not
 re-implemented: the Chinese QA and summarisation datasets are refused rather than scored differently.
+
+kvpress (NVIDIA/kvpress `evaluation/benchmarks/{ruler,longbench}/calculate_metrics.py`) differs in two
+places: it deletes control characters from RULER predictions (RULER turns them into newlines, so a
+reference split by one matches only under kvpress), and its LongBench scorer strips all leading whitespace
+before taking the first line (LongBench strips newlines only; its LongBench-E scorer does too).
 """
 
 from __future__ import annotations
