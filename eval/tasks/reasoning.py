@@ -43,7 +43,7 @@ def detect_format(rows: list[dict], source: str) -> str:
         return "gsm8k"
     if "problem" in columns and ("answer" in columns or "solution" in columns):
         answers = [row.get(columns.get("answer", "")) for row in rows]
-        integers = all(isinstance(a, int) and not isinstance(a, bool) or isinstance(a, str) and a.strip().isdigit()
+        integers = all((isinstance(a, int) and not isinstance(a, bool)) or (isinstance(a, str) and a.strip().isdigit())
                        for a in answers)
         return "aime" if integers and "solution" not in columns else "math500"
     raise UserError(f"math: cannot tell the layout of {source} from its columns ({', '.join(map(str, rows[0]))}); "
