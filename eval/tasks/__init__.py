@@ -11,6 +11,7 @@ and import its module here.
 """
 
 from eval.tasks import dataset, fidelity, niah, variable_tracking, words  # noqa: F401  (registers the tasks)
+from eval.tasks import reasoning as reasoning  # noqa: F401  (registers math)
 from eval.tasks.base import TASKS, Example, Task, TaskResult, get_task, register_task
 
 __all__ = ["TASKS", "Example", "Task", "TaskResult", "get_task", "register_task"]
