@@ -68,6 +68,8 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context_column", default=None, help="qa / multiple_choice: a document before the question")
     g.add_argument("--answer_column", default=None, help="reference answer(s), or the right choice")
     g.add_argument("--choices_column", default=None, help="multiple_choice: the list of options")
+    g.add_argument("--math_format", choices=["math500", "aime", "gsm8k"], default=None,
+                   help="math: the layout of --dataset (default: detected from its columns)")
 
 
 def build_parser() -> argparse.ArgumentParser:
