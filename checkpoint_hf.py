@@ -5,6 +5,11 @@ gemma3_text (Gemma 3 text-only checkpoints), phi3. The config is read from the
 checkpoint; a key this loader does not know, or a known one set to something it does not implement, is
 refused with a UserError naming it: a silently ignored key could change the model's math.
 
+Every field the loader reads is checked for presence, type and consistency (one line naming the file and
+the field), a file shorter than its header says is "truncated at byte N of M", and every tensor is
+finite as it streams in (a NaN weight changes the greedy answer without a word) unless the caller allows
+non-finite weights.
+
 Weights are read straight from the files with plain `readinto` into each tensor's own buffer (no mmap,
 no safetensors handle keeping pages mapped), converted to the target device and dtype one tensor at a
 time, so loading never holds a second copy of the model in CPU memory. Sharded checkpoints
@@ -13,11 +18,14 @@ time, so loading never holds a second copy of the model in CPU memory. Sharded c
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import numbers
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from errors import UserError
@@ -58,14 +66,118 @@ _READ_KEYS = {
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-def read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    if not path.is_file():
-        raise UserError(f"{directory} has no config.json")
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object (config.json, the shard index), or a UserError naming the file."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if path.is_dir():
+        raise UserError(f"{path} is a directory, not a file")
+    if not path.is_file():
+        raise UserError(f"{directory} has no config.json")
+    return read_json_object(path)
+
+
+# ---- the fields hf_model_args reads: present, typed, consistent --------------------------------------------
+
+_REQUIRED_SIZES = ("num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size", "vocab_size")
+_SIZES = ("max_position_embeddings", "sliding_window_pattern", "_sliding_window_pattern")  # integers >= 1
+_NULLABLE_SIZES = ("num_key_value_heads", "head_dim")  # integers >= 1, or null: derived from the others
+_COUNTS = ("sliding_window", "max_window_layers")  # integers >= 0 (null: none)
+_POSITIVE = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar", "partial_rotary_factor")
+_NULLABLE_POSITIVE = ("final_logit_softcapping", "attn_logit_softcapping")
+_SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+             "use_bidirectional_attention", "lm_head_bias")
+_STRINGS = ("hidden_act", "hidden_activation")
+_MAPPINGS = ("rope_scaling", "rope_parameters")
+
+
+def _show(value: object) -> str:
+    text = json.dumps(value) if isinstance(value, str | int | float | bool | list | dict | None) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_positive(value: object) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _field_error(config: dict) -> str | None:
+    """What is wrong with the first field of the wrong type, or None."""
+    for key in _REQUIRED_SIZES:
+        if key not in config:
+            return f"{key} is missing"
+    checks = [(_REQUIRED_SIZES + _SIZES, False, lambda v: _is_int(v, 1), "an integer >= 1"),
+              (_NULLABLE_SIZES, True, lambda v: _is_int(v, 1), "an integer >= 1 or null"),
+              (_COUNTS, True, lambda v: _is_int(v, 0), "an integer >= 0 or null"),
+              (_POSITIVE, False, _is_positive, "a finite positive number"),
+              (_NULLABLE_POSITIVE, True, _is_positive, "a finite positive number or null"),
+              (_SWITCHES, True, lambda v: isinstance(v, bool), "true or false"),
+              (_STRINGS, False, lambda v: isinstance(v, str), "a string"),
+              (_MAPPINGS, True, lambda v: isinstance(v, dict), "a JSON object or null")]
+    for keys, nullable, ok, kind in checks:
+        for key in keys:
+            if key in config and not (ok(config[key]) or (nullable and config[key] is None)):
+                return f"{key} must be {kind}, got {_show(config[key])}"
+    layer_types = config.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
+        return f"layer_types must be a list of strings, got {_show(layer_types)}"
+    if not 0 < config.get("partial_rotary_factor", 1.0) <= 1:
+        return f"partial_rotary_factor must be in (0, 1], got {_show(config['partial_rotary_factor'])}"
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # read by tokenizer.py
+        value = config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(_is_int(v, 0) for v in ids):
+            return f"{key} must be a token id (an integer >= 0), a list of them, or null; got {_show(value)}"
+    return None
+
+
+def check_config_fields(config: dict, source: str) -> None:
+    """Every field hf_model_args reads: present when required, of its type, and consistent with the others."""
+    error = _field_error(config)
+    if error:
+        raise UserError(f"{source}: {error}")
+    n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if n_head % n_kv:
+        raise UserError(f"{source}: num_key_value_heads = {n_kv} does not divide num_attention_heads = {n_head}")
+    if not config.get("head_dim") and config["hidden_size"] % n_head:
+        raise UserError(f"{source}: hidden_size = {config['hidden_size']} is not a multiple of num_attention_heads "
+                        f"= {n_head} (and there is no head_dim)")
+
+
+def _check_rope(glob: dict, local: dict | None, kind: str, source: str) -> None:
+    """The RoPE parameters model.py reads for `kind`: present, finite, positive; llama3's ramp needs
+    low_freq_factor < high_freq_factor (it divides by their difference)."""
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")}.get(kind, ())
+    for name in needed:
+        if name not in glob:
+            raise UserError(f"{source}: RoPE scaling {kind!r} needs {name}, which is missing")
+    for params in (glob, local or {}):
+        for name in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings", "partial_rotary_factor"):
+            if name in params and not _is_positive(params[name]):
+                raise UserError(f"{source}: RoPE parameter {name} must be a finite positive number, got "
+                                f"{_show(params[name])}")
+    if kind == "llama3" and not glob["low_freq_factor"] < glob["high_freq_factor"]:
+        raise UserError(f"{source}: RoPE low_freq_factor ({glob['low_freq_factor']}) must be below high_freq_factor "
+                        f"({glob['high_freq_factor']})")
 
 
 def check_text_only(config: dict) -> None:
@@ -88,7 +200,10 @@ def _rope_settings(config: dict, model_type: str) -> tuple[dict, dict | None]:
     params = config.get("rope_parameters")
     if model_type == "gemma3_text":
         if isinstance(params, dict) and "full_attention" in params:
-            return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+            full, sliding = params["full_attention"], params.get("sliding_attention") or {}
+            if not isinstance(full, dict) or not isinstance(sliding, dict):
+                raise UserError("config.json: rope_parameters.full_attention and .sliding_attention must be objects")
+            return dict(full), dict(sliding)
         glob = {"rope_type": "default", "rope_theta": config.get("rope_theta", 1_000_000.0)}
         glob.update(config.get("rope_scaling") or {})
         return glob, {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
@@ -116,8 +231,9 @@ def _layer_types(config: dict, model_type: str, n_layer: int, window: int) -> li
     return ["sliding_attention" if window else "full_attention"] * n_layer  # mistral, phi3: every layer
 
 
-def hf_model_args(config: dict) -> ModelArgs:
-    """ModelArgs from a (text) config.json, or a UserError for anything this model does not implement."""
+def hf_model_args(config: dict, source: str = "config.json") -> ModelArgs:
+    """ModelArgs from a (text) config.json, or a UserError for anything this model does not implement;
+    `source` names the file in the messages."""
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise UserError(f"unsupported model_type {model_type!r} (supported: {', '.join(HF_MODEL_TYPES)})")
@@ -126,6 +242,7 @@ def hf_model_args(config: dict) -> ModelArgs:
         raise UserError("quantized checkpoints (config.json has quantization_config) are not supported")
     _refuse(bool(unknown), f"config.json has keys this loader does not implement: {', '.join(unknown)} "
                            "(they may change the model's math, so the checkpoint is refused)")
+    check_config_fields(config, source)
     gemma = model_type == "gemma3_text"
     act = config.get("hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
     _refuse(act not in _ACTIVATIONS, f"unsupported activation {act!r} (supported: {', '.join(_ACTIVATIONS)})")
@@ -159,6 +276,7 @@ def hf_model_args(config: dict) -> ModelArgs:
                   "original_max_position_embeddings", "partial_rotary_factor"}
     extra = sorted(set(glob) - known_rope)
     _refuse(bool(extra), f"unsupported RoPE parameters {', '.join(extra)}")
+    _check_rope(glob, local, kind, source)
     if local is not None:
         _refuse(local.get("rope_type", "default") != "default" or bool(set(local) - {"rope_type", "rope_theta"}),
                 f"unsupported RoPE parameters for sliding layers: {local}")
@@ -253,24 +371,69 @@ def map_tensor(key: str, tensor: torch.Tensor, args: ModelArgs) -> list[tuple[st
 # ---- streaming safetensors ---------------------------------------------------------------------------------
 
 
+def check_finite(tensor: torch.Tensor, name: str, source: str) -> None:
+    """Refuse a weight holding a NaN or an infinity: it changes the model's output without a word.
+
+    One reduction reads the tensor once without allocating a mask of its size: a sum is finite whenever
+    every entry is, except when finite entries overflow it, which the exact count then clears."""
+    if not tensor.is_floating_point():
+        return
+    accumulate = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    if math.isfinite(tensor.sum(dtype=accumulate).item()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise UserError(f"{source}: tensor {name} has {bad} non-finite values (NaN or inf) of {tensor.numel()}; "
+                        "refused (allow_non_finite=True loads it anyway)")
+
+
+def _header_entry_error(info: object) -> str | None:
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return "has no dtype"
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_int(d, 0) for d in shape):
+        return f"has a malformed shape {_show(shape)}"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o, 0) for o in offsets)
+            or offsets[0] > offsets[1]):
+        return f"has malformed data_offsets {_show(offsets)}"
+    return None
+
+
 def safetensors_header(path: Path) -> tuple[dict, int]:
-    """The tensor table of a .safetensors file and the offset its data starts at."""
+    """The tensor table of a .safetensors file and the offset its data starts at; a file shorter than
+    its header says is refused as truncated, at the byte it ends at."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if size <= 0 or size > 100 * 2**20:
-            raise UserError(f"{path.name} is not a safetensors file")
+        if size < 8:
+            raise UserError(f"{path} is not a safetensors file ({size} bytes)")
+        length = int.from_bytes(f.read(8), "little")
+        if length <= 0 or length > 100 * 2**20:
+            raise UserError(f"{path} is not a safetensors file")
+        if 8 + length > size:
+            raise UserError(f"{path} is truncated at byte {size} of at least {8 + length} (inside its header)")
         try:
-            header = json.loads(f.read(size))
+            header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{path.name} has a corrupt safetensors header") from None
+            raise UserError(f"{path} has a corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path} has a corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
-    return header, 8 + size
+    for name, info in header.items():
+        error = _header_entry_error(info)
+        if error:
+            raise UserError(f"{path}: the header entry of tensor {name} {error}")
+    expected = 8 + length + max((info["data_offsets"][1] for info in header.values()), default=0)
+    if size < expected:
+        raise UserError(f"{path} is truncated at byte {size} of {expected}")
+    return header, 8 + length
 
 
 def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{index}: weight_map must be an object mapping tensor names to file names")
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -282,8 +445,21 @@ def weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, int]]:
-    """(name, CPU tensor in the file's dtype, bytes read) for every tensor, in file order.
+def _read_into(f: io.RawIOBase, buffer: np.ndarray) -> int:
+    """Fill `buffer` from `f`; the bytes read (fewer only at the end of the file). One raw read returns at
+    most about 2 GiB on Linux, less than one large embedding matrix."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return done
+
+
+def iter_safetensors(files: list[Path], *, allow_non_finite: bool = False) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(name, CPU tensor in the file's dtype, bytes read) for every tensor, in file order; a tensor with a
+    NaN or an infinity is refused unless `allow_non_finite`.
 
     Each tensor is read into its own fresh buffer; nothing else of the file stays in this process.
     """
@@ -293,15 +469,19 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, int
             for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 dtype = SAFETENSORS_DTYPES.get(info["dtype"])
                 if dtype is None:
-                    raise UserError(f"unsupported tensor type {info['dtype']} for {name} in {path.name}")
+                    raise UserError(f"unsupported tensor type {info['dtype']} for {name} in {path}")
                 start, end = info["data_offsets"]
                 tensor = torch.empty(info["shape"], dtype=dtype)
                 buffer = tensor.view(-1).view(torch.uint8).numpy()
                 if buffer.nbytes != end - start:
-                    raise UserError(f"{path.name}: {name} has {end - start} bytes for shape {info['shape']}")
+                    raise UserError(f"{path}: {name} has {end - start} bytes for shape {info['shape']}")
                 f.seek(base + start)
-                if f.readinto(buffer) != buffer.nbytes:
-                    raise UserError(f"{path.name} is truncated (while reading {name})")
+                read = _read_into(f, buffer)
+                if read != buffer.nbytes:  # shrunk since its header was read
+                    raise UserError(f"{path} is truncated at byte {base + start + read} of {base + end} "
+                                    f"(while reading {name})")
+                if not allow_non_finite:
+                    check_finite(tensor, name, str(path))
                 yield name, tensor, end - start
 
 

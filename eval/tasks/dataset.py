@@ -1,4 +1,5 @@
-"""Tasks over rows loaded with `datasets`: a local JSON/JSONL/CSV/parquet file, or a hub name when online.
+"""Tasks over rows of a local JSON/JSONL/CSV/parquet file (parsed from its bytes, eval/data.py) or of a hub
+dataset when online (through `datasets`).
 Columns are mapped with flags: `--prompt_column` (the question), `--context_column` (optional: a document
 that query-agnostic runs compress before the question is seen), `--answer_column`, `--choices_column`.
 
