@@ -18,6 +18,7 @@ from tqdm import tqdm
 from errors import UserError
 from eval import cli, results
 from eval.compare import item_key
+from eval.reproduce import matching
 from eval.reproduce.experiments import Arm, Comparison, Experiment
 from eval.uncertainty import Interval, bootstrap_mean, paired_difference
 
@@ -64,7 +65,8 @@ class ArmResult:
     values: dict[str, float]  # item key -> the experiment's metric, in items.jsonl order
     estimate: Interval  # the metric's mean over items with its bootstrap interval
     reused: bool  # finished before this invocation (content-addressed), not computed now
-    budget: float | None = None  # a matched arm's budget, set from the other arm's measured compression
+    budget: int | None = None  # a matched arm's budget in tokens, from the other arm's measured compression
+    match: str = ""  # how that budget meets the matching rule (matching.describe_match)
 
 
 @dataclass
@@ -97,7 +99,7 @@ class Outcome:
 
 
 def arm_argv(experiment: Experiment, arm: Arm, profile: str, runs_dir: Path, overrides: list[str],
-             budget: float | None = None) -> list[str]:
+             budget: int | None = None) -> list[str]:
     """The `python -m eval` flags of one arm; argparse keeps the last value, so overrides come last."""
     flags = arm.flags if arm.reference else (*experiment.common, *arm.flags)
     if arm.match_compression_of is not None:
@@ -135,11 +137,18 @@ def check_experiment(experiment: Experiment, profile: str, runs_dir: Path, overr
         for label in (c.treatment, c.control):
             if label not in labels or experiment.arm(label).reference:
                 raise UserError(f"{experiment.name}: comparison arm {label!r} is not a compared arm")
+    compared = [a.label for a in experiment.arms if not a.reference]
+    common = matching.flag_dests(experiment.common)
+    for dest, arms in experiment.unread.items():
+        if dest not in common or not set(arms) <= set(compared):
+            raise UserError(f"{experiment.name}: unread {dest!r} names no flag of every compared arm or an unknown arm")
     for arm in experiment.arms:
         if arm.match_compression_of not in (None, *labels):
             raise UserError(f"{experiment.name}: {arm.label} is matched to unknown arm {arm.match_compression_of!r}")
         try:
-            cli.parse_args(arm_argv(experiment, arm, profile, runs_dir, overrides))
+            args = cli.parse_args(arm_argv(experiment, arm, profile, runs_dir, overrides))
+            if arm.match_compression_of is not None:
+                matching.check_matched_arm(args, arm.label)
         except UserError as e:
             raise UserError(f"{experiment.name}, arm {arm.label}: {e}") from None
 
@@ -180,13 +189,16 @@ def item_values(run_dir: Path, metric: str) -> dict[str, float]:
     return values
 
 
-def matched_budget(source: ArmResult) -> float:
-    """The budget fraction at which a fixed-budget cache holds what `source` held: 1 − its measured
-    compression (3 decimals; fidelity windows have equal lengths, so the ratios then agree to 1/window)."""
+def matched_budget(source: ArmResult, argv: list[str]) -> tuple[int, str]:
+    """(tokens, how it meets the rule): the budget at which the fixed-budget arm of `argv` has, over the scored
+    steps, the mean compression `source` measured (matching.MATCHING_RULE). eval records compression at the end
+    of each item, so the source's final ratio (mean over items) stands in for its mean over the steps."""
     ratio = source.metrics.get("compression_ratio")
     if not isinstance(ratio, int | float):
         raise UserError(f"{source.run_dir} has no measured compression_ratio to match")
-    return min(1.0, max(0.001, round(1.0 - float(ratio), 3)))
+    seen = matching.scored_seen(cli.parse_args(argv))
+    tokens = matching.matched_tokens(float(ratio), seen)
+    return tokens, matching.describe_match(tokens, seen, float(ratio), source.arm.label)
 
 
 def compare(experiment: Experiment, treatment: ArmResult, control: ArmResult, comparison: Comparison) -> \
@@ -209,12 +221,15 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     arms = ordered_arms(experiment)
     with tqdm(total=len(arms), desc=experiment.name, unit="arm") as bar:
         for arm in arms:
-            budget = matched_budget(done[arm.match_compression_of]) if arm.match_compression_of else None
+            budget, match = None, ""
+            if arm.match_compression_of:
+                placeholder = arm_argv(experiment, arm, profile, runs_dir, overrides)
+                budget, match = matched_budget(done[arm.match_compression_of], placeholder)
             argv = arm_argv(experiment, arm, profile, runs_dir, overrides, budget)
             path, metrics, reused = run_arm(argv)
             values = item_values(path, experiment.metric)
             done[arm.label] = ArmResult(arm, argv, path, metrics, values, bootstrap_mean(list(values.values())),
-                                        reused, budget)
+                                        reused, budget, match)
             bar.update()
     results.write_results_table(runs_dir)  # the runs can also be read with python -m eval.plot --out_dir
     comparisons = [compare(experiment, done[c.treatment], done[c.control], c) for c in experiment.comparisons]
