@@ -153,7 +153,11 @@ def test_the_matched_budget_equals_the_mean_compression_over_the_scored_steps() 
     placeholder = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [])
     tokens, text = runner.matched_budget(source, placeholder)
     assert tokens == min(mean, key=lambda n: abs(mean[n] - 0.18)) == 142
-    assert "0.178" in text and "142 tokens" in text
+    assert "0.178" in text and "142 tokens" in text and "final, standing in" in text
+    # Once eval records the mean over the scored steps, it is matched instead of the final ratio.
+    stepped = runner.ArmResult(exp.arm("fastgen"), [], Path("."),
+                               {"compression_ratio": 0.18, runner.STEPS_MEAN: 0.341}, {}, Interval(0, 0, 0, 2), True)
+    assert runner.matched_budget(stepped, placeholder)[0] == min(mean, key=lambda n: abs(mean[n] - 0.341)) == 113
     argv = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [], tokens)
     assert eval_cli.parse_args(argv).max_cache_length == [142]
     # The rule follows the profile: the full profile scores positions 256..1023.

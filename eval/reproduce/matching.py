@@ -92,4 +92,4 @@ def describe_match(tokens: int, seen: list[int], target: float, source: str) -> 
     """How a matched budget meets the rule, for the report."""
     whole = sum(1 for t in seen if t <= tokens)
     return (f"{tokens} tokens: mean compression {fixed_budget_compression(tokens, seen):.3f} over the {len(seen)} "
-            f"scored steps, {source}'s {target:.3f}; it holds every token for {whole} of them")
+            f"scored steps, {source} {target:.3f}; it holds every token for {whole} of them")

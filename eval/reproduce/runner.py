@@ -189,16 +189,21 @@ def item_values(run_dir: Path, metric: str) -> dict[str, float]:
     return values
 
 
+# Per item, the mean compression over the scored steps, when the task records it; else the final ratio.
+STEPS_MEAN = "compression_ratio_scored_mean"
+
+
 def matched_budget(source: ArmResult, argv: list[str]) -> tuple[int, str]:
     """(tokens, how it meets the rule): the budget at which the fixed-budget arm of `argv` has, over the scored
-    steps, the mean compression `source` measured (matching.MATCHING_RULE). eval records compression at the end
-    of each item, so the source's final ratio (mean over items) stands in for its mean over the steps."""
-    ratio = source.metrics.get("compression_ratio")
+    steps, the mean compression `source` measured (matching.MATCHING_RULE). Until eval records compression per
+    step (STEPS_MEAN), the source's final ratio (mean over items) stands in for its mean over the steps."""
+    ratio = source.metrics.get(STEPS_MEAN, source.metrics.get("compression_ratio"))
     if not isinstance(ratio, int | float):
         raise UserError(f"{source.run_dir} has no measured compression_ratio to match")
     seen = matching.scored_seen(cli.parse_args(argv))
     tokens = matching.matched_tokens(float(ratio), seen)
-    return tokens, matching.describe_match(tokens, seen, float(ratio), source.arm.label)
+    what = "mean over the scored steps" if STEPS_MEAN in source.metrics else "final, standing in for its mean"
+    return tokens, matching.describe_match(tokens, seen, float(ratio), f"{source.arm.label}'s ({what})")
 
 
 def compare(experiment: Experiment, treatment: ArmResult, control: ArmResult, comparison: Comparison) -> \
