@@ -3,6 +3,7 @@ end to end on the tiny random model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,10 +17,12 @@ import pytest
 from errors import UserError
 from eval import cli as eval_cli
 from eval.reproduce import cli, runner
-from eval.reproduce.experiments import EXPERIMENTS, PROFILES
+from eval.reproduce.experiments import EXPERIMENTS, PROFILES, Arm, Comparison, Experiment
+from eval.reproduce.report import common_text
 from eval.reproduce.runner import FAIL, INCONCLUSIVE, PASS, combine, verdict
 from eval.tasks import TASKS
 from eval.uncertainty import Interval, paired_difference
+from strategies import CACHE_STRATEGIES, get_strategy
 from tests.conftest import ROOT
 
 RUNS = Path("/nonexistent-runs")  # parsing never writes; a path that cannot exist shows it
@@ -169,8 +172,6 @@ def test_the_matched_budget_equals_the_mean_compression_over_the_scored_steps() 
 
 
 def test_a_matched_arm_needs_a_task_whose_scored_steps_are_known() -> None:
-    from eval.reproduce.experiments import Arm, Comparison, Experiment
-
     exp = Experiment(name="x", paper="P (A, arXiv 1)", claim="c.", task="niah_single", metric="string_match",
                      higher_is_better=True,
                      arms=(Arm("a", ("--cache_strategy", "hybrid")),
@@ -179,6 +180,15 @@ def test_a_matched_arm_needs_a_task_whose_scored_steps_are_known() -> None:
                      profiles=dict.fromkeys(PROFILES, ("--limit", "2")))
     with pytest.raises(UserError, match="arm b: a matched budget needs the fidelity task"):
         runner.check_experiment(exp, "quick", RUNS, [])
+
+
+def test_an_undeclared_inert_flag_is_refused() -> None:
+    exp = dataclasses.replace(EXPERIMENTS["h2o"], unread={})
+    with pytest.raises(UserError, match=r"arm recent window: its strategies do not read \['recent_window'\]"):
+        runner.check_experiment(exp, "quick", RUNS, [])
+    wrong = dataclasses.replace(EXPERIMENTS["h2o"], unread={"recent_window": ("heavy hitters",)})
+    with pytest.raises(UserError, match="arm heavy hitters: its strategies do not read \\[\\]"):
+        runner.check_experiment(wrong, "quick", RUNS, [])
 
 
 def option_dests(words: tuple[str, ...]) -> set[str]:
@@ -192,8 +202,6 @@ def test_flags_of_every_compared_arm_reach_it_or_the_experiment_says_which_do_no
     """A strategy reads only the hyper-parameters it declares (cache_spec hands it no others): a flag of
     `common` that is some strategy's hyper-parameter and not one of an arm's strategies' is inert there, and
     the experiment must declare it in `unread`, exactly."""
-    from strategies import CACHE_STRATEGIES, get_strategy
-
     exp = EXPERIMENTS[name]
     hyper = {h for cls in CACHE_STRATEGIES.values() for h in cls.hyperparameters}
     common = option_dests(exp.common) & hyper
@@ -207,8 +215,6 @@ def test_flags_of_every_compared_arm_reach_it_or_the_experiment_says_which_do_no
 
 
 def test_the_report_names_the_flags_an_arm_does_not_read() -> None:
-    from eval.reproduce.report import common_text
-
     exp = EXPERIMENTS["fastgen"]
     outcome = runner.Outcome(exp, "quick", [], [], PASS, 0.0, "")
     text = common_text(outcome)

@@ -80,6 +80,16 @@ def common_flags_unread(common: tuple[str, ...], args: argparse.Namespace) -> se
     return hyper - hyperparameters_read(args)
 
 
+def check_common_flags(common: tuple[str, ...], unread: dict[str, tuple[str, ...]], label: str,
+                       args: argparse.Namespace) -> None:
+    """An arm's strategies read every strategy flag of `common` but those `unread` declares for it."""
+    missing = common_flags_unread(common, args)
+    declared = {dest for dest, arms in unread.items() if label in arms}
+    if missing != declared:
+        raise UserError(f"its strategies do not read {sorted(missing)} of the flags of every compared arm; "
+                        f"the experiment declares {sorted(declared)} (Experiment.unread)")
+
+
 def check_matched_arm(args: argparse.Namespace, label: str) -> None:
     scored_seen(args)
     if args.cache_bits != 16:

@@ -138,9 +138,8 @@ def check_experiment(experiment: Experiment, profile: str, runs_dir: Path, overr
             if label not in labels or experiment.arm(label).reference:
                 raise UserError(f"{experiment.name}: comparison arm {label!r} is not a compared arm")
     compared = [a.label for a in experiment.arms if not a.reference]
-    common = matching.flag_dests(experiment.common)
     for dest, arms in experiment.unread.items():
-        if dest not in common or not set(arms) <= set(compared):
+        if dest not in matching.flag_dests(experiment.common) or not set(arms) <= set(compared):
             raise UserError(f"{experiment.name}: unread {dest!r} names no flag of every compared arm or an unknown arm")
     for arm in experiment.arms:
         if arm.match_compression_of not in (None, *labels):
@@ -149,6 +148,8 @@ def check_experiment(experiment: Experiment, profile: str, runs_dir: Path, overr
             args = cli.parse_args(arm_argv(experiment, arm, profile, runs_dir, overrides))
             if arm.match_compression_of is not None:
                 matching.check_matched_arm(args, arm.label)
+            if not arm.reference:
+                matching.check_common_flags(experiment.common, experiment.unread, arm.label, args)
         except UserError as e:
             raise UserError(f"{experiment.name}, arm {arm.label}: {e}") from None
 
