@@ -154,9 +154,10 @@ def test_the_matched_budget_equals_the_mean_compression_over_the_scored_steps() 
     source = runner.ArmResult(exp.arm("fastgen"), [], Path("."), {"compression_ratio": 0.18}, {},
                               Interval(0, 0, 0, 2), True)
     placeholder = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [])
-    tokens, text = runner.matched_budget(source, placeholder)
+    tokens, text, compared, fixed = runner.matched_budget(source, placeholder)
     assert tokens == min(mean, key=lambda n: abs(mean[n] - 0.18)) == 142
-    assert "0.178" in text and "142 tokens" in text and "final, standing in" in text
+    assert (compared, fixed) == (0.18, pytest.approx(mean[142]))
+    assert "mean compression 0.178 over the 96 scored steps" in text and "final, standing in" in text
     # Once eval records the mean over the scored steps, it is matched instead of the final ratio.
     stepped = runner.ArmResult(exp.arm("fastgen"), [], Path("."),
                                {"compression_ratio": 0.18, runner.STEPS_MEAN: 0.341}, {}, Interval(0, 0, 0, 2), True)
@@ -165,7 +166,7 @@ def test_the_matched_budget_equals_the_mean_compression_over_the_scored_steps() 
     assert eval_cli.parse_args(argv).max_cache_length == [142]
     # The rule follows the profile: the full profile scores positions 256..1023.
     full = runner.arm_argv(exp, exp.arm("heavy hitters"), "full", RUNS, [])
-    tokens, _ = runner.matched_budget(source, full)
+    tokens = runner.matched_budget(source, full)[0]
     steps = range(256, 1024)
     held = held_by_fixed_budget(tokens, steps)
     assert sum(1 - h / t for h, t in zip(held, steps, strict=True)) / len(steps) == pytest.approx(0.18, abs=2e-3)

@@ -101,5 +101,5 @@ def check_matched_arm(args: argparse.Namespace, label: str) -> None:
 def describe_match(tokens: int, seen: list[int], target: float, source: str) -> str:
     """How a matched budget meets the rule, for the report."""
     whole = sum(1 for t in seen if t <= tokens)
-    return (f"{tokens} tokens: mean compression {fixed_budget_compression(tokens, seen):.3f} over the {len(seen)} "
-            f"scored steps, {source} {target:.3f}; it holds every token for {whole} of them")
+    return (f"tokens: mean compression {fixed_budget_compression(tokens, seen):.3f} over the {len(seen)} scored "
+            f"steps, {source} {target:.3f}; it holds every token for {whole} of them")

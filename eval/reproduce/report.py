@@ -80,6 +80,7 @@ def arm_rows(outcome: Outcome, runs_dir: Path) -> list[dict]:
             row[name] = iv.estimate if iv else None
             bounds = iv.to_dict() if iv else {"low": None, "high": None}
             row[f"{name}_ci_low"], row[f"{name}_ci_high"] = bounds["low"], bounds["high"]
+        row["scored_compression"] = a.scored_compression  # what a matched comparison equalised (else None)
         row.update({"seconds": a.metrics.get("seconds"), "reused": a.reused,
                     "run_dir": _relative(a.run_dir, runs_dir), "identity": a.metrics.get("identity")})
         rows.append(row)
@@ -284,7 +285,11 @@ def summary_rows(results: list[dict]) -> list[dict]:
 
 
 def _ratio(arm: dict) -> str:
-    value = arm.get("compression_ratio")
+    """The measured compression; where arms were matched, the mean over the scored steps the rule equalised."""
+    scored, value = arm.get("scored_compression"), arm.get("compression_ratio")
+    if isinstance(scored, int | float):
+        return f"{scored:.3f} over the scored steps (final {value:.3f})" if isinstance(value, int | float) \
+            else f"{scored:.3f} over the scored steps"
     return f"{value:.3f}" if isinstance(value, int | float) else "?"
 
 

@@ -67,6 +67,8 @@ class ArmResult:
     reused: bool  # finished before this invocation (content-addressed), not computed now
     budget: int | None = None  # a matched arm's budget in tokens, from the other arm's measured compression
     match: str = ""  # how that budget meets the matching rule (matching.describe_match)
+    # Where arms are matched: the compression the rule compared (mean over the scored steps, or its stand-in).
+    scored_compression: float | None = None
 
 
 @dataclass
@@ -194,17 +196,19 @@ def item_values(run_dir: Path, metric: str) -> dict[str, float]:
 STEPS_MEAN = "compression_ratio_scored_mean"
 
 
-def matched_budget(source: ArmResult, argv: list[str]) -> tuple[int, str]:
-    """(tokens, how it meets the rule): the budget at which the fixed-budget arm of `argv` has, over the scored
-    steps, the mean compression `source` measured (matching.MATCHING_RULE). Until eval records compression per
-    step (STEPS_MEAN), the source's final ratio (mean over items) stands in for its mean over the steps."""
+def matched_budget(source: ArmResult, argv: list[str]) -> tuple[int, str, float, float]:
+    """(tokens, how it meets the rule, the source's compression, the budget's): the budget at which the
+    fixed-budget arm of `argv` has, over the scored steps, the mean compression `source` measured
+    (matching.MATCHING_RULE). Until eval records compression per step (STEPS_MEAN), the source's final ratio
+    (mean over items) stands in for its mean over the steps."""
     ratio = source.metrics.get(STEPS_MEAN, source.metrics.get("compression_ratio"))
     if not isinstance(ratio, int | float):
         raise UserError(f"{source.run_dir} has no measured compression_ratio to match")
     seen = matching.scored_seen(cli.parse_args(argv))
     tokens = matching.matched_tokens(float(ratio), seen)
     what = "mean over the scored steps" if STEPS_MEAN in source.metrics else "final, standing in for its mean"
-    return tokens, matching.describe_match(tokens, seen, float(ratio), f"{source.arm.label}'s ({what})")
+    text = matching.describe_match(tokens, seen, float(ratio), f"{source.arm.label}'s ({what})")
+    return tokens, text, float(ratio), matching.fixed_budget_compression(tokens, seen)
 
 
 def compare(experiment: Experiment, treatment: ArmResult, control: ArmResult, comparison: Comparison) -> \
@@ -227,15 +231,18 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     arms = ordered_arms(experiment)
     with tqdm(total=len(arms), desc=experiment.name, unit="arm") as bar:
         for arm in arms:
-            budget, match = None, ""
+            budget, match, mean = None, "", None
             if arm.match_compression_of:
+                source = done[arm.match_compression_of]
                 placeholder = arm_argv(experiment, arm, profile, runs_dir, overrides)
-                budget, match = matched_budget(done[arm.match_compression_of], placeholder)
+                budget, match, compared, mean = matched_budget(source, placeholder)
+                if STEPS_MEAN in source.metrics:  # else only its final compression is known
+                    source.scored_compression = compared
             argv = arm_argv(experiment, arm, profile, runs_dir, overrides, budget)
             path, metrics, reused = run_arm(argv)
             values = item_values(path, experiment.metric)
             done[arm.label] = ArmResult(arm, argv, path, metrics, values, bootstrap_mean(list(values.values())),
-                                        reused, budget, match)
+                                        reused, budget, match, mean)
             bar.update()
     results.write_results_table(runs_dir)  # the runs can also be read with python -m eval.plot --out_dir
     comparisons = [compare(experiment, done[c.treatment], done[c.control], c) for c in experiment.comparisons]
