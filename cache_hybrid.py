@@ -8,7 +8,7 @@ recent tokens), `frequent` (the top `hybrid_heavy_frac` of tokens by accumulated
 Then each head grows and evicts under its own policy, so heads really hold different numbers of tokens
 (the statistics report them per head).
 
-The profile follows the paper's definitions (§3.2), the same ones the decode step applies:
+The profile follows the paper's definitions of its compression policies, the ones the decode step applies:
 
 - Locality is relative to the current token: a context token is evicted once its distance to the
   current token exceeds a window that is a ratio r_l of the sequence length. So in the profile the query

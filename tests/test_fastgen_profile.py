@@ -1,6 +1,6 @@
 """FastGen's profile (cache_hybrid.py) against a naive oracle on hand-made attention maps.
 
-The oracle is written from the paper's definitions (Ge et al., arXiv 2310.01801, §3.2), entry by entry of
+The oracle is written from the paper's policy definitions (Ge et al., arXiv 2310.01801), entry by entry of
 the attention map: a policy keeps the entry (query i, key j) when j is a special or punctuation token it
 keeps, one of its frequent tokens (the top r_f of the prompt by attention summed over the prompt's
 queries), or, with `local`, within query i's own window (i − j < ceil(r_l·(i + 1))). A head takes the
