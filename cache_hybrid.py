@@ -1,12 +1,26 @@
 """`hybrid`: FastGen (Ge et al., "Model Tells You What to Discard", arXiv 2310.01801).
 
-At prefill each KV head is profiled: its prompt attention (summed over all prompt queries) is scored
-against an ordered list of candidate policies, cheapest first, and the head takes the first policy
-whose kept tokens recover at least `min_recovery_frac` of its attention. A policy is a union of
-components: `special` (special tokens), `punct` (punctuation), `local` (the most recent
-`hybrid_recent_frac` of tokens), `frequent` (the top `hybrid_heavy_frac` of tokens by accumulated
-attention), or `full`. Then each head grows and evicts under its own policy, so heads really hold
-different numbers of tokens (the statistics report them per head).
+At prefill each KV head is profiled: its prompt attention map is scored against an ordered list of
+candidate policies, cheapest first, and the head takes the first policy whose kept entries recover at
+least `min_recovery_frac` (the paper's T) of its attention. A policy is a union of components:
+`special` (special tokens), `punct` (punctuation), `local` (each query's `hybrid_recent_frac` most
+recent tokens), `frequent` (the top `hybrid_heavy_frac` of tokens by accumulated attention), or `full`.
+Then each head grows and evicts under its own policy, so heads really hold different numbers of tokens
+(the statistics report them per head).
+
+The profile follows the paper's definitions of its compression policies, the ones the decode step applies:
+
+- Locality is relative to the current token: a context token is evicted once its distance to the
+  current token exceeds a window that is a ratio r_l of the sequence length. So in the profile the query
+  at position i is credited with the keys j ≤ i with i − j < ceil(r_l·(i + 1)), its own window, which is
+  the window the decode step keeps when that query is the newest token (seen = i + 1). One set of keys
+  for all queries (the last r_l of the prompt) would credit the early queries with keys they cannot see
+  and send heads that attend locally to `full`. After the prompt the cache keeps the last query's window.
+- Frequency is the cumulative sum of the attention each token has received (the paper's "token
+  frequency", H2O's accumulated attention), one rank everywhere: the profile and the prefill rank the
+  prompt's tokens by the attention summed over the prompt's queries, decode continues that sum with each
+  step's attention. The sum, not the mean over the steps a token was held, because it is the paper's
+  rank; a mean would rank a token attended once, just admitted, above one attended at every step.
 
 Static shapes for compile: every head's decision is a tensor op over all heads at once. A head whose
 policy rejects the new token writes it to a scratch slot (index L, never marked as held), so every
@@ -23,7 +37,7 @@ from torch import Tensor
 
 from cache import KVCache, grouped_mean, register_strategy
 from errors import UserError
-from prompt_compression import prompt_attention_received
+from prompt_compression import prompt_attention
 
 COMPONENTS = ("special", "punct", "frequent", "local", "full")
 DEFAULT_HYBRID_POLICIES = ("special", "special+punct", "special+punct+frequent",
@@ -80,8 +94,7 @@ class HybridCache(KVCache):
         self.register_buffer("policy", torch.zeros(B, H, dtype=torch.long, **kw))  # chosen index per head
         self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool, **kw))  # its components
         self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool, **kw))  # special or punct
-        self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))
-        self.register_buffer("attn_steps", torch.zeros(B, H, L1, **kw))
+        self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))  # the frequency rank (module docstring)
         self.register_buffer("current_token", torch.zeros(B, 1, dtype=torch.long, **kw))
         self.prompt_ids: Tensor | None = None
 
@@ -118,7 +131,8 @@ class HybridCache(KVCache):
 
     def _component_keep(self, seen: int, pos: Tensor, is_special: Tensor, is_punct: Tensor,
                         attn: Tensor) -> dict[str, Tensor]:
-        """Which tokens each component keeps, [B, H, n] each, after `seen` tokens."""
+        """Which tokens each component keeps, [B, H, n] each, after `seen` tokens: `local` is the window
+        of the newest token (position seen − 1), the keys the cache holds for what comes next."""
         frequent_k = math.ceil(self.heavy_frac * seen)
         kth = attn.topk(min(frequent_k, attn.shape[-1]), dim=-1).values[..., -1:]
         return {
@@ -129,26 +143,57 @@ class HybridCache(KVCache):
             "full": torch.ones_like(is_special),
         }
 
+    def _profile_attention(self, q: Tensor, k: Tensor, chunk: int = 256) -> tuple[Tensor, Tensor]:
+        """(received, in_window), [B, n_kv, T] each: the attention every prompt key receives from all
+        prompt queries (averaged over a KV group's query heads), and the part of it from the queries whose
+        own local window holds the key (i − j < ceil(r_l·(i + 1))). In query chunks over the keys each
+        chunk can see, so memory stays O(chunk × T) (docs/DESIGN.md §7)."""
+        B, T = q.shape[0], q.shape[2]
+        received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
+        in_window = torch.zeros_like(received)
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)
+            rows = torch.arange(start, end, device=q.device)
+            attn = prompt_attention(q, k[:, :, :end], rows)  # [B, n_kv, rows, end]
+            window = torch.ceil(self.recent_frac * (rows + 1).float()).long()
+            held = rows[:, None] - torch.arange(end, device=q.device) < window[:, None]
+            received[:, :, :end] += attn.sum(dim=2)
+            in_window[:, :, :end] += (attn * held).sum(dim=2)  # causal: attn is 0 past each row
+        return received, in_window
+
+    def _choose_policies(self, parts: dict[str, Tensor], received: Tensor, in_window: Tensor) -> tuple[Tensor, Tensor]:
+        """(policy index [B, H], prompt tokens the policy keeps [B, H, T]): the first policy recovering
+        `min_recovery` of the head's attention map. A policy's kept entries are its token components'
+        columns plus, with `local`, each query's window; the last policy takes every head still undecided."""
+        B, H, T = received.shape
+        total = received.sum(-1)
+        chosen = torch.full((B, H), len(self.policies) - 1, dtype=torch.long, device=received.device)
+        keep = torch.zeros(B, H, T, dtype=torch.bool, device=received.device)
+        decided = torch.zeros(B, H, dtype=torch.bool, device=received.device)
+        for index, policy in enumerate(self.policies):
+            tokens = [parts[c] for c in policy if c != "local"] or [torch.zeros_like(keep)]
+            columns = torch.stack(tokens).any(dim=0)
+            recovered = (received * columns).sum(-1)
+            if "local" in policy:  # window entries of the columns the other components did not already take
+                recovered = recovered + (in_window * ~columns).sum(-1)
+            take = (recovered >= self.min_recovery * total) if index < len(self.policies) - 1 else True
+            take = take & ~decided
+            kept = columns | parts["local"] if "local" in policy else columns
+            chosen = torch.where(take, index, chosen)
+            keep = torch.where(take[..., None], kept, keep)
+            decided |= take
+        return chosen, keep
+
     # ---- prefill: profile each head, keep what its policy keeps -------------------------------------------
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
         if self.prompt_ids is None:
             raise UserError("the hybrid cache did not see the prompt's token ids")
         B, H, T, D = k.shape
-        received = prompt_attention_received(q, k)  # [B, H, T]
+        received, in_window = self._profile_attention(q, k)
         is_special, is_punct = (c[:, None, :].expand(B, H, T) for c in self._classes(self.prompt_ids))
         parts = self._component_keep(T, input_pos.view(1, 1, T).expand(B, H, T), is_special, is_punct, received)
-        total = received.sum(-1)
-        chosen = torch.full((B, H), len(self.policies) - 1, dtype=torch.long, device=k.device)
-        keep = torch.zeros(B, H, T, dtype=torch.bool, device=k.device)
-        decided = torch.zeros(B, H, dtype=torch.bool, device=k.device)
-        for index, policy in enumerate(self.policies):
-            kept = torch.stack([parts[c] for c in policy]).any(dim=0)
-            recovered = (received * kept).sum(-1) >= self.min_recovery * total
-            take = recovered & ~decided if index < len(self.policies) - 1 else ~decided
-            chosen = torch.where(take, index, chosen)
-            keep = torch.where(take[..., None], kept, keep)
-            decided |= take
+        chosen, keep = self._choose_policies(parts, received, in_window)
         self.policy.copy_(chosen)
         for c_index, component in enumerate(COMPONENTS):
             has = torch.tensor([component in p for p in self.policies], device=k.device)
@@ -169,7 +214,6 @@ class HybridCache(KVCache):
         self.slot_special[:, :, :n] = ((is_special & self._use("special")[..., None])
                                        | (is_punct & self._use("punct")[..., None])).gather(2, idx) & valid
         self.attn_sum[:, :, :n] = received.gather(2, idx) * valid
-        self.attn_steps[:, :, :n] = (T - idx).float() * valid
         self.inserted.fill_(T)
         self.prompt_ids = None
 
@@ -194,8 +238,7 @@ class HybridCache(KVCache):
 
         pos = self.pos[..., :L]
         in_window = self._use("local")[..., None] & (pos >= seen[..., None] - local_len[..., None])
-        average = self.attn_sum[..., :L] / self.attn_steps[..., :L].clamp(min=1)
-        scores = torch.where(self._use("frequent")[..., None] | self._use("full")[..., None], average,
+        scores = torch.where(self._use("frequent")[..., None] | self._use("full")[..., None], self.attn_sum[..., :L],
                              pos.float() * 1e-6 - 1.0)  # no attention component: oldest out-of-window first
         scores = scores + in_window * 1e6 + self.slot_special[..., :L] * 1e9
         evict = scores.masked_fill(~held, float("inf")).argmin(dim=-1)
@@ -206,7 +249,6 @@ class HybridCache(KVCache):
         self.mask.scatter_(3, slot[..., None, None], True)
         self.slot_special.scatter_(2, slot[..., None], new_is_special[..., None])
         self.attn_sum.scatter_(2, slot[..., None], 0.0)
-        self.attn_steps.scatter_(2, slot[..., None], 0.0)
         self.mask[..., L] = False  # the scratch slot is never held
         self.pos[..., L] = -1
         self.inserted += 1
@@ -214,7 +256,6 @@ class HybridCache(KVCache):
 
     def update_state(self, probs: Tensor) -> None:
         self.attn_sum += grouped_mean(probs)
-        self.attn_steps += self.mask[:, :, 0].float()
 
     def extra_statistics(self) -> dict[str, Tensor]:
         return {"hybrid_policy_index": self.policy.float().mean(dim=0)}

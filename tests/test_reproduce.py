@@ -3,6 +3,7 @@ end to end on the tiny random model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,10 +17,12 @@ import pytest
 from errors import UserError
 from eval import cli as eval_cli
 from eval.reproduce import cli, runner
-from eval.reproduce.experiments import EXPERIMENTS, PROFILES
+from eval.reproduce.experiments import EXPERIMENTS, PROFILES, Arm, Comparison, Experiment
+from eval.reproduce.report import common_text
 from eval.reproduce.runner import FAIL, INCONCLUSIVE, PASS, combine, verdict
 from eval.tasks import TASKS
 from eval.uncertainty import Interval, paired_difference
+from strategies import CACHE_STRATEGIES, get_strategy
 from tests.conftest import ROOT
 
 RUNS = Path("/nonexistent-runs")  # parsing never writes; a path that cannot exist shows it
@@ -129,13 +132,96 @@ def test_pyramid_and_uniform_hold_the_same_total() -> None:
     assert totals["pyramid"] == totals["uniform"] == 30 * round(0.5 * (500 + 16))
 
 
-def test_matched_budget_is_one_minus_the_measured_compression() -> None:
+def held_by_fixed_budget(tokens: int, steps: range) -> list[int]:
+    """A fixed-budget cache, step by step: it fills its slots, then evicts one token per new one."""
+    held, out = 0, []
+    for _ in range(steps.stop):
+        held = min(held + 1, tokens)
+        out.append(held)
+    return [out[t - 1] for t in steps]
+
+
+def test_the_matched_budget_equals_the_mean_compression_over_the_scored_steps() -> None:
+    """FastGen's quick profile: windows of 224 tokens, a 128-token prompt, positions 128..223 scored, each
+    predicted from the tokens before it. 1 − a final compression of 0.18 (186 slots) evicts nothing for the
+    first 59 steps (t ≤ 186; mean compression 0.035); the fair budget has FastGen's 0.18 as its mean."""
     exp = EXPERIMENTS["fastgen"]
-    source = runner.ArmResult(exp.arm("fastgen"), [], Path("."), {"compression_ratio": 0.18234}, {},
+    steps = range(128, 224)
+    mean = {n: sum(1 - h / t for h, t in zip(held_by_fixed_budget(n, steps), steps, strict=True)) / len(steps)
+            for n in range(2, 225)}
+    assert sum(h == t for h, t in zip(held_by_fixed_budget(186, steps), steps, strict=True)) == 59
+    assert mean[186] == pytest.approx(0.035, abs=5e-4)
+    source = runner.ArmResult(exp.arm("fastgen"), [], Path("."), {"compression_ratio": 0.18}, {},
                               Interval(0, 0, 0, 2), True)
-    assert runner.matched_budget(source) == pytest.approx(0.818)
-    argv = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [], runner.matched_budget(source))
-    assert eval_cli.parse_args(argv).max_cache_length == [pytest.approx(0.818)]
+    placeholder = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [])
+    tokens, text, compared, fixed = runner.matched_budget(source, placeholder)
+    assert tokens == min(mean, key=lambda n: abs(mean[n] - 0.18)) == 142
+    assert (compared, fixed) == (0.18, pytest.approx(mean[142]))
+    assert "mean compression 0.178 over the 96 scored steps" in text and "final, standing in" in text
+    # Once eval records the mean over the scored steps, it is matched instead of the final ratio.
+    stepped = runner.ArmResult(exp.arm("fastgen"), [], Path("."),
+                               {"compression_ratio": 0.18, runner.STEPS_MEAN: 0.341}, {}, Interval(0, 0, 0, 2), True)
+    assert runner.matched_budget(stepped, placeholder)[0] == min(mean, key=lambda n: abs(mean[n] - 0.341)) == 113
+    argv = runner.arm_argv(exp, exp.arm("heavy hitters"), "quick", RUNS, [], tokens)
+    assert eval_cli.parse_args(argv).max_cache_length == [142]
+    # The rule follows the profile: the full profile scores positions 256..1023.
+    full = runner.arm_argv(exp, exp.arm("heavy hitters"), "full", RUNS, [])
+    tokens = runner.matched_budget(source, full)[0]
+    steps = range(256, 1024)
+    held = held_by_fixed_budget(tokens, steps)
+    assert sum(1 - h / t for h, t in zip(held, steps, strict=True)) / len(steps) == pytest.approx(0.18, abs=2e-3)
+
+
+def test_a_matched_arm_needs_a_task_whose_scored_steps_are_known() -> None:
+    exp = Experiment(name="x", paper="P (A, arXiv 1)", claim="c.", task="niah_single", metric="string_match",
+                     higher_is_better=True,
+                     arms=(Arm("a", ("--cache_strategy", "hybrid")),
+                           Arm("b", ("--cache_strategy", "heavy_hitter"), match_compression_of="a")),
+                     comparisons=(Comparison("a", "b"),), varies=frozenset({"cache_strategy", "max_cache_length"}),
+                     profiles=dict.fromkeys(PROFILES, ("--limit", "2")))
+    with pytest.raises(UserError, match="arm b: a matched budget needs the fidelity task"):
+        runner.check_experiment(exp, "quick", RUNS, [])
+
+
+def test_an_undeclared_inert_flag_is_refused() -> None:
+    exp = dataclasses.replace(EXPERIMENTS["h2o"], unread={})
+    with pytest.raises(UserError, match=r"arm recent window: its strategies do not read \['recent_window'\]"):
+        runner.check_experiment(exp, "quick", RUNS, [])
+    wrong = dataclasses.replace(EXPERIMENTS["h2o"], unread={"recent_window": ("heavy hitters",)})
+    with pytest.raises(UserError, match="arm heavy hitters: its strategies do not read \\[\\]"):
+        runner.check_experiment(wrong, "quick", RUNS, [])
+
+
+def option_dests(words: tuple[str, ...]) -> set[str]:
+    """The argparse dests eval's own parser gives the options in `words`."""
+    actions = {o: a.dest for a in eval_cli.build_parser()._actions for o in a.option_strings}
+    return {actions[w] for w in words if w.startswith("--")}
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_flags_of_every_compared_arm_reach_it_or_the_experiment_says_which_do_not(name: str) -> None:
+    """A strategy reads only the hyper-parameters it declares (cache_spec hands it no others): a flag of
+    `common` that is some strategy's hyper-parameter and not one of an arm's strategies' is inert there, and
+    the experiment must declare it in `unread`, exactly."""
+    exp = EXPERIMENTS[name]
+    hyper = {h for cls in CACHE_STRATEGIES.values() for h in cls.hyperparameters}
+    common = option_dests(exp.common) & hyper
+    for arm in exp.arms:
+        if arm.reference:
+            continue
+        args = eval_cli.parse_args(runner.arm_argv(exp, arm, "quick", RUNS, []))
+        read = {h for s in args.cache_strategy for h in get_strategy(s).hyperparameters}
+        declared = {dest for dest, arms in exp.unread.items() if arm.label in arms}
+        assert common - read == declared, f"{name}, {arm.label}: unread {common - read}, declared {declared}"
+
+
+def test_the_report_names_the_flags_an_arm_does_not_read() -> None:
+    exp = EXPERIMENTS["fastgen"]
+    outcome = runner.Outcome(exp, "quick", [], [], PASS, 0.0, "")
+    text = common_text(outcome)
+    assert "not read by fastgen: `--global_tokens`" in text
+    assert "not read by fastgen, recent window: `--recent_window`" in text
+    assert "not read by heavy hitters, recent window: `--min_recovery_frac`" in text
 
 
 def test_overrides_replace_the_profiles_flags() -> None:

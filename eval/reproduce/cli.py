@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
             exp = EXPERIMENTS[name]
             print(f"# {name} ({args.profile}): {exp.paper}")
             for arm in exp.arms:
-                note = f"   # budget: 1 − {arm.match_compression_of}'s measured compression" \
-                    if arm.match_compression_of else ""
+                note = f"   # budget: the tokens at which its mean compression over the scored steps is " \
+                    f"{arm.match_compression_of}'s measured one" if arm.match_compression_of else ""
                 print(eval_command(arm_argv(exp, arm, args.profile, runs_dir, extra)) + note)
         return []
     # Fail now, not after an hour of runs, when a report could not be written.

@@ -19,6 +19,7 @@ import pandas as pd
 from atomic_files import atomic_write, check_writable
 from errors import UserError
 from eval.compare import format_interval
+from eval.reproduce.matching import MATCHING_RULE
 from eval.reproduce.runner import PASS, VERDICT_RULE, ArmResult, Outcome
 from eval.uncertainty import Interval
 
@@ -60,7 +61,7 @@ def flags_text(flags: tuple[str, ...] | list[str]) -> str:
 def arm_flags(arm: ArmResult) -> str:
     flags = flags_text(arm.arm.flags)
     if arm.budget is not None:
-        flags += f" --max_cache_length {arm.budget:g} (1 − {arm.arm.match_compression_of}'s measured compression)"
+        flags += f" --max_cache_length {arm.budget} ({arm.match})"
     return flags + (" (reference)" if arm.arm.reference else "")
 
 
@@ -79,6 +80,7 @@ def arm_rows(outcome: Outcome, runs_dir: Path) -> list[dict]:
             row[name] = iv.estimate if iv else None
             bounds = iv.to_dict() if iv else {"low": None, "high": None}
             row[f"{name}_ci_low"], row[f"{name}_ci_high"] = bounds["low"], bounds["high"]
+        row["scored_compression"] = a.scored_compression  # what a matched comparison equalised (else None)
         row.update({"seconds": a.metrics.get("seconds"), "reused": a.reused,
                     "run_dir": _relative(a.run_dir, runs_dir), "identity": a.metrics.get("identity")})
         rows.append(row)
@@ -97,6 +99,18 @@ def _relative(path: Path, base: Path) -> str:
         return path.as_posix()
 
 
+def common_text(outcome: Outcome) -> str:
+    """The flags of every compared arm, and which arms do not read which of them."""
+    exp = outcome.experiment
+    text = f"flags of every compared arm: `{flags_text(exp.common) or '(none)'}`"
+    by_arms: dict[tuple[str, ...], list[str]] = {}
+    for dest, arms in exp.unread.items():
+        by_arms.setdefault(arms, []).append(f"`--{dest}`")
+    for arms, flags in by_arms.items():
+        text += f"; not read by {', '.join(arms)}: {', '.join(flags)}"
+    return text
+
+
 def markdown(outcome: Outcome, runs_dir: Path, plot_name: str = "plot.png") -> str:
     exp = outcome.experiment
     model = outcome.arms[0].metrics.get("model", "?")
@@ -110,7 +124,7 @@ def markdown(outcome: Outcome, runs_dir: Path, plot_name: str = "plot.png") -> s
              "is " + ("a fidelity window (KL averaged over its teacher-forced positions)" if exp.task == "fidelity"
                       else "one generated example"),
              f"- profile `{outcome.profile}`: `{flags_text(exp.profiles[outcome.profile])}`",
-             f"- flags of every compared arm: `{flags_text(exp.common) or '(none)'}`; the arms of a comparison differ "
+             f"- {common_text(outcome)}; the arms of a comparison differ "
              f"only in {', '.join(f'`--{v}`' for v in sorted(exp.varies))}",
              f"- wall time of this invocation: {outcome.wall_seconds:.0f} s "
              f"({sum(a.reused for a in outcome.arms)} of {len(outcome.arms)} runs reused, finished earlier); the runs "
@@ -137,7 +151,10 @@ def markdown(outcome: Outcome, runs_dir: Path, plot_name: str = "plot.png") -> s
         name = f"{c.comparison.treatment}" + (f" ({c.comparison.note})" if c.comparison.note else "")
         lines.append(f"| {name} | {c.comparison.control} | {format_interval(c.difference, signed=True)} | "
                      f"{c.difference.n} | {claimed_side(outcome)} | **{c.verdict}** |")
-    lines += ["", f"**Verdict rule.** {VERDICT_RULE}", "", "## Rerun", "", "```bash", outcome.command, "```", "",
+    lines += ["", f"**Verdict rule.** {VERDICT_RULE}", ""]
+    if any(a.arm.match_compression_of for a in outcome.arms):
+        lines += [f"**Matching rule.** {MATCHING_RULE}", ""]
+    lines += ["## Rerun", "", "```bash", outcome.command, "```", "",
               "Each arm as a plain eval run (same run directories, reused when finished):", "", "```bash",
               *[f"python -m eval {' '.join(a.argv)}" for a in outcome.arms], "```", "",
               f"![{exp.name}]({plot_name})", ""]
@@ -201,6 +218,7 @@ def result_data(outcome: Outcome, runs_dir: Path) -> dict:
             "date": date.today().isoformat(), "verdict": outcome.verdict, "verdict_rule": VERDICT_RULE,
             "wall_seconds": outcome.wall_seconds, "compute_seconds": outcome.compute_seconds,
             "command": outcome.command, "arms": arm_rows(outcome, runs_dir),
+            "matching_rule": MATCHING_RULE if any(a.arm.match_compression_of for a in outcome.arms) else None,
             "comparisons": [{"treatment": c.comparison.treatment, "control": c.comparison.control,
                              "note": c.comparison.note, "difference": c.difference.to_dict(),
                              "verdict": c.verdict} for c in outcome.comparisons]}
@@ -267,7 +285,11 @@ def summary_rows(results: list[dict]) -> list[dict]:
 
 
 def _ratio(arm: dict) -> str:
-    value = arm.get("compression_ratio")
+    """The measured compression; where arms were matched, the mean over the scored steps the rule equalised."""
+    scored, value = arm.get("scored_compression"), arm.get("compression_ratio")
+    if isinstance(scored, int | float):
+        return f"{scored:.3f} over the scored steps (final {value:.3f})" if isinstance(value, int | float) \
+            else f"{scored:.3f} over the scored steps"
     return f"{value:.3f}" if isinstance(value, int | float) else "?"
 
 

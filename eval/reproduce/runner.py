@@ -18,6 +18,7 @@ from tqdm import tqdm
 from errors import UserError
 from eval import cli, results
 from eval.compare import item_key
+from eval.reproduce import matching
 from eval.reproduce.experiments import Arm, Comparison, Experiment
 from eval.uncertainty import Interval, bootstrap_mean, paired_difference
 
@@ -64,7 +65,10 @@ class ArmResult:
     values: dict[str, float]  # item key -> the experiment's metric, in items.jsonl order
     estimate: Interval  # the metric's mean over items with its bootstrap interval
     reused: bool  # finished before this invocation (content-addressed), not computed now
-    budget: float | None = None  # a matched arm's budget, set from the other arm's measured compression
+    budget: int | None = None  # a matched arm's budget in tokens, from the other arm's measured compression
+    match: str = ""  # how that budget meets the matching rule (matching.describe_match)
+    # Where arms are matched: the compression the rule compared (mean over the scored steps, or its stand-in).
+    scored_compression: float | None = None
 
 
 @dataclass
@@ -97,7 +101,7 @@ class Outcome:
 
 
 def arm_argv(experiment: Experiment, arm: Arm, profile: str, runs_dir: Path, overrides: list[str],
-             budget: float | None = None) -> list[str]:
+             budget: int | None = None) -> list[str]:
     """The `python -m eval` flags of one arm; argparse keeps the last value, so overrides come last."""
     flags = arm.flags if arm.reference else (*experiment.common, *arm.flags)
     if arm.match_compression_of is not None:
@@ -135,11 +139,19 @@ def check_experiment(experiment: Experiment, profile: str, runs_dir: Path, overr
         for label in (c.treatment, c.control):
             if label not in labels or experiment.arm(label).reference:
                 raise UserError(f"{experiment.name}: comparison arm {label!r} is not a compared arm")
+    compared = [a.label for a in experiment.arms if not a.reference]
+    for dest, arms in experiment.unread.items():
+        if dest not in matching.flag_dests(experiment.common) or not set(arms) <= set(compared):
+            raise UserError(f"{experiment.name}: unread {dest!r} names no flag of every compared arm or an unknown arm")
     for arm in experiment.arms:
         if arm.match_compression_of not in (None, *labels):
             raise UserError(f"{experiment.name}: {arm.label} is matched to unknown arm {arm.match_compression_of!r}")
         try:
-            cli.parse_args(arm_argv(experiment, arm, profile, runs_dir, overrides))
+            args = cli.parse_args(arm_argv(experiment, arm, profile, runs_dir, overrides))
+            if arm.match_compression_of is not None:
+                matching.check_matched_arm(args, arm.label)
+            if not arm.reference:
+                matching.check_common_flags(experiment.common, experiment.unread, arm.label, args)
         except UserError as e:
             raise UserError(f"{experiment.name}, arm {arm.label}: {e}") from None
 
@@ -180,13 +192,23 @@ def item_values(run_dir: Path, metric: str) -> dict[str, float]:
     return values
 
 
-def matched_budget(source: ArmResult) -> float:
-    """The budget fraction at which a fixed-budget cache holds what `source` held: 1 − its measured
-    compression (3 decimals; fidelity windows have equal lengths, so the ratios then agree to 1/window)."""
-    ratio = source.metrics.get("compression_ratio")
+# Per item, the mean compression over the scored steps, when the task records it; else the final ratio.
+STEPS_MEAN = "compression_ratio_scored_mean"
+
+
+def matched_budget(source: ArmResult, argv: list[str]) -> tuple[int, str, float, float]:
+    """(tokens, how it meets the rule, the source's compression, the budget's): the budget at which the
+    fixed-budget arm of `argv` has, over the scored steps, the mean compression `source` measured
+    (matching.MATCHING_RULE). Until eval records compression per step (STEPS_MEAN), the source's final ratio
+    (mean over items) stands in for its mean over the steps."""
+    ratio = source.metrics.get(STEPS_MEAN, source.metrics.get("compression_ratio"))
     if not isinstance(ratio, int | float):
         raise UserError(f"{source.run_dir} has no measured compression_ratio to match")
-    return min(1.0, max(0.001, round(1.0 - float(ratio), 3)))
+    seen = matching.scored_seen(cli.parse_args(argv))
+    tokens = matching.matched_tokens(float(ratio), seen)
+    what = "mean over the scored steps" if STEPS_MEAN in source.metrics else "final, standing in for its mean"
+    text = matching.describe_match(tokens, seen, float(ratio), f"{source.arm.label}'s ({what})")
+    return tokens, text, float(ratio), matching.fixed_budget_compression(tokens, seen)
 
 
 def compare(experiment: Experiment, treatment: ArmResult, control: ArmResult, comparison: Comparison) -> \
@@ -209,12 +231,18 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     arms = ordered_arms(experiment)
     with tqdm(total=len(arms), desc=experiment.name, unit="arm") as bar:
         for arm in arms:
-            budget = matched_budget(done[arm.match_compression_of]) if arm.match_compression_of else None
+            budget, match, mean = None, "", None
+            if arm.match_compression_of:
+                source = done[arm.match_compression_of]
+                placeholder = arm_argv(experiment, arm, profile, runs_dir, overrides)
+                budget, match, compared, mean = matched_budget(source, placeholder)
+                if STEPS_MEAN in source.metrics:  # else only its final compression is known
+                    source.scored_compression = compared
             argv = arm_argv(experiment, arm, profile, runs_dir, overrides, budget)
             path, metrics, reused = run_arm(argv)
             values = item_values(path, experiment.metric)
             done[arm.label] = ArmResult(arm, argv, path, metrics, values, bootstrap_mean(list(values.values())),
-                                        reused, budget)
+                                        reused, budget, match, mean)
             bar.update()
     results.write_results_table(runs_dir)  # the runs can also be read with python -m eval.plot --out_dir
     comparisons = [compare(experiment, done[c.treatment], done[c.control], c) for c in experiment.comparisons]
