@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from budget_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
 from cache import KVCache
-from cache_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
-from cache_expected_attention import COVARIANCE_MODES, DEFAULT_WINDOW
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
 from kv_storage import DENSE, SCHEMES, StorageSpec
 from strategies import get_strategy, prompt_rules
+from strategies.expected_attention import COVARIANCE_MODES, DEFAULT_WINDOW
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
@@ -125,7 +125,7 @@ class LayerCacheSpec:
     hyperparameters: dict
     prompt_compression: str = "full"
     storage: StorageSpec = DENSE
-    budget_allocation: str = "uniform"  # or adakv: the heads share the layer's slots (cache_allocation.py)
+    budget_allocation: str = "uniform"  # or adakv: the heads share the layer's slots (budget_allocation.py)
     rerotate_positions: bool = False  # keys stored before RoPE, rotated by rank each step (rerotation.py)
 
     def to_dict(self) -> dict:

@@ -31,12 +31,12 @@ from cache_spec import (
     resolve_cache_spec,
 )
 from checkpoint import DTYPES, load_checkpoint, parse_dtype
-from debug_cache import attention_loss_curve
 from errors import CliParser, UserError, run_cli
 from model import Transformer
 from model_policies import apply_model_layer_policies
 from rerotation import check_budgets
 from strategies import get_strategy
+from strategies.debug import attention_loss_curve
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cache import cache_statistics  # noqa: E402
 from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
 from checkpoint import load_checkpoint  # noqa: E402
-from debug_cache import attention_loss_curve  # noqa: E402
 from eval.data import pydoc_corpus  # noqa: E402
 from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic  # noqa: E402
 from strategies import CACHE_STRATEGIES  # noqa: E402
+from strategies.debug import attention_loss_curve  # noqa: E402
 
 
 def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:

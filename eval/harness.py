@@ -21,13 +21,13 @@ from torch import Tensor
 
 from cache import cache_statistics
 from cache_spec import LayerCacheSpec, add_cache_arguments, resolve_cache_spec
-from debug_cache import attention_loss_curve
 from errors import UserError
 from eval.metrics import step_fidelity
 from generate import decode_one_token, prefill, setup_caches
 from model import Transformer
 from model_policies import apply_model_layer_policies
 from rerotation import check_budgets
+from strategies.debug import attention_loss_curve
 from tokenizer import Tokenizer
 
 

@@ -75,7 +75,7 @@ def cache_identity(args: argparse.Namespace) -> dict:
     if len(strategies) == 1:
         unused.add("cache_strategy_pattern")
     if flags.get("budget_allocation") == "uniform":
-        unused.add("adakv_floor")  # read by pooled caches only (cache_allocation.py)
+        unused.add("adakv_floor")  # read by pooled caches only (budget_allocation.py)
     return {k: v for k, v in flags.items() if k not in unused}
 
 

@@ -10,11 +10,11 @@ import torch
 
 from cache import KVCache
 from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
-from debug_cache import DebugCache
 from errors import CliParser
 from gates import attach_random_gates
 from generate import decode_one_token, prefill
 from strategies import CACHE_STRATEGIES
+from strategies.debug import DebugCache
 
 PROMPT, NEW = 24, 16
 TOTAL = PROMPT + NEW
@@ -32,7 +32,7 @@ STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fract
 COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
-# The budget-allocation axis (--budget_allocation adakv, cache_allocation.py): every head-specific strategy that
+# The budget-allocation axis (--budget_allocation adakv, budget_allocation.py): every head-specific strategy that
 # can pool its heads (hybrid sizes them itself) and its debug_ twin, on dense and per-token-quantized storage
 # (KIVI is refused). A short SnapKV window, so heavy_hitter's prompt rule protects less than the budget and
 # heads really receive different quotas.

@@ -1,4 +1,4 @@
-"""Head-adaptive budgets (`--budget_allocation adakv`, cache_allocation.py; Ada-KV, arXiv 2407.11550).
+"""Head-adaptive budgets (`--budget_allocation adakv`, budget_allocation.py; Ada-KV, arXiv 2407.11550).
 
 - the matrix axis: every head-specific strategy and its debug_ twin pooled, dense and 4-bit per-token storage,
   eager and compiled, checked after every step (the shared invariants, plus quotas that sum to the layer's
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import generate
+from budget_allocation import PooledCache
 from cache import cache_statistics
-from cache_allocation import PooledCache
 from cache_spec import add_cache_arguments, build_caches, format_cache_spec, parse_args_with_preset, resolve_cache_spec
 from errors import CliParser, UserError, run_cli
 from eval.harness import kept_positions

@@ -1,4 +1,4 @@
-"""The gated cache (cache_gated.py), its gates (gates.py) and their training (train_gates.py).
+"""The gated cache (strategies/gated.py), its gates (gates.py) and their training (train_gates.py).
 
 Logic on the tiny random model with random gates; the shipped gates file against the bundled model.
 """
