@@ -20,27 +20,97 @@ decode step never recompiles:
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the
 prompt's tokens when the prompt exceeds the budget (the best ones are kept; prompt_compression.py does
-the shared top-k and protection). It lists the hyper-parameters it reads (their flags, defaults and help
-live in one place: cache_spec.py). Slots are chosen with tensor ops only (the next empty slot, else the
-argmin score), so the decode step has no host syncs or data-dependent shapes.
+the shared top-k and protection). It names the shared settings it reads (global_tokens, recent_window,
+seed: cache_spec.py) and declares its own (`settings`, each a `Setting`: flag, default, help, range).
+Slots are chosen with tensor ops only (the next empty slot, else the argmin score), so the decode step
+has no host syncs or data-dependent shapes.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from errors import UserError
 from kv_storage import DENSE, Storage, StorageSpec, make_storage
 from prompt_compression import compress_prompt
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is neither NaN nor infinite (float() accepts 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A hyper-parameter a strategy owns, declared once in its class (`settings`): its flag `--name`, its
+    YAML preset key, its range check, its column in --print_cache_spec and its place in the run identity
+    are all derived from this (cache_spec loops over the registry)."""
+
+    name: str
+    default: object
+    help: str
+    type: Callable[[str], object] | None = int  # None: a switch (store_true)
+    choices: tuple[str, ...] | None = None
+    nargs: str | None = None  # "+": a list, each value checked
+    low: float | None = None  # the valid range, inclusive unless low_open
+    high: float | None = None
+    low_open: bool = False
+    odd: bool = False
+    # Read by the strategy's prompt rule, so every cache that uses the rule (--prompt_compression_strategy)
+    # gets it, through `prompt_settings`, rather than only caches of this strategy.
+    prompt_rule: bool = False
+    check_value: Callable[[object], object] | None = None  # raises UserError (e.g. a parser of the value)
+
+    def add_argument(self, group: argparse._ArgumentGroup, owner: str) -> None:
+        text = f"{owner}: {self.help}"
+        if self.type is None:
+            group.add_argument(f"--{self.name}", action="store_true", help=text)
+        else:
+            default = list(self.default) if self.nargs else self.default
+            group.add_argument(f"--{self.name}", type=self.type, choices=self.choices, nargs=self.nargs,
+                               default=default, help=text)
+
+    def check(self, value: object) -> None:
+        """A UserError for a value outside the declared range."""
+        if self.nargs:
+            for item in value:
+                Setting.check(replace(self, nargs=None), item)
+            return
+        if self.check_value is not None:
+            self.check_value(value)
+        if self.low is None or value is None:
+            return
+        below = value <= self.low if self.low_open else value < self.low
+        if self.odd and (below or value % 2 == 0):
+            raise UserError(f"--{self.name} must be a positive odd number, got {value:g}")
+        if self.high is not None and (below or value > self.high):
+            raise UserError(f"--{self.name} must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}], "
+                            f"got {value:g}")
+        if below:
+            raise UserError(f"--{self.name} must be {'>' if self.low_open else '≥'} {self.low:g}, got {value:g}")
 
 
 class KVCache(nn.Module):
     name: ClassVar[str] = ""
     registered: ClassVar[bool] = False  # set by @register_strategy
-    # Names of cache_spec flags this strategy reads (global_tokens, recent_window, ...).
+    # Names of the shared cache_spec flags this strategy reads (global_tokens, recent_window, seed); its own
+    # `settings` are added to them by @register_strategy (all but prompt-rule ones, see Setting.prompt_rule).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    # The hyper-parameters this strategy owns (flags, presets, checks and identity come from them).
+    settings: ClassVar[tuple[Setting, ...]] = ()
     # Evicts different tokens in different KV heads (then `pos` is per head).
     head_specific: ClassVar[bool] = False
     # Wants each decode step's attention probabilities through `update_state`.
@@ -53,6 +123,9 @@ class KVCache(nn.Module):
     needs_gates: ClassVar[bool] = False
     # Chooses the kept prompt tokens itself (its own `prefill`), so it pairs with no other prompt rule.
     profiles_prompt: ClassVar[bool] = False
+    # Per-slot float32 state [B, n_kv, L] (zeros; L: the slots, a pool's under adakv) the base registers
+    # under these names: the strategy fills it in after_prefill / after_insert.
+    slot_buffers: ClassVar[tuple[str, ...]] = ()
     # One K/V pool of n_kv·L slots shared by the heads (budget_allocation.py, --budget_allocation adakv):
     # keys()/values() are [B, 1, n_kv·L, D] and `mask` [B, n_kv, 1, n_kv·L] says which slots each head holds.
     pooled: ClassVar[bool] = False
@@ -91,6 +164,8 @@ class KVCache(nn.Module):
         self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, **kw))
         self.register_buffer("inserted", torch.zeros(B, H, dtype=torch.long, **kw))
         self.register_buffer("filled", torch.zeros(B, pos_heads, dtype=torch.long, **kw))
+        for name in self.slot_buffers:
+            self.register_buffer(name, torch.zeros(B, H, L, **kw))
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
@@ -208,10 +283,8 @@ class KVCache(nn.Module):
     layer_idx: int = 0
     # The strategy whose `prompt_scores` chooses the kept prompt tokens (--prompt_compression_strategy).
     prompt_compressor: type[KVCache] | None = None
-    # SnapKV's observation window (last prompt queries) and pooling kernel, for heavy_hitter's prompt rule:
-    # the one definition of their defaults (the flags read them from here).
-    snapkv_window: int = 32
-    snapkv_kernel: int = 7
+    # The prompt-rule settings of the layer's --prompt_compression_strategy (Setting.prompt_rule), by name.
+    prompt_settings: ClassVar[dict[str, object]] = {}
     # Compress a long prompt to this many tokens instead of the whole budget (None: the budget), leaving the
     # other slots for what follows: the kvpress protocol's per-item budget (eval --protocol kvpress).
     prompt_budget: int | None = None
@@ -225,6 +298,11 @@ class KVCache(nn.Module):
             if not hasattr(type(self), key):
                 raise TypeError(f"unknown cache setting {key!r}")
             setattr(self, key, value)
+
+    def setting(self, setting: Setting) -> object:
+        """The value of a declared setting for this cache: its own hyper-parameter, else what its prompt
+        rule was given, else the declared default."""
+        return self.hparams.get(setting.name, self.prompt_settings.get(setting.name, setting.default))
 
     def budget(self) -> int:
         """The token budget this layer was given (what statistics report)."""
@@ -297,9 +375,12 @@ def grouped_mean(probs: Tensor) -> Tensor:
 
 
 def register_strategy(cls: type[KVCache]) -> type[KVCache]:
-    """Marks a class as a strategy (strategies/__init__.py lists the files it collects them from)."""
+    """Marks a class as a strategy (strategies/__init__.py lists the files it collects them from) and adds
+    the names of its own settings to the hyper-parameters it reads."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no strategy name")
+    own = tuple(s.name for s in cls.settings if not s.prompt_rule)
+    cls.hyperparameters = tuple(dict.fromkeys((*cls.hyperparameters, *own)))
     cls.registered = True
     return cls
 

@@ -390,7 +390,7 @@ class Transformer(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             if cache.needs_gates and layer.attention.gate is None:
                 raise ValueError(f"layer {i}: the {cache.name} cache needs learned gates, but the model has none "
-                                 "attached (gates.attach_gates / gates.attach_random_gates; generate.setup_caches "
+                                 "attached (gates.attach_gates / gates.attach_random_gates; cache_setup.setup_caches "
                                  "loads the trained ones)")
             window = layer.attention.sliding_window
             if window and not follows_window(cache, window):
@@ -401,7 +401,7 @@ class Transformer(nn.Module):
             raise ValueError("either every layer's cache re-rotates positions or none does (one RoPE table per step)")
         for i, cache in enumerate(caches):
             if cache.rerotate_positions and cache.max_cache_length > self.args.context_length:
-                # Its ranks would index past the RoPE tables (rerotation.check_budgets says so to users, earlier).
+                # Its ranks would index past the RoPE tables (cache_setup.check_budgets says so to users, earlier).
                 raise ValueError(f"layer {i}: a re-rotating cache of {cache.max_cache_length} tokens exceeds the "
                                  f"model's context of {self.args.context_length}")
         for layer, cache in zip(self.layers, caches, strict=True):

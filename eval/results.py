@@ -40,9 +40,9 @@ import numpy as np
 import pandas as pd
 
 from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftovers, replace_dir, temp_dir_beside
+from cache_spec import cache_flag_defaults
 from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
-from eval.harness import cache_flag_defaults
 from strategies import CACHE_STRATEGIES, get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cache import KVCache, grouped_mean, register_strategy
+from cache import KVCache, Setting, grouped_mean, register_strategy
 from prompt_compression import above_uniform, prompt_attention, prompt_attention_received, snapkv_votes
 
 
@@ -17,18 +17,30 @@ class HeavyHitterCache(KVCache):
     The prompt's own causal attention seeds the history at prefill."""
 
     name = "heavy_hitter"
-    hyperparameters = ("global_tokens", "recent_window", "history_window_size", "attn_thresholding")
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (
+        HISTORY_WINDOW := Setting("history_window_size", 1, low=1,
+                                  help="average attention over the last W steps (1 = whole history, as H2O)"),
+        THRESHOLDING := Setting("attn_thresholding", False, type=None,
+                                help="count steps with at least uniform attention instead of summing"),
+        SNAPKV_WINDOW := Setting("snapkv_window", 32, low=1, prompt_rule=True,
+                                 help="prompt compression: last W queries vote (32: SnapKV's LongBench runs; "
+                                      "kvpress's SnapKVPress uses 64)"),
+        SNAPKV_KERNEL := Setting("snapkv_kernel", 7, low=1, odd=True, prompt_rule=True,
+                                 help="prompt compression: max-pooling kernel over the votes (7, max: SnapKV's "
+                                      "LongBench runs; kvpress's SnapKVPress average-pools with 5)"),
+    )
     head_specific = True
     needs_attention = True
+    # The whole-history attention sum (window 1) and the steps each slot has been attended from.
+    slot_buffers = ("attn_sum", "attn_steps")
 
     def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, *args, **kwargs)
         B, H, L = batch_size, n_kv_heads, self.max_cache_length
-        self.window = int(self.hparams.get("history_window_size", 1))
-        self.thresholding = bool(self.hparams.get("attn_thresholding", False))
+        self.window = int(self.setting(self.HISTORY_WINDOW))
+        self.thresholding = bool(self.setting(self.THRESHOLDING))
         kw = dict(device=self.pos.device)
-        self.register_buffer("attn_sum", torch.zeros(B, H, L, **kw))  # whole-history sum (window 1)
-        self.register_buffer("attn_steps", torch.zeros(B, H, L, **kw))  # steps each slot has been attended from
         if self.window > 1:
             self.register_buffer("attn_history", torch.zeros(B, H, L, self.window, **kw))
             self.register_buffer("step", torch.zeros((), dtype=torch.long, **kw))
@@ -42,12 +54,13 @@ class HeavyHitterCache(KVCache):
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         """SnapKV (arXiv 2404.14469): the attention the last `snapkv_window` prompt queries give each key,
         pooled over neighbouring keys; the prompt-time form of "the most attended tokens stay"."""
-        return snapkv_votes(q, k, cache.snapkv_window, cache.snapkv_kernel)
+        return snapkv_votes(q, k, cache.setting(cls.SNAPKV_WINDOW), cache.setting(cls.SNAPKV_KERNEL))
 
     @classmethod
     def prompt_protected_window(cls, cache: KVCache) -> int:
         # SnapKV keeps its observation window itself (as far as the budget allows after the sinks).
-        return max(cache.recent_window, min(cache.snapkv_window, cache.prompt_target() - cache.global_tokens))
+        window = cache.setting(cls.SNAPKV_WINDOW)
+        return max(cache.recent_window, min(window, cache.prompt_target() - cache.global_tokens))
 
     def update_state(self, probs: Tensor) -> None:
         attn = grouped_mean(probs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from cache import KVCache, register_strategy
@@ -15,11 +14,7 @@ class L2NormCache(KVCache):
     name = "l2"
     hyperparameters = ("global_tokens", "recent_window")
     head_specific = True
-
-    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
-        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
-        shape = (batch_size, n_kv_heads, self.max_cache_length)
-        self.register_buffer("key_norm", torch.zeros(shape, device=self.pos.device))
+    slot_buffers = ("key_norm",)
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return -self.key_norm  # the largest norm is evicted first

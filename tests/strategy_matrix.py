@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from cache import KVCache
-from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
-from errors import CliParser
+from cache_setup import cache_config, cache_specs
+from cache_spec import build_caches
 from gates import attach_random_gates
 from generate import decode_one_token, prefill
 from strategies import CACHE_STRATEGIES
@@ -43,19 +43,16 @@ ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapk
 
 
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
-    parser = CliParser()
-    add_cache_arguments(parser)
-    return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
-                              str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
+    return cache_config(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
+                         str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
 
 
 def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32, new: int = NEW) -> list[KVCache]:
-    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, new)
+    specs = cache_specs(args, model.args, PROMPT, new)
     if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
         attach_random_gates(model, seed=0)
     a = model.args
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device, args.snapkv_window,
-                          args.snapkv_kernel, token_classes=TOKEN_CLASSES)
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device, token_classes=TOKEN_CLASSES)
     model.setup_caches(caches)
     return caches
 
