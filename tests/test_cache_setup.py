@@ -16,13 +16,16 @@ from strategies import CACHE_STRATEGIES
 from tests.arch_helpers import WINDOW, save_tiny_model
 
 
-def test_the_usage_example_runs(bundled):
-    """The example of the API's documentation, as written there (the session's model stands in for the load)."""
+def test_the_usage_example_runs():
+    """The API's usage example, verbatim: load the bundled model, heavy_hitter at 25%, generate, statistics."""
+    import torch
+
     from cache import cache_statistics
     from cache_setup import attach_caches, cache_config
+    from checkpoint import load_checkpoint
     from generate import generate
 
-    model, tokenizer = bundled  # load_checkpoint(None, "cpu", torch.float32): the bundled SmolLM2-135M-Instruct
+    model, tokenizer = load_checkpoint(None, "cpu", torch.float32)  # the bundled SmolLM2-135M-Instruct
     ids = tokenizer.encode("A KV cache keeps the keys and values of past tokens. " * 12)
     config = cache_config(cache_strategy=["heavy_hitter"], max_cache_length=[0.25])
     attach_caches(model, config, len(ids), 16, tokenizer)
@@ -33,7 +36,6 @@ def test_the_usage_example_runs(bundled):
     budget = round(0.25 * (len(ids) + 16))
     assert stats["cache_budget_per_layer"] == [budget] * model.args.n_layer
     assert 0.5 < stats["compression_ratio"] < 1 and result.tokens
-    model.remove_caches()
 
 
 def test_flags_a_mapping_and_a_preset_give_the_same_configuration():
