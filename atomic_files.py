@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -192,3 +193,8 @@ def remove_leftovers(directory: Path, name: str) -> None:
     for leftover in directory.glob(f".{name}{TMP_MARK}*"):
         if leftover.is_dir() and not _writer_alive(leftover, name):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_json_atomic(path: str | Path, payload: dict, overwrite: bool) -> None:
+    """The JSON file replaces `path` in one step once complete; an existing file only with `overwrite`."""
+    atomic_write(path, json.dumps(payload, indent=2) + "\n", overwrite=overwrite)

@@ -1,5 +1,6 @@
-"""The KV cache contract (docs/DESIGN.md §4) and the simple eviction strategies (the registry is
-strategies.py).
+"""The KV cache contract (docs/DESIGN.md §4), `register_strategy`, the declaration of a strategy's own
+settings (`Setting`) and the `full` cache; every other strategy is a file of strategies/, whose
+`__init__` is the registry.
 
 One `KVCache` per attention layer. Every tensor is a registered buffer of fixed shape, so a compiled
 decode step never recompiles:
@@ -13,42 +14,103 @@ decode step never recompiles:
 - `mask`: which slots hold a token, [B, n_kv_heads, 1, L] (the shape attention broadcasts against).
 - `inserted`: tokens that went through this cache, per head [B, n_kv_heads]; `filled`: slots in use, filled
   from slot 0 (the next empty slot) until the cache is full, [B, n_kv_heads or 1].
-- With `--budget_allocation adakv` (cache_allocation.py) the heads share one pool: the storage has one head of
+- With `--budget_allocation adakv` (budget_allocation.py) the heads share one pool: the storage has one head of
   n_kv·L slots and `pos` / `mask` / per-slot state are per head over the pool; `pooled` says so to the model.
 
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the
 prompt's tokens when the prompt exceeds the budget (the best ones are kept; prompt_compression.py does
-the shared top-k and protection). It lists the hyper-parameters it reads (their flags, defaults and help
-live in one place: cache_spec.py). Slots are chosen with tensor ops only (the next empty slot, else the
-argmin score), so the decode step has no host syncs or data-dependent shapes.
+the shared top-k and protection). It names the shared settings it reads (global_tokens, recent_window,
+seed: cache_spec.py) and declares its own (`settings`, each a `Setting`: flag, default, help, range).
+Slots are chosen with tensor ops only (the next empty slot, else the argmin score), so the decode step
+has no host syncs or data-dependent shapes.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from errors import UserError
 from kv_storage import DENSE, Storage, StorageSpec, make_storage
-from prompt_compression import (
-    above_uniform,
-    compress_prompt,
-    hashed_scores,
-    prompt_attention,
-    prompt_attention_received,
-    prompt_positions,
-    random_seed,
-    snapkv_votes,
-)
+from prompt_compression import compress_prompt
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is neither NaN nor infinite (float() accepts 'nan' and 'inf')."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A hyper-parameter a strategy owns, declared once in its class (`settings`): its flag `--name`, its
+    YAML preset key, its range check, its column in --print_cache_spec and its place in the run identity
+    are all derived from this (cache_spec loops over the registry)."""
+
+    name: str
+    default: object
+    help: str
+    type: Callable[[str], object] | None = int  # None: a switch (store_true)
+    choices: tuple[str, ...] | None = None
+    nargs: str | None = None  # "+": a list, each value checked
+    low: float | None = None  # the valid range, inclusive unless low_open
+    high: float | None = None
+    low_open: bool = False
+    odd: bool = False
+    # Read by the strategy's prompt rule, so every cache that uses the rule (--prompt_compression_strategy)
+    # gets it, through `prompt_settings`, rather than only caches of this strategy.
+    prompt_rule: bool = False
+    check_value: Callable[[object], object] | None = None  # raises UserError (e.g. a parser of the value)
+
+    def add_argument(self, group: argparse._ArgumentGroup, owner: str) -> None:
+        text = f"{owner}: {self.help}"
+        if self.type is None:
+            group.add_argument(f"--{self.name}", action="store_true", help=text)
+        else:
+            default = list(self.default) if self.nargs else self.default
+            group.add_argument(f"--{self.name}", type=self.type, choices=self.choices, nargs=self.nargs,
+                               default=default, help=text)
+
+    def check(self, value: object) -> None:
+        """A UserError for a value outside the declared range."""
+        if self.nargs:
+            for item in value:
+                Setting.check(replace(self, nargs=None), item)
+            return
+        if self.check_value is not None:
+            self.check_value(value)
+        if self.low is None or value is None:
+            return
+        below = value <= self.low if self.low_open else value < self.low
+        if self.odd and (below or value % 2 == 0):
+            raise UserError(f"--{self.name} must be a positive odd number, got {value:g}")
+        if self.high is not None and (below or value > self.high):
+            raise UserError(f"--{self.name} must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}], "
+                            f"got {value:g}")
+        if below:
+            raise UserError(f"--{self.name} must be {'>' if self.low_open else '≥'} {self.low:g}, got {value:g}")
 
 
 class KVCache(nn.Module):
     name: ClassVar[str] = ""
     registered: ClassVar[bool] = False  # set by @register_strategy
-    # Names of cache_spec flags this strategy reads (global_tokens, recent_window, ...).
+    # Names of the shared cache_spec flags this strategy reads (global_tokens, recent_window, seed); its own
+    # `settings` are added to them by @register_strategy (all but prompt-rule ones, see Setting.prompt_rule).
     hyperparameters: ClassVar[tuple[str, ...]] = ()
+    # The hyper-parameters this strategy owns (flags, presets, checks and identity come from them).
+    settings: ClassVar[tuple[Setting, ...]] = ()
     # Evicts different tokens in different KV heads (then `pos` is per head).
     head_specific: ClassVar[bool] = False
     # Wants each decode step's attention probabilities through `update_state`.
@@ -61,7 +123,10 @@ class KVCache(nn.Module):
     needs_gates: ClassVar[bool] = False
     # Chooses the kept prompt tokens itself (its own `prefill`), so it pairs with no other prompt rule.
     profiles_prompt: ClassVar[bool] = False
-    # One K/V pool of n_kv·L slots shared by the heads (cache_allocation.py, --budget_allocation adakv):
+    # Per-slot float32 state [B, n_kv, L] (zeros; L: the slots, a pool's under adakv) the base registers
+    # under these names: the strategy fills it in after_prefill / after_insert.
+    slot_buffers: ClassVar[tuple[str, ...]] = ()
+    # One K/V pool of n_kv·L slots shared by the heads (budget_allocation.py, --budget_allocation adakv):
     # keys()/values() are [B, 1, n_kv·L, D] and `mask` [B, n_kv, 1, n_kv·L] says which slots each head holds.
     pooled: ClassVar[bool] = False
 
@@ -99,6 +164,8 @@ class KVCache(nn.Module):
         self.register_buffer("mask", torch.zeros(B, H, 1, L, dtype=torch.bool, **kw))
         self.register_buffer("inserted", torch.zeros(B, H, dtype=torch.long, **kw))
         self.register_buffer("filled", torch.zeros(B, pos_heads, dtype=torch.long, **kw))
+        for name in self.slot_buffers:
+            self.register_buffer(name, torch.zeros(B, H, L, **kw))
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
@@ -216,10 +283,8 @@ class KVCache(nn.Module):
     layer_idx: int = 0
     # The strategy whose `prompt_scores` chooses the kept prompt tokens (--prompt_compression_strategy).
     prompt_compressor: type[KVCache] | None = None
-    # SnapKV's observation window (last prompt queries) and pooling kernel, for heavy_hitter's prompt rule:
-    # the one definition of their defaults (the flags read them from here).
-    snapkv_window: int = 32
-    snapkv_kernel: int = 7
+    # The prompt-rule settings of the layer's --prompt_compression_strategy (Setting.prompt_rule), by name.
+    prompt_settings: ClassVar[dict[str, object]] = {}
     # Compress a long prompt to this many tokens instead of the whole budget (None: the budget), leaving the
     # other slots for what follows: the kvpress protocol's per-item budget (eval --protocol kvpress).
     prompt_budget: int | None = None
@@ -233,6 +298,11 @@ class KVCache(nn.Module):
             if not hasattr(type(self), key):
                 raise TypeError(f"unknown cache setting {key!r}")
             setattr(self, key, value)
+
+    def setting(self, setting: Setting) -> object:
+        """The value of a declared setting for this cache: its own hyper-parameter, else what its prompt
+        rule was given, else the declared default."""
+        return self.hparams.get(setting.name, self.prompt_settings.get(setting.name, setting.default))
 
     def budget(self) -> int:
         """The token budget this layer was given (what statistics report)."""
@@ -288,7 +358,7 @@ class KVCache(nn.Module):
 
     def head_budgets(self) -> Tensor:
         """Slots each KV head may hold, [B, n_kv]: the layer budget in every head, unless the heads share a
-        pool (cache_allocation.py), where each head owns its own quota of it."""
+        pool (budget_allocation.py), where each head owns its own quota of it."""
         return torch.full_like(self.inserted, self.budget())
 
     def extra_statistics(self) -> dict[str, Tensor]:
@@ -305,14 +375,14 @@ def grouped_mean(probs: Tensor) -> Tensor:
 
 
 def register_strategy(cls: type[KVCache]) -> type[KVCache]:
-    """Marks a class as a strategy (strategies.py lists the files it collects them from)."""
+    """Marks a class as a strategy (strategies/__init__.py lists the files it collects them from) and adds
+    the names of its own settings to the hyper-parameters it reads."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no strategy name")
+    own = tuple(s.name for s in cls.settings if not s.prompt_rule)
+    cls.hyperparameters = tuple(dict.fromkeys((*cls.hyperparameters, *own)))
     cls.registered = True
     return cls
-
-
-# ---- strategies --------------------------------------------------------------------------------------
 
 
 @register_strategy
@@ -321,180 +391,6 @@ class FullCache(KVCache):
 
     name = "full"
 
-
-@register_strategy
-class RecentGlobalCache(KVCache):
-    """StreamingLLM (arXiv 2309.17453): attention sinks (the first `global_tokens`) + a sliding window."""
-
-    name = "recent_global"
-    hyperparameters = ("global_tokens",)
-
-    def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.pos.float()  # the oldest non-global token goes first
-
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return prompt_positions(k).float()
-
-
-@register_strategy
-class RandomCache(KVCache):
-    """Evicts a uniformly random unprotected token: the floor every scoring rule must beat.
-
-    Scores are a hash of (seed, layer, position, step) rather than torch.rand, so a run is reproducible
-    for a seed in eager and compiled mode alike and needs no generator state in the compiled graph.
-    """
-
-    name = "random"
-    hyperparameters = ("global_tokens", "recent_window", "seed")
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        # The per-layer seed is a buffer, not a Python int: layers then share one compiled graph.
-        self.register_buffer("seed", torch.zeros((), dtype=torch.long, device=self.pos.device))
-
-    def configure(self, **settings: object) -> None:
-        super().configure(**settings)
-        self.seed.fill_(random_seed(self))
-
-    def reset(self) -> None:
-        super().reset()
-        self.seed.fill_(random_seed(self))
-
-    def token_scores(self, input_pos: Tensor) -> Tensor:
-        return hashed_scores(self.pos, input_pos, self.seed)
-
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return hashed_scores(prompt_positions(k), torch.tensor(k.shape[2], device=k.device), random_seed(cache))
-
-
-@register_strategy
-class KeepItOddCache(KVCache):
-    """A toy, to show how small a strategy is: evict even positions (oldest first), keep odd ones."""
-
-    name = "keep_it_odd"
-    hyperparameters = ("global_tokens", "recent_window")
-
-    def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.odd_first(self.pos, self.capacity_needed)
-
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return cls.odd_first(prompt_positions(k), k.shape[2])
-
-    @staticmethod
-    def odd_first(pos: Tensor, span: int) -> Tensor:
-        """Odd positions above even ones (`span` exceeds every position), the newest first within each."""
-        return (pos % 2) * float(span) + pos.float()
-
-
-@register_strategy
-class L2NormCache(KVCache):
-    """Keeps the keys with the lowest L2 norm, which draw the most attention (arXiv 2406.11430)."""
-
-    name = "l2"
-    hyperparameters = ("global_tokens", "recent_window")
-    head_specific = True
-
-    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
-        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
-        shape = (batch_size, n_kv_heads, self.max_cache_length)
-        self.register_buffer("key_norm", torch.zeros(shape, device=self.pos.device))
-
-    def token_scores(self, input_pos: Tensor) -> Tensor:
-        return -self.key_norm  # the largest norm is evicted first
-
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return -k.float().norm(dim=-1)
-
-    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        n = keep.shape[-1]
-        self.key_norm[:, :, :n] = k.float().norm(dim=-1).gather(2, keep)
-
-    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.key_norm.scatter_(2, slot[..., None], k.float().norm(dim=-1))
-
-
-@register_strategy
-class HeavyHitterCache(KVCache):
-    """H2O (arXiv 2306.14048) / ScissorHands: evict the token with the lowest average attention received
-    since it entered the cache. `history_window_size` W > 1 averages over the last W steps only;
-    `attn_thresholding` counts the steps where a token got at least uniform attention instead of summing.
-    The prompt's own causal attention seeds the history at prefill."""
-
-    name = "heavy_hitter"
-    hyperparameters = ("global_tokens", "recent_window", "history_window_size", "attn_thresholding")
-    head_specific = True
-    needs_attention = True
-
-    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
-        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
-        B, H, L = batch_size, n_kv_heads, self.max_cache_length
-        self.window = int(self.hparams.get("history_window_size", 1))
-        self.thresholding = bool(self.hparams.get("attn_thresholding", False))
-        kw = dict(device=self.pos.device)
-        self.register_buffer("attn_sum", torch.zeros(B, H, L, **kw))  # whole-history sum (window 1)
-        self.register_buffer("attn_steps", torch.zeros(B, H, L, **kw))  # steps each slot has been attended from
-        if self.window > 1:
-            self.register_buffer("attn_history", torch.zeros(B, H, L, self.window, **kw))
-            self.register_buffer("step", torch.zeros((), dtype=torch.long, **kw))
-
-    def token_scores(self, input_pos: Tensor) -> Tensor:
-        if self.window > 1:
-            return self.attn_history.sum(-1) / self.attn_steps.clamp(min=1, max=self.window)
-        return self.attn_sum / self.attn_steps.clamp(min=1)
-
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        """SnapKV (arXiv 2404.14469): the attention the last `snapkv_window` prompt queries give each key,
-        pooled over neighbouring keys; the prompt-time form of "the most attended tokens stay"."""
-        return snapkv_votes(q, k, cache.snapkv_window, cache.snapkv_kernel)
-
-    @classmethod
-    def prompt_protected_window(cls, cache: KVCache) -> int:
-        # SnapKV keeps its observation window itself (as far as the budget allows after the sinks).
-        return max(cache.recent_window, min(cache.snapkv_window, cache.prompt_target() - cache.global_tokens))
-
-    def update_state(self, probs: Tensor) -> None:
-        attn = grouped_mean(probs)
-        if self.thresholding:
-            uniform = 1.0 / self.held_tokens().clamp(min=1)[..., None]
-            attn = (attn >= uniform).float() * self.mask[:, :, 0]
-        self.attn_steps += self.mask[:, :, 0].float()
-        if self.window > 1:
-            column = (self.step % self.window).view(1, 1, 1, 1).expand(*attn.shape, 1)
-            self.attn_history.scatter_(3, column, attn[..., None])
-            self.step += 1
-        else:
-            self.attn_sum += attn
-
-    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        received = prompt_attention_received(q, k, count_above_uniform=self.thresholding)
-        T, n = k.shape[2], keep.shape[-1]
-        steps = (T - torch.arange(T, device=k.device)).float().expand_as(received)  # queries that saw the key
-        self.attn_sum[:, :, :n] = received.gather(2, keep)
-        self.attn_steps[:, :, :n] = steps.gather(2, keep)
-        if self.window > 1:
-            # The last W prompt queries are the first W "steps" of the history, oldest in column 0, and
-            # the step counter points at the column the next decode step overwrites.
-            w = min(self.window, T)
-            rows = torch.arange(T - w, T, device=k.device)
-            attn = prompt_attention(q, k, rows)  # [B, H, w, T]
-            if self.thresholding:
-                attn = above_uniform(attn, rows)
-            self.attn_history.zero_()
-            self.attn_history[:, :, :n, :w] = attn.gather(3, keep[:, :, None, :].expand(-1, -1, w, -1)).transpose(2, 3)
-            self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)
-            self.step.fill_(w % self.window)
-
-    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        index = slot[..., None]
-        self.attn_sum.scatter_(2, index, 0.0)
-        self.attn_steps.scatter_(2, index, 0.0)
-        if self.window > 1:
-            self.attn_history.scatter_(2, index[..., None].expand(*index.shape, self.window), 0.0)
 
 
 def cache_statistics(caches: list[KVCache]) -> dict:

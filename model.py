@@ -281,7 +281,7 @@ class Attention(nn.Module):
             pos = cache.pos.expand(B, self.n_kv_head, -1)
             visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))  # [B, n_kv, T, L]
             visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
-            if cache.pooled:  # one K/V pool for all heads (cache_allocation.py): every query row over it
+            if cache.pooled:  # one K/V pool for all heads (budget_allocation.py): every query row over it
                 visible = visible.reshape(B, 1, -1, visible.shape[-1])
             y, _ = grouped_attention(q, k_all, v_all, visible)
         elif T > 1 or cache is None:
@@ -296,7 +296,7 @@ class Attention(nn.Module):
         else:
             k_all, v_all, mask = cache.update_kv(input_pos, k, v)
             if cache.pooled:
-                # One K/V pool for all heads (cache_allocation.py): each query head attends over the slots its KV
+                # One K/V pool for all heads (budget_allocation.py): each query head attends over the slots its KV
                 # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
                 mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
             if by_rank:
@@ -390,7 +390,7 @@ class Transformer(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             if cache.needs_gates and layer.attention.gate is None:
                 raise ValueError(f"layer {i}: the {cache.name} cache needs learned gates, but the model has none "
-                                 "attached (gates.attach_gates / gates.attach_random_gates; generate.setup_caches "
+                                 "attached (gates.attach_gates / gates.attach_random_gates; cache_setup.setup_caches "
                                  "loads the trained ones)")
             window = layer.attention.sliding_window
             if window and not follows_window(cache, window):
@@ -401,7 +401,7 @@ class Transformer(nn.Module):
             raise ValueError("either every layer's cache re-rotates positions or none does (one RoPE table per step)")
         for i, cache in enumerate(caches):
             if cache.rerotate_positions and cache.max_cache_length > self.args.context_length:
-                # Its ranks would index past the RoPE tables (rerotation.check_budgets says so to users, earlier).
+                # Its ranks would index past the RoPE tables (cache_setup.check_budgets says so to users, earlier).
                 raise ValueError(f"layer {i}: a re-rotating cache of {cache.max_cache_length} tokens exceeds the "
                                  f"model's context of {self.args.context_length}")
         for layer, cache in zip(self.layers, caches, strict=True):

@@ -14,7 +14,7 @@ It also holds the prompt-attention helpers those rules and the caches' initial s
 - `full`: keeps everything, so it refuses a prompt longer than the budget; `hybrid` (FastGen) profiles
   the prompt itself.
 
-With `--budget_allocation adakv` (cache_allocation.py) a head-specific rule's scores choose (head, token)
+With `--budget_allocation adakv` (budget_allocation.py) a head-specific rule's scores choose (head, token)
 pairs over the whole layer instead (`adaptive_prompt_tokens`: Ada-KV), so heads keep different numbers.
 """
 

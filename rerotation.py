@@ -24,15 +24,8 @@ step, the same order as reading the cache for attention.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
-
-from errors import UserError
-
-if TYPE_CHECKING:
-    from cache_spec import LayerCacheSpec
 
 
 def slot_ranks(pos: Tensor) -> Tensor:
@@ -57,18 +50,3 @@ def query_ranks(pos: Tensor, input_pos: Tensor) -> Tensor:
     """
     before = (pos[..., None, :] >= 0) & (pos[..., None, :] < input_pos.view(-1, 1))  # [B, P, T, L]
     return before.sum(dim=-1)
-
-
-def check_budgets(specs: list[LayerCacheSpec], context_length: int, sequence_length: int) -> None:
-    """With --rerotate_positions, ranks index the RoPE tables: every layer's cache must hold at most the
-    context. A full cache and a debug_ cache (a full cache with a shadow) hold the whole sequence."""
-    for spec in specs:
-        whole = spec.strategy.startswith("debug_") or spec.strategy == "full"
-        held = sequence_length if whole else spec.max_cache_length
-        if spec.rerotate_positions and held > context_length:
-            what = f"holds the whole sequence ({held} tokens)" if whole else f"has a budget of {held} tokens"
-            raise UserError(
-                f"layer {spec.layer}: the {spec.strategy} cache {what}, more than the model's context of "
-                f"{context_length}; with --rerotate_positions every layer's cache must fit the context (its "
-                "positions are ranks below its size)"
-            )

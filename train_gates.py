@@ -40,7 +40,7 @@ from torch import Tensor
 
 from atomic_files import check_writable
 from cache_spec import finite_float
-from checkpoint import bundled_checkpoint_path, load_checkpoint, read_gguf_metadata
+from checkpoint import add_checkpoint_argument, bundled_checkpoint_path, load_checkpoint, read_gguf_metadata
 from errors import CliParser, UserError, run_cli
 from gates import GATES_DIR, attach_gates, new_gates, save_gates
 from model import Transformer
@@ -78,7 +78,7 @@ def model_name(checkpoint_path: str | None) -> tuple[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="train_gates.py", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint_path", default=None, help="a .gguf file or Hugging Face directory (default: bundled)")
+    add_checkpoint_argument(p)
     p.add_argument("--out", default=None, help="output file (default: gates/<checkpoint name>.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--steps", type=int, default=240, help="optimizer steps, one sequence each")

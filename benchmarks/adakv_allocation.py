@@ -3,37 +3,31 @@ pydoc prefill, each layer's per-head quotas, the cache bytes (K/V apart), the at
 compressed caches keep (debug_ twins: 1 − attention loss over the next steps), and eager decode speed.
 One process, one model load; numbers are reported, never asserted.
 
-    python benchmarks/adakv_allocation.py --strategy heavy_hitter --budget 0.25 --out results/adakv.json
+    python -m benchmarks.adakv_allocation --strategy heavy_hitter --budget 0.25 --out results/adakv.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cache import cache_statistics  # noqa: E402
-from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from eval.data import pydoc_corpus  # noqa: E402
-from generate import decode_one_token, prefill, setup_caches, write_json_atomic  # noqa: E402
+from atomic_files import write_json_atomic
+from cache import cache_statistics
+from cache_setup import attach_caches, cache_config
+from checkpoint import load_checkpoint
+from eval.data import pydoc_corpus
+from generate import decode_one_token, prefill
 
 
 def run(model, tokenizer, ids: list[int], strategy: str, budget: float, allocation: str, steps: int) -> dict:
     """Prefill all but the last `steps` tokens, then teacher-force those: statistics after prefill, after the
     steps, and the seconds the steps took."""
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    args = parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget),
-                              "--budget_allocation", allocation])
+    config = cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)], budget_allocation=allocation)
     prompt, rest = torch.tensor([ids[:-steps]]), ids[-steps:]
-    setup_caches(model, resolve_cache_spec(args, model.args.n_layer, prompt.shape[1], steps), len(ids), tokenizer)
+    attach_caches(model, config, prompt.shape[1], steps, tokenizer)
     model.reset_caches()
     with torch.inference_mode():
         prefill(model, prompt)

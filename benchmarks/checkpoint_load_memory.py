@@ -5,8 +5,8 @@ then loads it with `load_checkpoint` in a fresh process and reports the peak RSS
 process's RSS just before it (the kernel's high-water mark, reset after the imports through
 /proc/self/clear_refs), divided by the checkpoint's size on disk. Linux only (/proc).
 
-    python benchmarks/checkpoint_load_memory.py               # 1B-shaped (Llama 3.2 1B), bfloat16, ~2.5 GB
-    python benchmarks/checkpoint_load_memory.py --size tiny   # ~130 MB, float32 (what the test runs)
+    python -m benchmarks.checkpoint_load_memory               # 1B-shaped (Llama 3.2 1B), bfloat16, ~2.5 GB
+    python -m benchmarks.checkpoint_load_memory --size tiny   # ~130 MB, float32 (what the test runs)
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ def _status_kb(field: str) -> int:
 
 def measure(directory: Path, dtype_name: str) -> dict:
     """Run in a fresh process: load the checkpoint and report the peak RSS the load added."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from checkpoint import load_checkpoint
@@ -130,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         directory = Path(tmp) / f"random-{args.size}"
         write_checkpoint(directory, args.size)
-        proc = subprocess.run([sys.executable, __file__, "--size", args.size, "--measure", str(directory)],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_load_memory", "--size", args.size,
+                               "--measure", str(directory)], capture_output=True, text=True, check=True, cwd=ROOT)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     if args.json:
         print(json.dumps(result))

@@ -1,24 +1,20 @@
 """Foundation numbers: load time, prefill tok/s at 2048 tokens, decode tok/s with 256 and 4096 cached
 tokens, eager vs compiled, float32 vs bfloat16 (full cache, bundled model, one sequence).
 
-    python benchmarks/foundation_speed.py
+    python -m benchmarks.foundation_speed
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cache_spec import LayerCacheSpec  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from eval.data import pydoc_corpus  # noqa: E402
-from generate import compile_decode_step, decode_one_token, generate, prefill, setup_caches  # noqa: E402
+from cache_setup import attach_caches, cache_config
+from checkpoint import load_checkpoint
+from eval.data import pydoc_corpus
+from generate import compile_decode_step, decode_one_token, generate, prefill
 
 
 def corpus_ids(tokenizer, n: int) -> list[int]:
@@ -33,8 +29,7 @@ def main() -> None:
         model, tokenizer = load_checkpoint(None, "cpu", dtype)
         row = {"dtype": str(dtype).removeprefix("torch."), "load_seconds": round(time.perf_counter() - t, 2)}
         ids = corpus_ids(tokenizer, 4096 + steps)
-        n_layer = model.args.n_layer
-        setup_caches(model, [LayerCacheSpec(i, "full", 2048, {}) for i in range(n_layer)], 2048)
+        attach_caches(model, cache_config(), 2048, 0)
         with torch.inference_mode():
             model.reset_caches()
             prefill(model, torch.tensor([ids[:2048]]))
@@ -44,8 +39,7 @@ def main() -> None:
             row["prefill_2048_tokens_per_second"] = round(2048 / (time.perf_counter() - t), 1)
         for context in (256, 4096):
             prompt = ids[:context]
-            setup_caches(model, [LayerCacheSpec(i, "full", context + steps, {}) for i in range(n_layer)],
-                         context + steps)
+            attach_caches(model, cache_config(), context, steps)
             r = generate(model, prompt, steps, [], decode_one_token)
             row[f"decode_{context}_eager"] = round(r.decode_steps / r.decode_seconds, 2)
             torch._dynamo.reset()

@@ -1,7 +1,7 @@
 """Fidelity of `gated` against other strategies under teacher forcing on held-out pydoc text.
 
-    python benchmarks/gated_fidelity.py --out results/gated_fidelity.json
-    python benchmarks/gated_fidelity.py --strategies gated recent_global --budgets 0.1 --windows 1
+    python -m benchmarks.gated_fidelity --out results/gated_fidelity.json
+    python -m benchmarks.gated_fidelity --strategies gated recent_global --budgets 0.1 --windows 1
 
 Held-out text: the pydoc topics train_gates.py never trains on. Per window of --seq_len tokens, the first
 --prefill_tokens are prefilled (compressed by each strategy's own prompt compressor when they exceed the
@@ -15,25 +15,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from errors import CliParser, UserError, run_cli  # noqa: E402
-from generate import decode_one_token, prefill, setup_caches, write_json_atomic  # noqa: E402
-from train_gates import pydoc_split  # noqa: E402
+from atomic_files import write_json_atomic
+from cache_setup import attach_caches, cache_config
+from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from errors import CliParser, UserError, run_cli
+from generate import decode_one_token, prefill
+from train_gates import pydoc_split
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="gated_fidelity.py", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint_path", default=None)
     p.add_argument("--strategies", nargs="+", default=["gated", "heavy_hitter", "l2", "recent_global"])
     p.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.25])
     p.add_argument("--seq_len", type=int, default=1024)
@@ -43,14 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
+    add_model_arguments(p, compile_flag=False)
     return p
 
 
 def cache_args(strategy: str, budget: float, gates_path: str | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    flags = ["--cache_strategy", strategy, "--max_cache_length", f"{budget:g}"]
-    return parser.parse_args(flags + (["--gates_path", gates_path] if gates_path else []))
+    gates = {"gates_path": gates_path} if gates_path else {}
+    return cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)], **gates)
 
 
 def teacher_force(model, ids: torch.Tensor, n_prompt: int, ref_logp: torch.Tensor) -> dict[str, list[float]]:
@@ -67,7 +63,7 @@ def teacher_force(model, ids: torch.Tensor, n_prompt: int, ref_logp: torch.Tenso
             out["nll"].append(float(-logp[ids[0, pos]]))
             out["nll_full"].append(float(-ref[ids[0, pos]]))
             if pos < n - 1:
-                logits = decode_one_token(model, ids[:, pos : pos + 1], torch.tensor([pos]))
+                logits = decode_one_token(model, ids[:, pos : pos + 1], torch.tensor([pos], device=ids.device))
     return out
 
 
@@ -85,23 +81,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise UserError(f"{args.out} exists; pass --overwrite to replace it")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
+    device = resolve_device(args.device)
+    model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device))
     text_ids = tokenizer.encode(pydoc_split(held_out=True))
     windows = [text_ids[i * args.seq_len : (i + 1) * args.seq_len] for i in range(args.windows)]
-    windows = [torch.tensor([w]) for w in windows if len(w) == args.seq_len]
+    windows = [torch.tensor([w], device=device) for w in windows if len(w) == args.seq_len]
     print(f"held-out pydoc: {len(text_ids)} tokens; {len(windows)} window(s) of {args.seq_len}", flush=True)
 
     traces: dict[tuple[str, float], dict[str, list[float]]] = {}
     for ids in windows:
         model.remove_caches()
         with torch.inference_mode():
-            ref_logp = F.log_softmax(model(ids, torch.arange(args.seq_len))[0].float(), dim=-1)
+            ref_logp = F.log_softmax(model(ids, torch.arange(args.seq_len, device=device))[0].float(), dim=-1)
         for budget in args.budgets:
             for strategy in args.strategies:
                 t0 = time.perf_counter()
-                specs = resolve_cache_spec(cache_args(strategy, budget, args.gates_path), model.args.n_layer,
-                                           args.prefill_tokens, args.seq_len - args.prefill_tokens)
-                setup_caches(model, specs, args.seq_len, tokenizer)
+                specs = attach_caches(model, cache_args(strategy, budget, args.gates_path), args.prefill_tokens,
+                                      args.seq_len - args.prefill_tokens, tokenizer)
                 trace = teacher_force(model, ids, args.prefill_tokens, ref_logp)
                 for key, values in trace.items():
                     traces.setdefault((strategy, budget), {}).setdefault(key, []).extend(values)

@@ -1,28 +1,26 @@
 """Each strategy at several budgets on a ~1k-token pydoc prompt: decode tok/s (compiled), measured
 compression ratio, and the debug_ attention loss (eager). One process, one model load.
 
-    python benchmarks/strategy_report.py --budgets 0.5 0.25 0.1 --out results/strategy_report.json
+    python -m benchmarks.strategy_report --budgets 0.5 0.25 0.1 --out results/strategy_report.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cache import cache_statistics  # noqa: E402
-from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from debug_cache import attention_loss_curve  # noqa: E402
-from eval.data import pydoc_corpus  # noqa: E402
-from generate import compile_decode_step, decode_one_token, generate, setup_caches, write_json_atomic  # noqa: E402
-from strategies import CACHE_STRATEGIES  # noqa: E402
+from atomic_files import write_json_atomic
+from cache import cache_statistics
+from cache_setup import attach_caches, cache_config
+from cache_spec import LayerCacheSpec
+from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from eval.data import pydoc_corpus
+from generate import compile_decode_step, decode_one_token, generate
+from strategies import CACHE_STRATEGIES
+from strategies.debug import attention_loss_curve
 
 
 def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:
@@ -30,12 +28,14 @@ def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:
     return tokenizer.encode(text)[:n_tokens]
 
 
+def attach(model, tokenizer, ids: list[int], strategy: str, budget: float, new: int) -> list[LayerCacheSpec]:
+    """The caches generate.py would give this strategy, budget and sequence (sliding layers included)."""
+    config = cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)])
+    return attach_caches(model, config, len(ids), new, tokenizer)
+
+
 def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled: bool) -> dict:
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    args = parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget)])
-    specs = resolve_cache_spec(args, model.args.n_layer, len(ids), new)
-    setup_caches(model, specs, len(ids) + new, tokenizer)
+    attach(model, tokenizer, ids, strategy, budget, new)
     torch._dynamo.reset()
     step = compile_decode_step() if compiled else decode_one_token
     if compiled:  # warm up (cold compile) on a throwaway run
@@ -55,11 +55,13 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+", default=[s for s in CACHE_STRATEGIES if s != "full"])
     p.add_argument("--prompt_tokens", type=int, default=1024)
     p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--out", default="results/strategy_report.json")
+    add_model_arguments(p, compile_flag=False)
+    p.set_defaults(dtype="float32")  # on a GPU too: the report compares numbers, not a deployment
     a = p.parse_args()
-    model, tokenizer = load_checkpoint(None, "cpu", getattr(torch, a.dtype))
+    device = resolve_device(a.device)
+    model, tokenizer = load_checkpoint(a.checkpoint_path, device, parse_dtype(a.dtype, device))
     ids = pydoc_prompt(tokenizer, a.prompt_tokens)
     rows = []
     t0 = time.time()

@@ -1,7 +1,7 @@
 """Stream past the model's context with re-rotated positions (StreamingLLM, arXiv 2309.17453 §3.2).
 
-    OMP_NUM_THREADS=1 python benchmarks/streaming_past_context.py --out results/streaming.json
-    python benchmarks/streaming_past_context.py --tokens 4096 --budget 512 --global_tokens 4 0
+    OMP_NUM_THREADS=1 python -m benchmarks.streaming_past_context --out results/streaming.json
+    python -m benchmarks.streaming_past_context --tokens 4096 --budget 512 --global_tokens 4 0
 
 Teacher-forces `--tokens` of CPython's pydoc text (default 2× the bundled SmolLM2's 8192-token context)
 through a `recent_global` cache of `--budget` tokens with `--rerotate_positions`, once per value of
@@ -16,37 +16,31 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cache_spec import add_cache_arguments, resolve_cache_spec  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from errors import CliParser, UserError, run_cli  # noqa: E402
-from eval.data import pydoc_corpus  # noqa: E402
-from generate import check_lengths, compile_decode_step, decode_one_token, setup_caches, write_json_atomic  # noqa: E402
-from model_policies import apply_model_layer_policies  # noqa: E402
-from rerotation import check_budgets  # noqa: E402
+from atomic_files import write_json_atomic
+from cache_setup import attach_caches, cache_config
+from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from errors import CliParser, UserError, run_cli
+from eval.data import pydoc_corpus
+from generate import check_lengths, compile_decode_step, decode_one_token
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="streaming_past_context.py", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint_path", default=None)
     p.add_argument("--tokens", type=int, default=None, help="tokens teacher-forced (default: 2× the context)")
     p.add_argument("--text_offset", type=int, default=0, help="first token of the pydoc text used")
     p.add_argument("--budget", type=int, default=1024, help="recent_global budget in tokens (≤ the context)")
     p.add_argument("--global_tokens", type=int, nargs="+", default=[4, 0], help="one run per value (sinks)")
     p.add_argument("--segment", type=int, default=1024, help="tokens per reported perplexity")
     p.add_argument("--no_reference", action="store_true", help="skip the full-attention reference")
-    p.add_argument("--compile", action="store_true", help="compile the decode step")
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
+    add_model_arguments(p)
     return p
 
 
@@ -58,26 +52,21 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def streaming_nll(model, ids: torch.Tensor, budget: int, global_tokens: int, step, desc: str) -> torch.Tensor:
     """NLL of tokens 1..N−1 [N−1] under a re-rotating recent_global cache of `budget` tokens."""
     n = ids.shape[1]
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    args = parser.parse_args(["--cache_strategy", "recent_global", "--max_cache_length", str(budget),
-                              "--global_tokens", str(global_tokens), "--rerotate_positions"])
+    config = cache_config(cache_strategy=["recent_global"], max_cache_length=[float(budget)],
+                          global_tokens=global_tokens, rerotate_positions=True)
     check_lengths(budget, n - budget, model.args.context_length, rerotate_positions=True)
-    specs = resolve_cache_spec(args, model.args.n_layer, budget, n - budget)
-    specs = apply_model_layer_policies(specs, model.args, budget, n - budget)
-    check_budgets(specs, model.args.context_length, n)
-    setup_caches(model, specs, n)
+    attach_caches(model, config, budget, n - budget, quiet=False)
     model.reset_caches()
     nll = torch.empty(n - 1)
     with torch.inference_mode():
         # The first `budget` tokens fit the cache: one prefill, whose logits score them (nothing is evicted).
-        logits = model(ids[:, :budget], torch.arange(budget))[0]
+        logits = model(ids[:, :budget], torch.arange(budget, device=ids.device))[0]
         nll[: budget - 1] = token_nll(logits[:-1], ids[0, 1:budget])
         last = logits[-1:]
         for p in tqdm(range(budget, n), desc=desc, unit="tok", mininterval=10):
             nll[p - 1] = token_nll(last, ids[0, p : p + 1])[0]
             if p + 1 < n:
-                last = step(model, ids[:, p : p + 1], torch.tensor([p]))
+                last = step(model, ids[:, p : p + 1], torch.tensor([p], device=ids.device))
     model.remove_caches()
     return nll
 
@@ -85,7 +74,8 @@ def streaming_nll(model, ids: torch.Tensor, budget: int, global_tokens: int, ste
 def reference_nll(model, ids: torch.Tensor) -> torch.Tensor:
     """NLL of tokens 1..n−1 under full attention (one cache-less forward, n ≤ the context)."""
     with torch.inference_mode():
-        logits = model(ids, torch.arange(ids.shape[1]))[0]  # 8192 × 49152 float32: 1.6 GB for the bundled model
+        # 8192 × 49152 float32: 1.6 GB for the bundled model
+        logits = model(ids, torch.arange(ids.shape[1], device=ids.device))[0]
         rows = range(0, ids.shape[1] - 1, 1024)  # log-softmax by rows, not a second copy of all of it
         return torch.cat([token_nll(logits[s : s + 1024][: ids.shape[1] - 1 - s], ids[0, s + 1 : s + 1025])
                           for s in rows])
@@ -106,13 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.budget < 2 or args.segment < 1:
         raise UserError("--budget must be ≥ 2 and --segment ≥ 1")
-    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
+    device = resolve_device(args.device)
+    model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device))
     context = model.args.context_length
     tokens = args.tokens or 2 * context
     ids = tokenizer.encode(pydoc_corpus())[args.text_offset : args.text_offset + tokens]
     if len(ids) < tokens or tokens <= args.budget:
         raise UserError(f"need {tokens} tokens after --text_offset (> --budget), the text has {len(ids)}")
-    ids = torch.tensor([ids])
+    ids = torch.tensor([ids], device=device)
     step = compile_decode_step() if args.compile else decode_one_token
     runs, started = {}, time.perf_counter()
     for g in args.global_tokens:

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset, storage_spec
-from checkpoint import load_checkpoint, parse_dtype
+from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, run_cli
 from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
-from generate import add_model_arguments, compile_decode_step, decode_one_token, resolve_device
+from generate import compile_decode_step, decode_one_token
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -227,6 +227,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = results.write_results_table(out_dir)
     print(f"results table: {table}")
     return done
+
+
+def run_job(job: list[str], device: str | None, progress: bool | None) -> None:
+    """One run of a sweep (a local worker or a Ray actor): flags with a single configuration, on `device`."""
+    args = parse_args(job + (["--device", device] if device else []))
+    ((task, config, path),) = plan(args)
+    execute(task, config, path, progress)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import cache_setup
 from cache import cache_statistics
-from cache_spec import LayerCacheSpec, add_cache_arguments, resolve_cache_spec
-from debug_cache import attention_loss_curve
+from cache_spec import LayerCacheSpec, cache_flag_defaults
 from errors import UserError
 from eval.metrics import step_fidelity
-from generate import decode_one_token, prefill, setup_caches
+from generate import decode_one_token, prefill
 from model import Transformer
-from model_policies import apply_model_layer_policies
-from rerotation import check_budgets
+from strategies.debug import attention_loss_curve
 from tokenizer import Tokenizer
 
 
@@ -83,13 +82,6 @@ def peak_memory_mb(device: torch.device) -> float:
 # ---- caches -------------------------------------------------------------------------------------------
 
 
-def cache_flag_defaults() -> dict:
-    """Every cache flag with its default, as cache_spec.py defines them today (new flags come along)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_cache_arguments(parser)
-    return {a.dest: a.default for a in parser._actions if a.dest not in ("cache_config", "print_cache_spec")}
-
-
 def full_cache_args(args: argparse.Namespace) -> argparse.Namespace:
     """The reference every configuration is compared with: the same flags, every cache flag at its default
     (the full cache, 16-bit, no prompt compression or feeding)."""
@@ -103,16 +95,11 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
             if value > total:
                 raise UserError(f"--max_cache_length {value:g} tokens is larger than the sequence ({total} tokens: "
                                 f"{prompt_length} prompt + {max_new_tokens} new); use a smaller budget or a fraction")
-    specs = resolve_cache_spec(args, rt.model.args.n_layer, prompt_length, max_new_tokens)
-    specs = apply_model_layer_policies(specs, rt.model.args, prompt_length, max_new_tokens, quiet=True)
-    check_budgets(specs, rt.model.args.context_length, total)
-    return specs
+    return cache_setup.cache_specs(args, rt.model.args, prompt_length, max_new_tokens)
 
 
 def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:
-    a = rt.args
-    setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer, snapkv_window=a.snapkv_window,
-                 snapkv_kernel=a.snapkv_kernel)
+    cache_setup.setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer)
     return rt.model.caches()
 
 

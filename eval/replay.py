@@ -56,7 +56,11 @@ def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: ob
         args = argparse.Namespace(**{**vars(args), "max_cache_length": [slots], "cache_length_pattern": "tile"})
     rt = Runtime(model, tokenizer, args, progress=True)
     specs = cache_specs(rt, args, config["prompt_tokens_max"], max_new)
-    if json.loads(json.dumps([s.to_dict() for s in specs], default=str)) != config["cache_spec"]:
+    resolved = json.loads(json.dumps([s.to_dict() for s in specs], default=str))
+    # A field added to the spec since the run was recorded (prompt_settings) is not in it: compare the rest.
+    stored = config["cache_spec"]
+    if len(resolved) != len(stored) or [{k: v for k, v in now.items() if k in then}
+                                        for now, then in zip(resolved, stored, strict=True)] != stored:
         raise UserError("the flags resolve to another cache spec than the run's (other code or model?)")
     with torch.inference_mode():
         caches = attach_caches(rt, specs, config["prompt_tokens_max"] + max_new)

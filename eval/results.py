@@ -27,6 +27,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -39,9 +40,9 @@ import numpy as np
 import pandas as pd
 
 from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftovers, replace_dir, temp_dir_beside
+from cache_spec import cache_flag_defaults
 from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
-from eval.harness import cache_flag_defaults
 from strategies import CACHE_STRATEGIES, get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,10 +56,11 @@ TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "de
 # metrics.json without these is not a run (a stray or damaged file): skipped with a warning. Runs written
 # before identities existed have none: they stay in the table and plots, and eval runs them again.
 REQUIRED_KEYS = ("model", "task", "strategy", "budget")
-# Sources that only orchestrate, draw or train: editing them does not change a run's numbers.
-# Sources that do not change a run's numbers (a trailing "/": a whole folder).
+# Sources that only orchestrate, draw, train or test: editing them does not change a run's numbers
+# (a trailing "/": a whole folder). Every other Python file below the root counts, wherever it sits, so a
+# module moved into a package keeps changing the identity.
 NOT_COMPUTE = ("eval/plot.py", "eval/compare.py", "eval/replay.py", "eval/sweep.py", "eval/sweep_ray.py",
-               "eval/bench/", "eval/reproduce/", "train_gates.py")
+               "eval/bench/", "eval/reproduce/", "train_gates.py", "tests/", "benchmarks/")
 
 
 
@@ -73,7 +75,7 @@ def cache_identity(args: argparse.Namespace) -> dict:
     if len(strategies) == 1:
         unused.add("cache_strategy_pattern")
     if flags.get("budget_allocation") == "uniform":
-        unused.add("adakv_floor")  # read by pooled caches only (cache_allocation.py)
+        unused.add("adakv_floor")  # read by pooled caches only (budget_allocation.py)
     return {k: v for k, v in flags.items() if k not in unused}
 
 
@@ -163,15 +165,29 @@ def path_fingerprint(path: str | Path) -> dict | None:
     return None
 
 
+def compute_sources(root: Path = ROOT) -> list[Path]:
+    """Every Python file below `root` that computes numbers: all of them but NOT_COMPUTE, hidden folders
+    and virtual environments (a folder holding pyvenv.cfg), which are not even walked."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and d != "__pycache__"
+                               and not (Path(folder) / d / "pyvenv.cfg").exists())
+        for name in names:
+            path = Path(folder) / name
+            rel = path.relative_to(root).as_posix()
+            if name.endswith(".py") and not any(rel == n or (n.endswith("/") and rel.startswith(n))
+                                                for n in NOT_COMPUTE):
+                found.append(path)
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
 def code_version(root: Path = ROOT) -> dict:
     """The code that computes the numbers: a hash of its Python sources (a git commit would miss
     uncommitted edits), and the Python (pydoc_data differs between versions) and torch versions."""
     digest = hashlib.sha256()
-    files = sorted([*root.glob("*.py"), *root.glob("eval/**/*.py")])
-    for path in files:
+    for path in compute_sources(root):
         rel = path.relative_to(root).as_posix()
-        if not any(rel == n or (n.endswith("/") and rel.startswith(n)) for n in NOT_COMPUTE):
-            digest.update(rel.encode() + b"\0" + file_sha256(path).encode() + b"\0")
+        digest.update(rel.encode() + b"\0" + file_sha256(path).encode() + b"\0")
     return {"sources_sha256": digest.hexdigest(), "python": platform.python_version(),
             "torch": _version("torch")}
 

@@ -31,10 +31,9 @@ import torch
 from tqdm import tqdm
 
 from cache_spec import finite_float, mapping_to_argv, read_yaml
-from checkpoint import parse_dtype
+from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
-from generate import resolve_device
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
 
@@ -159,12 +158,6 @@ def plan_jobs(jobs: list[list[str]]) -> list[tuple[list[str], Path]]:
     return planned
 
 
-def run_job(job: list[str], device: str | None, progress: bool | None) -> None:
-    args = cli.parse_args(job + (["--device", device] if device else []))
-    ((task, config, path),) = cli.plan(args)
-    cli.execute(task, config, path, progress)
-
-
 def _die_with_parent() -> None:
     """Workers must not outlive a killed sweep: Linux delivers SIGKILL to them when the parent dies."""
     try:
@@ -186,7 +179,7 @@ def worker(jobs: object, done: object, device: str | None, threads: int, parent:
             return
         index, job = item
         try:
-            run_job(job, device, progress=True)
+            cli.run_job(job, device, progress=True)
             done.put((index, None))
         except UserError as e:
             done.put((index, str(e)))
@@ -245,7 +238,7 @@ def main(argv: list[str] | None = None) -> Path:
     elif sweep.workers == 1 or len(pending) <= 1:
         for i, (job, _) in enumerate(pending):
             try:
-                run_job(job, devices[0], progress=None)
+                cli.run_job(job, devices[0], progress=None)
             except UserError as e:
                 failures[i] = str(e)
             results.write_results_table(out_dir)  # after every run: the table is current even if killed

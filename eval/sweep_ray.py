@@ -133,12 +133,10 @@ class SweepWorker:
 
     def run(self, job: list[str], device: str, out_dir: str) -> dict:
         """One run into a fresh scratch directory; its files (as data), or the error, go back to the driver."""
-        from eval.sweep import run_job
-
         scratch = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=SCRATCH))
         reply: dict = {}
         try:
-            run_job([*job, "--out_dir", str(scratch)], device, progress=True)  # the last --out_dir wins
+            cli.run_job([*job, "--out_dir", str(scratch)], device, progress=True)  # the last --out_dir wins
             (metrics_path,) = scratch.glob("*/*/*/metrics.json")
             path = metrics_path.parent
             config = json.loads((path / "config.json").read_text())

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from cache import KVCache
-from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
-from debug_cache import DebugCache
-from errors import CliParser
+from cache_setup import cache_config, cache_specs
+from cache_spec import build_caches
 from gates import attach_random_gates
 from generate import decode_one_token, prefill
 from strategies import CACHE_STRATEGIES
+from strategies.debug import DebugCache
 
 PROMPT, NEW = 24, 16
 TOTAL = PROMPT + NEW
@@ -32,7 +32,7 @@ STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fract
 COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
-# The budget-allocation axis (--budget_allocation adakv, cache_allocation.py): every head-specific strategy that
+# The budget-allocation axis (--budget_allocation adakv, budget_allocation.py): every head-specific strategy that
 # can pool its heads (hybrid sizes them itself) and its debug_ twin, on dense and per-token-quantized storage
 # (KIVI is refused). A short SnapKV window, so heavy_hitter's prompt rule protects less than the budget and
 # heads really receive different quotas.
@@ -43,19 +43,16 @@ ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapk
 
 
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
-    parser = CliParser()
-    add_cache_arguments(parser)
-    return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
-                              str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
+    return cache_config(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
+                         str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
 
 
 def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32, new: int = NEW) -> list[KVCache]:
-    specs = resolve_cache_spec(args, model.args.n_layer, PROMPT, new)
+    specs = cache_specs(args, model.args, PROMPT, new)
     if model.layers[0].attention.gate is None:  # only caches that need gates (gated) make the model use them
         attach_random_gates(model, seed=0)
     a = model.args
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device, args.snapkv_window,
-                          args.snapkv_kernel, token_classes=TOKEN_CLASSES)
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, PROMPT + new, dtype, device, token_classes=TOKEN_CLASSES)
     model.setup_caches(caches)
     return caches
 

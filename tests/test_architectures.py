@@ -14,7 +14,8 @@ import argparse
 import pytest
 import torch
 
-from cache_spec import add_cache_arguments, build_caches, resolve_cache_spec
+from cache_setup import attach_caches, cache_config
+from cache_spec import build_caches, resolve_cache_spec
 from checkpoint import load_checkpoint
 from model_policies import apply_model_layer_policies
 from tests.arch_helpers import VOCAB, WINDOW, arch_configs, save_tiny_model
@@ -25,21 +26,11 @@ ARCHS = list(arch_configs())
 
 
 def default_cache_args(**overrides: object) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    args = parser.parse_args([])
-    for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
+    return cache_config(**overrides)
 
 
 def attach(model, prompt_length: int, new_tokens: int, **flags: object) -> list:
-    specs = resolve_cache_spec(default_cache_args(**flags), model.args.n_layer, prompt_length, new_tokens)
-    specs = apply_model_layer_policies(specs, model.args, prompt_length, new_tokens, quiet=True)
-    a = model.args
-    model.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, prompt_length + new_tokens,
-                                    torch.float32, "cpu"))
-    return specs
+    return attach_caches(model, cache_config(**flags), prompt_length, new_tokens)
 
 
 def greedy_logits(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:

@@ -1,4 +1,4 @@
-"""Head-adaptive budgets (`--budget_allocation adakv`, cache_allocation.py; Ada-KV, arXiv 2407.11550).
+"""Head-adaptive budgets (`--budget_allocation adakv`, budget_allocation.py; Ada-KV, arXiv 2407.11550).
 
 - the matrix axis: every head-specific strategy and its debug_ twin pooled, dense and 4-bit per-token storage,
   eager and compiled, checked after every step (the shared invariants, plus quotas that sum to the layer's
@@ -19,10 +19,11 @@ import pytest
 import torch
 
 import generate
+from budget_allocation import PooledCache
 from cache import cache_statistics
-from cache_allocation import PooledCache
-from cache_spec import add_cache_arguments, build_caches, format_cache_spec, parse_args_with_preset, resolve_cache_spec
-from errors import CliParser, UserError, run_cli
+from cache_setup import cache_config
+from cache_spec import build_caches, format_cache_spec, resolve_cache_spec
+from errors import UserError, run_cli
 from eval.harness import kept_positions
 from generate import compile_decode_step, decode_one_token, prefill
 from model import apply_rope, grouped_attention
@@ -197,12 +198,10 @@ def test_kept_positions_after_prefill_equal_the_naive_selection_on_the_strategys
 
 def smollm_caches(strategy: str, storage: str, allocation: str):
     """Layer caches with SmolLM2-135M's shapes (3 KV heads of 64 dims), budget 256 of 1024 tokens."""
-    parser = CliParser()
-    add_cache_arguments(parser)
     flags = ["--cache_strategy", strategy, "--max_cache_length", "256", "--budget_allocation", allocation]
     flags += {"dense": [], "4bit": ["--cache_bits", "4"], "2bit": ["--cache_bits", "2"],
               "8bit": ["--cache_bits", "8"]}[storage]
-    specs = resolve_cache_spec(parse_args_with_preset(parser, flags), 1, 900, 124)
+    specs = resolve_cache_spec(cache_config(flags), 1, 900, 124)
     return build_caches(specs, 1, 3, 64, 1024, torch.bfloat16, "cpu")[0]
 
 
@@ -241,9 +240,7 @@ def test_adakv_holds_n_kv_times_the_budget_and_reports_it(strategy):
 
 
 def test_print_cache_spec_shows_the_allocation():
-    parser = CliParser()
-    add_cache_arguments(parser)
-    args = parse_args_with_preset(parser, ["--cache_config", "heavy_hitter_adakv"])
+    args = cache_config("heavy_hitter_adakv")
     table = format_cache_spec(resolve_cache_spec(args, 2, 900, 100))
     assert "allocation" in table.splitlines()[0]
     assert all(" adakv " in line and "adakv_floor=0.2" in line for line in table.splitlines()[1:])
@@ -413,11 +410,9 @@ def test_uniform_allocation_builds_the_registered_caches(explicit):
     (["--adakv_floor", "-0.1"], r"in \[0, 1\], got -0.1"),
 ])
 def test_adakv_refuses_what_cannot_work(flags, message):
-    parser = CliParser()
-    add_cache_arguments(parser)
     base = ["--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25", "--budget_allocation", "adakv"]
     with pytest.raises(UserError, match=message):
-        resolve_cache_spec(parse_args_with_preset(parser, base + flags), 30, 900, 100)
+        resolve_cache_spec(cache_config(base + flags), 30, 900, 100)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -426,10 +421,8 @@ def test_adakv_refuses_what_cannot_work(flags, message):
     (["--budget_allocation", "adakv", "--adakv_floor", "nan"], "not a finite number"),
 ])
 def test_allocation_flags_are_checked(flags, message):
-    parser = CliParser()
-    add_cache_arguments(parser)
     with pytest.raises(UserError, match=message):
-        resolve_cache_spec(parse_args_with_preset(parser, ["--cache_strategy", "l2", *flags]), 30, 900, 100)
+        resolve_cache_spec(cache_config(["--cache_strategy", "l2", *flags]), 30, 900, 100)
 
 
 def test_generate_refuses_adakv_with_one_line_before_loading(capsys, monkeypatch):
@@ -446,10 +439,8 @@ def test_eval_tells_adakv_runs_apart():
     only where it is read."""
     from eval import results
 
-    parser = CliParser()
-    add_cache_arguments(parser)
-    uniform = parser.parse_args(["--cache_strategy", "heavy_hitter"])
-    adakv = parser.parse_args(["--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"])
+    uniform = cache_config(["--cache_strategy", "heavy_hitter"])
+    adakv = cache_config(["--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"])
     assert (results.strategy_label(uniform), results.strategy_label(adakv)) == ("heavy_hitter", "heavy_hitter adakv")
     assert "adakv_floor" not in results.cache_identity(uniform) and results.cache_identity(adakv)["adakv_floor"] == 0.2
     assert results.cache_identity(uniform) != results.cache_identity(adakv)

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 import generate
-from cache_spec import CONFIG_DIR, add_cache_arguments, depth_scaled_budgets, parse_args_with_preset, resolve_cache_spec
+from cache_setup import cache_config
+from cache_spec import CONFIG_DIR, add_cache_arguments, depth_scaled_budgets, resolve_cache_spec
 from errors import CliParser, UserError, run_cli
 
 
@@ -19,8 +20,7 @@ def parser() -> CliParser:
 
 
 def spec(*flags: str, n_layer: int = 30, prompt: int = 900, new: int = 100):
-    args = parse_args_with_preset(parser(), list(flags))
-    return resolve_cache_spec(args, n_layer, prompt, new)
+    return resolve_cache_spec(cache_config(list(flags)), n_layer, prompt, new)
 
 
 def test_fraction_and_absolute_budgets():

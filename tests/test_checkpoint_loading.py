@@ -81,8 +81,8 @@ def test_sharded_checkpoint_streams_to_the_target_dtype(tmp_path):
 def test_loading_peak_rss_stays_near_the_checkpoint_size(tmp_path):
     """A 100 MB float32 checkpoint in a fresh process: the peak RSS added by loading ≤ 1.3 × its size
     (benchmarks/checkpoint_load_memory.py measures a 1B-shaped one the same way)."""
-    bench = ROOT / "benchmarks" / "checkpoint_load_memory.py"
-    proc = subprocess.run([sys.executable, str(bench), "--size", "tiny", "--dir", str(tmp_path), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_load_memory", "--size", "tiny", "--dir",
+                           str(tmp_path), "--json"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

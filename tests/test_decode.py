@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from cache_setup import setup_caches
 from cache_spec import LayerCacheSpec
-from generate import compile_decode_step, decode_one_token, generate, prefill, sample, setup_caches
+from generate import compile_decode_step, decode_one_token, generate, prefill, sample
 from tests.conftest import make_tiny_model
 
 

@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from cache import KVCache
 from errors import UserError
 from eval import cli, replay, results
+from strategies.heavy_hitter import HeavyHitterCache
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
-    )
+)
 from tests.strategy_matrix import ALL, STORAGES, attach, cache_args, prompt_then_rest, token_ids
 
 
@@ -82,7 +82,8 @@ def test_kvpress_protocol_query_aware_compresses_context_and_question_to_the_sam
             held = layer >= 0
             assert (held.sum(axis=1) == round(0.25 * n_context) + n_question).all()
             n = n_context + n_question
-            window = set(range(n - min(KVCache.snapkv_window, n_question), n))  # SnapKV's observation window
+            # SnapKV's observation window
+            window = set(range(n - min(HeavyHitterCache.SNAPKV_WINDOW.default, n_question), n))
             for head in range(layer.shape[0]):
                 assert window <= set(layer[head][held[head]])
     model, tokenizer = cli.load_model(str(tiny_dir), "cpu", torch.float32)

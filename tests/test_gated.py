@@ -1,4 +1,4 @@
-"""The gated cache (cache_gated.py), its gates (gates.py) and their training (train_gates.py).
+"""The gated cache (strategies/gated.py), its gates (gates.py) and their training (train_gates.py).
 
 Logic on the tiny random model with random gates; the shipped gates file against the bundled model.
 """
@@ -10,6 +10,7 @@ import torch
 
 import generate
 import train_gates
+from cache_setup import setup_caches
 from cache_spec import build_caches, resolve_cache_spec
 from errors import UserError
 from gates import (
@@ -24,7 +25,7 @@ from gates import (
     read_metadata,
     save_gates,
 )
-from generate import compile_decode_step, decode_one_token, setup_caches
+from generate import compile_decode_step, decode_one_token
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import write_tiny_checkpoint
 from tests.strategy_matrix import NEW, PROMPT, TOTAL, attach, cache_args, held_positions, inner, run, token_ids

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 import generate
-from cache_spec import resolve_cache_spec
+from cache_setup import attach_caches, check_budgets, setup_caches
+from cache_spec import build_caches, resolve_cache_spec
 from errors import UserError
 from generate import compile_decode_step, decode_one_token, prefill
-from rerotation import check_budgets, query_ranks, slot_ranks
+from rerotation import query_ranks, slot_ranks
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import one_thread  # noqa: F401  (an autouse fixture: one torch thread)
 from tests.strategy_matrix import (
@@ -217,7 +218,7 @@ def test_without_eviction_rerotation_is_a_no_op_on_the_bundled_model(bundled):
     runs = []
     for flags in ((), ("--rerotate_positions",)):
         args = cache_args("full", "1.0", "dense", *flags)
-        generate.setup_caches(model, resolve_cache_spec(args, model.args.n_layer, 48, 16), 64)
+        setup_caches(model, resolve_cache_spec(args, model.args.n_layer, 48, 16), 64)
         with torch.inference_mode():
             model.reset_caches()
             rows = [prefill(model, ids[:, :48])]
@@ -271,9 +272,7 @@ def stream_nll(model, ids: torch.Tensor, step) -> torch.Tensor:
     args.global_tokens = 4
     n = ids.shape[1]
     generate.check_lengths(STREAM_BUDGET, n - STREAM_BUDGET, model.args.context_length, rerotate_positions=True)
-    specs = resolve_cache_spec(args, model.args.n_layer, STREAM_BUDGET, n - STREAM_BUDGET)
-    check_budgets(specs, model.args.context_length, n)
-    generate.setup_caches(model, specs, n)
+    attach_caches(model, args, STREAM_BUDGET, n - STREAM_BUDGET)
     nll = []
     with torch.inference_mode():
         model.reset_caches()
@@ -339,8 +338,11 @@ def test_a_cache_larger_than_the_context_is_refused(strategy, budget, message):
 
 def test_mixed_or_oversized_rerotating_caches_are_refused_by_the_model():
     model = make_tiny_model(context_length=CONTEXT)
+    # Past the user-level check (cache_setup.check_budgets): the model's own guard must still refuse.
+    specs = resolve_cache_spec(cache_args("recent_global", "36", "dense", "--rerotate_positions"), 2, PROMPT, NEW)
+    a = model.args
     with pytest.raises(ValueError, match="exceeds the model's context"):
-        attach(model, cache_args("recent_global", "36", "dense", "--rerotate_positions"))
+        model.setup_caches(build_caches(specs, 1, a.n_kv_head, a.head_dim, TOTAL, torch.float32, "cpu"))
     caches = attach(make_tiny_model(), cache_args("recent_global", BUDGET, "dense", "--rerotate_positions"))
     caches[1].configure(rerotate_positions=False)
     with pytest.raises(ValueError, match="every layer"):

@@ -249,3 +249,32 @@ def test_prompt_is_a_file_when_it_names_one_and_text_otherwise(tmp_path, monkeyp
     assert generate.read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
     with pytest.raises(UserError, match="not found"):
         generate.read_prompt("missing.txt")
+
+
+def test_a_source_moved_into_a_package_still_changes_the_identity(tmp_path):
+    """A module moved below the root (cache_tova.py -> strategies/tova.py) keeps counting: an edit to it
+    changes the code version, so runs computed by the old code are not reused."""
+    (tmp_path / "cache.py").write_text("A = 1\n")
+    (tmp_path / "strategies").mkdir()
+    moved = tmp_path / "strategies" / "tova.py"
+    moved.write_text("B = 1\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("C = 1\n")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "site.py").write_text("D = 1\n")
+    before = results.code_version(tmp_path)["sources_sha256"]
+    assert [p.relative_to(tmp_path).as_posix() for p in results.compute_sources(tmp_path)] == \
+        ["cache.py", "strategies/tova.py"]
+    (tmp_path / "tests" / "test_x.py").write_text("C = 2\n")  # tests compute no result
+    (tmp_path / ".venv" / "site.py").write_text("D = 2\n")
+    assert results.code_version(tmp_path)["sources_sha256"] == before
+    moved.write_text("B = 2\n")
+    assert results.code_version(tmp_path)["sources_sha256"] != before
+
+
+def test_every_strategy_file_is_in_the_identity():
+    from strategies import CACHE_STRATEGIES
+
+    hashed = set(results.compute_sources())
+    for cls in CACHE_STRATEGIES.values():
+        assert Path(sys.modules[cls.__module__].__file__).resolve() in hashed, cls.__module__

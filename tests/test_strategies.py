@@ -90,7 +90,7 @@ def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, storage: str) 
             atol = 1e-5 if storage == "dense" else 0.2 * (ref_k.abs().max().item() + 1)
             for h in range(c.n_kv_heads):
                 slots = mask[h].nonzero().flatten()
-                kv = min(h, keys.shape[1] - 1)  # a pooled cache (cache_allocation.py) holds every head in one pool
+                kv = min(h, keys.shape[1] - 1)  # a pooled cache (budget_allocation.py) holds every head in one pool
                 torch.testing.assert_close(keys[0, kv, slots], ref_k[h, pos[h, slots]], atol=atol, rtol=0)
                 torch.testing.assert_close(values[0, kv, slots], ref_v[h, pos[h, slots]], atol=atol, rtol=0)
 

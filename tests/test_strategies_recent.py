@@ -144,7 +144,7 @@ def test_strategy_decodes_by_its_rule_after_another_prompt_rule(strategy):
 
 def test_expected_logit_is_the_log_of_the_expected_attention_weight_of_a_gaussian_query():
     """E[exp(qᵀk/√d)] for q ~ N(μ, Σ), by Monte Carlo, is exp of the expected logit the rule ranks by."""
-    from cache_expected_attention import expected_logit
+    from strategies.expected_attention import expected_logit
 
     gen = torch.Generator().manual_seed(0)
     d = 8

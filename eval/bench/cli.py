@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from atomic_files import atomic_write
-from checkpoint import parse_dtype
+from atomic_files import atomic_write, write_json_atomic
+from checkpoint import add_model_arguments, parse_dtype, resolve_device
 from errors import CliParser, UserError
 from eval.bench.measure import (
     FIELDS,
@@ -29,10 +29,6 @@ from eval.bench.measure import (
 from eval.bench.plan import build_plan, plan_summary
 from eval.bench.report import fill_comparisons, format_table, format_targets, summarize_targets
 from eval.data import pydoc_corpus
-from generate import (
-    resolve_device,
-    write_json_atomic,
-)
 from strategies import CACHE_STRATEGIES
 
 
@@ -67,7 +63,6 @@ def build_parser() -> CliParser:
                         "same-size full cache, alternating in this many blocks, for overhead_vs_same_size_full")
     p.add_argument("--no_same_size_ref", action="store_true",
                    help="skip the same-size full-cache references and the overhead measurement")
-    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--inductor_freezing", action="store_true",
                    help="experiment: compile with torch._inductor.config.freezing (weights folded and prepacked for "
                         "oneDNN; faster decode here, but each compile is cold and keeps ~250 MB in the process)")
@@ -76,9 +71,8 @@ def build_parser() -> CliParser:
     p.add_argument("--hf_static", action="store_true",
                    help="also transformers' static cache with its forward compiled (its documented recipe for speed; "
                         "CUDA graphs on a GPU), at each of --contexts")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--checkpoint_path", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
+    add_model_arguments(p, compile_flag=False)
+    p.set_defaults(dtype="bfloat16")  # the bench measures speed as deployed: bfloat16 on the CPU too
     p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
                    help="random weights with a real model's shapes instead of a checkpoint (decode speed depends on "
                         "the shapes only; nothing is downloaded); prompts are random token ids")

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from cache import cache_statistics
-from cache_spec import resolve_cache_spec
+from cache_setup import attach_caches
 from checkpoint import bundled_checkpoint_path, load_checkpoint
 from checkpoint_hf import hf_model_args
 from eval.bench.plan import cache_args, recompile_check_shape
@@ -24,10 +24,8 @@ from generate import (
     decode_one_token,
     generate,
     prefill,
-    setup_caches,
 )
 from model import Transformer
-from model_policies import apply_model_layer_policies
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
           "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
@@ -147,10 +145,7 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
     steps = max(2, min(steps, slots - 1))
     device = model.tok_embeddings.weight.device
     if ref_caches is None:
-        full_specs = apply_model_layer_policies(
-            resolve_cache_spec(cache_args("full", 1.0), model.args.n_layer, slots - steps, steps), model.args,
-            slots - steps, steps, quiet=True)
-        setup_caches(model, full_specs, slots, tokenizer)
+        attach_caches(model, cache_args("full", 1.0), slots - steps, steps, tokenizer)
         ref_caches = model.caches()
     ref = {"caches": ref_caches}
     ours = {"caches": caches}
@@ -189,10 +184,8 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    specs = resolve_cache_spec(cache_args(strategy, budget), model.args.n_layer, len(ids), new)
-    specs = apply_model_layer_policies(specs, model.args, len(ids), new, quiet=True)  # sliding layers: a window
     capacity = len(ids) + new
-    setup_caches(model, specs, capacity, tokenizer, classes=classes)
+    specs = attach_caches(model, cache_args(strategy, budget), len(ids), new, tokenizer, classes=classes)
     slots = max(s.max_cache_length for s in specs)
     step = decode_one_token
     if compiled:

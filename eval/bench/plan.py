@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from cache_spec import add_cache_arguments, resolve_cache_spec
+from cache_setup import cache_config
+from cache_spec import resolve_cache_spec
 from errors import UserError
 
 # Costs behind --dry_run's estimate, fitted to runs on this project's 2-core machine, bf16, 2 threads, idle
@@ -20,9 +21,7 @@ EST_HF_STEP_A, EST_HF_STEP_B = 0.039, 2.5e-5
 
 
 def cache_args(strategy: str, budget: float) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    return parser.parse_args(["--cache_strategy", strategy, "--max_cache_length", str(budget)])
+    return cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)])
 
 
 def cache_slots(strategy: str, budget: float, n_layer: int, prompt: int, new: int) -> int:

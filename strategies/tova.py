@@ -29,12 +29,7 @@ class TovaCache(KVCache):
     hyperparameters = ("global_tokens", "recent_window")
     head_specific = True
     needs_attention = True
-
-    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
-        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
-        shape = (batch_size, n_kv_heads, self.max_cache_length)
-        # The latest query's attention over the slots, float32 (0 for empty slots).
-        self.register_buffer("last_attention", torch.zeros(shape, device=self.pos.device))
+    slot_buffers = ("last_attention",)  # the latest query's attention over the slots (0 for empty ones)
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.last_attention  # the token the latest query attended to least goes first

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from cache import KVCache
 from errors import UserError
-from kv_storage import DENSE, StorageSpec
 
 _DEBUG_CLASSES: dict[type[KVCache], type[KVCache]] = {}
 
@@ -24,25 +23,16 @@ class DebugCache(KVCache):
     shadow_class: ClassVar[type[KVCache]]
     needs_attention = True
 
-    def __init__(
-        self,
-        batch_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_cache_length: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        storage: StorageSpec = DENSE,
-        capacity_needed: int | None = None,
-        **hyperparameters: object,
-    ) -> None:
+    def __init__(self, *args: object, capacity_needed: int | None = None, **kwargs: object) -> None:
         if capacity_needed is None:
             raise ValueError("a debug cache needs capacity_needed: its full cache holds the whole sequence")
+        # The shadow takes KVCache's arguments as given, exactly as the strategy would run alone.
+        shadow = self.shadow_class(*args, capacity_needed=capacity_needed, **kwargs)
+        batch_size, n_kv_heads, device = shadow.pos.shape[0], shadow.n_kv_heads, shadow.pos.device
         # The full cache is never quantized: it is the reference the shadow is measured against.
-        super().__init__(batch_size, n_kv_heads, head_dim, capacity_needed, dtype, device,
+        super().__init__(batch_size, n_kv_heads, shadow.head_dim, capacity_needed, shadow.dtype, device,
                          capacity_needed=capacity_needed)
-        self.shadow = self.shadow_class(batch_size, n_kv_heads, head_dim, max_cache_length, dtype, device,
-                                        storage, capacity_needed=capacity_needed, **hyperparameters)
+        self.shadow = shadow
         self.register_buffer("current_pos", torch.zeros(1, dtype=torch.long, device=device))
         # Loss per step and head, indexed by absolute position (empty before the first decode step).
         self.register_buffer("loss_history", torch.zeros(batch_size, n_kv_heads, capacity_needed, device=device))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cache import KVCache, register_strategy
+from cache import KVCache, Setting, register_strategy
 from errors import UserError
 from prompt_compression import prompt_positions
 
@@ -25,14 +25,16 @@ from prompt_compression import prompt_positions
 @register_strategy
 class GatedCache(KVCache):
     name = "gated"
-    hyperparameters = ("global_tokens", "recent_window", "gates_path")
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (Setting("gates_path", None, type=str,
+                        help="a gates file from train_gates.py (default: the shipped file matching the model)"),)
     head_specific = True
     needs_gates = True
+    slot_buffers = ("log_gate",)
 
     def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, *args, **kwargs)
-        B, H, L = batch_size, n_kv_heads, self.max_cache_length
-        self.register_buffer("log_gate", torch.zeros(B, H, L, device=self.pos.device))
+        B, H = batch_size, n_kv_heads
         # The gate of the token the coming update_kv inserts (observe_gates runs first, in the same step).
         self.register_buffer("incoming_log_gate", torch.zeros(B, H, 1, device=self.pos.device))
         # The prompt's gates [B, H, T] between observe_gates and prefill (eager only; cleared after use).

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from cache import KVCache
-from debug_cache import DebugCache, debug_strategy
 from errors import UserError
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES, get_strategy
+from strategies.debug import DebugCache, debug_strategy
 
 ALLOCATIONS = ("uniform", "adakv")
 # Ada-KV's safeguard: every head keeps at least this fraction of its budget (0.2 in Ada-KV's code and in
@@ -178,7 +178,7 @@ def adakv_strategy(inner: type[KVCache]) -> type[KVCache]:
         _POOLED_CLASSES[inner] = type(
             f"AdaKV{inner.__name__}", (PooledCache, inner),
             {"hyperparameters": (*inner.hyperparameters, "adakv_floor"),
-             "__doc__": f"`{inner.name}` with head-adaptive budgets over one K/V pool (cache_allocation.py)."},
+             "__doc__": f"`{inner.name}` with head-adaptive budgets over one K/V pool (budget_allocation.py)."},
         )
     return _POOLED_CLASSES[inner]
 

@@ -37,13 +37,16 @@ import math
 import torch
 from torch import Tensor
 
-from cache import KVCache, register_strategy
+from cache import KVCache, Setting, register_strategy
 from errors import UserError
 
-# The defaults of the flags (cache_spec.py reads them from here; another cache using this rule as its
-# --prompt_compression_strategy gets them too).
-DEFAULT_WINDOW = 64
 COVARIANCE_MODES = ("full", "diagonal", "none")
+# Another cache using this rule as its --prompt_compression_strategy reads the defaults (not prompt_rule
+# settings: the run identity leaves them out when no layer's strategy is expected_attention).
+WINDOW = Setting("expected_attention_window", 64, low=1,
+                 help="the last W prompt queries whose mean and covariance model future queries")
+COVARIANCE = Setting("expected_attention_covariance", COVARIANCE_MODES[0], type=str, choices=COVARIANCE_MODES,
+                     help="the query covariance term (full, its diagonal, or none: the mean only)")
 
 
 def query_statistics(q: Tensor, n_kv: int, window: int, covariance: str) -> tuple[Tensor, Tensor]:
@@ -74,42 +77,43 @@ def expected_logit(k: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
     return linear + quadratic
 
 
-def settings(cache: KVCache) -> tuple[int, str]:
-    """(window, covariance mode) of `cache`, the flag defaults for a cache that does not read them."""
-    window = int(cache.hparams.get("expected_attention_window", DEFAULT_WINDOW))
-    covariance = str(cache.hparams.get("expected_attention_covariance", COVARIANCE_MODES[0]))
-    if window < 1 or covariance not in COVARIANCE_MODES:
-        raise UserError(f"--expected_attention_window must be ≥ 1 (got {window}) and "
-                        f"--expected_attention_covariance one of {', '.join(COVARIANCE_MODES)} (got {covariance})")
-    return window, covariance
+def query_settings(cache: KVCache) -> tuple[int, str]:
+    """(window, covariance mode) of `cache`, the declared defaults for a cache that does not read them."""
+    window, covariance = cache.setting(WINDOW), cache.setting(COVARIANCE)
+    WINDOW.check(window)
+    if covariance not in COVARIANCE_MODES:
+        raise UserError(f"--expected_attention_covariance must be one of {', '.join(COVARIANCE_MODES)}, "
+                        f"got {covariance}")
+    return int(window), str(covariance)
 
 
 @register_strategy
 class ExpectedAttentionCache(KVCache):
     name = "expected_attention"
-    hyperparameters = ("global_tokens", "recent_window", "expected_attention_window", "expected_attention_covariance")
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (WINDOW, COVARIANCE)
+    slot_buffers = ("expected_logit",)
     head_specific = True
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, head_dim, *args, **kwargs)
-        B, H, L, d = batch_size, n_kv_heads, self.max_cache_length, head_dim
+        B, H, d = batch_size, n_kv_heads, head_dim
         kw = dict(device=self.pos.device)
         self.register_buffer("query_mean", torch.zeros(B, H, d, **kw))
         # The full covariance only when it is used (d × d per KV head), else its diagonal.
-        cov_shape = (B, H, d, d) if settings(self)[1] == "full" else (B, H, d)
+        cov_shape = (B, H, d, d) if query_settings(self)[1] == "full" else (B, H, d)
         self.register_buffer("query_cov", torch.zeros(cov_shape, **kw))
-        self.register_buffer("expected_logit", torch.zeros(B, H, L, **kw))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.expected_logit  # the key future queries are expected to attend to least goes first
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        window, covariance = settings(cache)
+        window, covariance = query_settings(cache)
         return expected_logit(k, *query_statistics(q, k.shape[1], window, covariance))
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        mean, cov = query_statistics(q, k.shape[1], *settings(self))
+        mean, cov = query_statistics(q, k.shape[1], *query_settings(self))
         self.query_mean.copy_(mean)
         self.query_cov.copy_(cov)
         n = keep.shape[-1]

@@ -1,0 +1,109 @@
+"""The one way from cache flags to caches attached to a model, used by generate.py, eval, the bench, the
+benchmarks and the tests:
+
+    config = cache_config(["--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25"])
+    specs = attach_caches(model, config, prompt_length, max_new_tokens, tokenizer)
+
+`cache_config` takes command-line words, a mapping of flags (as a YAML preset spells them) or a preset's
+name, and returns the validated flags; `cache_specs` resolves them for a model (per-layer budgets, the
+model's own layer policies such as sliding windows, the budget checks); `attach_caches` does that and
+builds and attaches the caches. Every step a caller could forget is inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from cache_hybrid import token_classes
+from cache_spec import (
+    LayerCacheSpec,
+    add_cache_arguments,
+    build_caches,
+    cache_flag_names,
+    check_cache_flags,
+    mapping_to_argv,
+    parse_args_with_preset,
+    resolve_cache_spec,
+)
+from errors import CliParser, UserError
+from model import ModelArgs, Transformer
+from model_policies import apply_model_layer_policies
+from strategies import get_strategy
+from tokenizer import Tokenizer
+
+__all__ = ["attach_caches", "cache_config", "cache_specs", "check_budgets", "setup_caches"]
+
+
+def cache_config(flags: Sequence[str] | Mapping[str, object] | str | None = None,
+                 **values: object) -> argparse.Namespace:
+    """The validated cache flags from command-line words, a mapping of flag names to values (typed and
+    checked as a YAML preset is) or a preset's name or path; `values` override them, as typed flags
+    override a preset."""
+    parser = CliParser(prog="cache_config", add_help=False)
+    add_cache_arguments(parser)
+    if isinstance(flags, str):
+        argv = ["--cache_config", flags]
+    elif isinstance(flags, Mapping):
+        argv = mapping_to_argv(dict(flags), parser, cache_flag_names(), "cache settings", "cache flag")
+    else:
+        argv = list(flags or [])
+    argv += mapping_to_argv(values, parser, cache_flag_names(), "cache settings", "cache flag")
+    args = parse_args_with_preset(parser, argv)
+    check_cache_flags(args)
+    return args
+
+
+def check_budgets(specs: list[LayerCacheSpec], context_length: int, sequence_length: int) -> None:
+    """With --rerotate_positions, ranks index the RoPE tables: every layer's cache must hold at most the
+    context. A full cache and a debug_ cache (a full cache with a shadow) hold the whole sequence."""
+    for spec in specs:
+        whole = spec.strategy.startswith("debug_") or spec.strategy == "full"
+        held = sequence_length if whole else spec.max_cache_length
+        if spec.rerotate_positions and held > context_length:
+            what = f"holds the whole sequence ({held} tokens)" if whole else f"has a budget of {held} tokens"
+            raise UserError(
+                f"layer {spec.layer}: the {spec.strategy} cache {what}, more than the model's context of "
+                f"{context_length}; with --rerotate_positions every layer's cache must fit the context (its "
+                "positions are ranks below its size)"
+            )
+
+
+def cache_specs(config: argparse.Namespace, model_args: ModelArgs, prompt_length: int, max_new_tokens: int,
+                quiet: bool = True) -> list[LayerCacheSpec]:
+    """One spec per layer of the model: the flags resolved, the model's layer policies applied (a sliding
+    layer gets its window cache; unless `quiet`, a note says so) and the budgets checked."""
+    specs = resolve_cache_spec(config, model_args.n_layer, prompt_length, max_new_tokens)
+    specs = apply_model_layer_policies(specs, model_args, prompt_length, max_new_tokens, quiet=quiet)
+    check_budgets(specs, model_args.context_length, prompt_length + max_new_tokens)
+    return specs
+
+
+def setup_caches(model: Transformer, specs: list[LayerCacheSpec], capacity_needed: int,
+                 tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None) -> None:
+    """Build and attach one cache per layer from resolved specs; the tokenizer (or its `classes`,
+    cache_hybrid.token_classes) is needed by hybrid caches only. Gated caches get the model's learned gates:
+    --gates_path, else those already attached, else the shipped file."""
+    a = model.args
+    w = model.tok_embeddings.weight
+    if classes is None and tokenizer is not None and any(get_strategy(s.strategy).needs_token_classes for s in specs):
+        classes = token_classes(tokenizer, a.vocab_size)
+    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device, classes)
+    if any(c.needs_gates for c in caches):
+        from gates import prepare_gates
+
+        paths = {s.hyperparameters.get("gates_path") for s in specs if "gates_path" in s.hyperparameters}
+        prepare_gates(model, next(iter(paths), None))  # one --gates_path flag: one value
+    model.setup_caches(caches)
+
+
+def attach_caches(model: Transformer, config: argparse.Namespace, prompt_length: int, max_new_tokens: int,
+                  tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None,
+                  quiet: bool = True, capacity_needed: int | None = None) -> list[LayerCacheSpec]:
+    """Caches for a prompt of `prompt_length` tokens followed by `max_new_tokens`, attached to `model`;
+    the resolved specs. `capacity_needed` (default: prompt + new tokens) is what a full cache holds."""
+    specs = cache_specs(config, model.args, prompt_length, max_new_tokens, quiet=quiet)
+    setup_caches(model, specs, capacity_needed or prompt_length + max_new_tokens, tokenizer, classes)
+    return specs

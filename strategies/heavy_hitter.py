@@ -1,0 +1,102 @@
+"""`heavy_hitter`: H2O / ScissorHands at decode, SnapKV at prefill."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cache import KVCache, Setting, grouped_mean, register_strategy
+from prompt_compression import above_uniform, prompt_attention, prompt_attention_received, snapkv_votes
+
+
+@register_strategy
+class HeavyHitterCache(KVCache):
+    """H2O (arXiv 2306.14048) / ScissorHands: evict the token with the lowest average attention received
+    since it entered the cache. `history_window_size` W > 1 averages over the last W steps only;
+    `attn_thresholding` counts the steps where a token got at least uniform attention instead of summing.
+    The prompt's own causal attention seeds the history at prefill."""
+
+    name = "heavy_hitter"
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (
+        HISTORY_WINDOW := Setting("history_window_size", 1, low=1,
+                                  help="average attention over the last W steps (1 = whole history, as H2O)"),
+        THRESHOLDING := Setting("attn_thresholding", False, type=None,
+                                help="count steps with at least uniform attention instead of summing"),
+        SNAPKV_WINDOW := Setting("snapkv_window", 32, low=1, prompt_rule=True,
+                                 help="prompt compression: last W queries vote (32: SnapKV's LongBench runs; "
+                                      "kvpress's SnapKVPress uses 64)"),
+        SNAPKV_KERNEL := Setting("snapkv_kernel", 7, low=1, odd=True, prompt_rule=True,
+                                 help="prompt compression: max-pooling kernel over the votes (7, max: SnapKV's "
+                                      "LongBench runs; kvpress's SnapKVPress average-pools with 5)"),
+    )
+    head_specific = True
+    needs_attention = True
+    # The whole-history attention sum (window 1) and the steps each slot has been attended from.
+    slot_buffers = ("attn_sum", "attn_steps")
+
+    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
+        B, H, L = batch_size, n_kv_heads, self.max_cache_length
+        self.window = int(self.setting(self.HISTORY_WINDOW))
+        self.thresholding = bool(self.setting(self.THRESHOLDING))
+        kw = dict(device=self.pos.device)
+        if self.window > 1:
+            self.register_buffer("attn_history", torch.zeros(B, H, L, self.window, **kw))
+            self.register_buffer("step", torch.zeros((), dtype=torch.long, **kw))
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        if self.window > 1:
+            return self.attn_history.sum(-1) / self.attn_steps.clamp(min=1, max=self.window)
+        return self.attn_sum / self.attn_steps.clamp(min=1)
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        """SnapKV (arXiv 2404.14469): the attention the last `snapkv_window` prompt queries give each key,
+        pooled over neighbouring keys; the prompt-time form of "the most attended tokens stay"."""
+        return snapkv_votes(q, k, cache.setting(cls.SNAPKV_WINDOW), cache.setting(cls.SNAPKV_KERNEL))
+
+    @classmethod
+    def prompt_protected_window(cls, cache: KVCache) -> int:
+        # SnapKV keeps its observation window itself (as far as the budget allows after the sinks).
+        window = cache.setting(cls.SNAPKV_WINDOW)
+        return max(cache.recent_window, min(window, cache.prompt_target() - cache.global_tokens))
+
+    def update_state(self, probs: Tensor) -> None:
+        attn = grouped_mean(probs)
+        if self.thresholding:
+            uniform = 1.0 / self.held_tokens().clamp(min=1)[..., None]
+            attn = (attn >= uniform).float() * self.mask[:, :, 0]
+        self.attn_steps += self.mask[:, :, 0].float()
+        if self.window > 1:
+            column = (self.step % self.window).view(1, 1, 1, 1).expand(*attn.shape, 1)
+            self.attn_history.scatter_(3, column, attn[..., None])
+            self.step += 1
+        else:
+            self.attn_sum += attn
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        received = prompt_attention_received(q, k, count_above_uniform=self.thresholding)
+        T, n = k.shape[2], keep.shape[-1]
+        steps = (T - torch.arange(T, device=k.device)).float().expand_as(received)  # queries that saw the key
+        self.attn_sum[:, :, :n] = received.gather(2, keep)
+        self.attn_steps[:, :, :n] = steps.gather(2, keep)
+        if self.window > 1:
+            # The last W prompt queries are the first W "steps" of the history, oldest in column 0, and
+            # the step counter points at the column the next decode step overwrites.
+            w = min(self.window, T)
+            rows = torch.arange(T - w, T, device=k.device)
+            attn = prompt_attention(q, k, rows)  # [B, H, w, T]
+            if self.thresholding:
+                attn = above_uniform(attn, rows)
+            self.attn_history.zero_()
+            self.attn_history[:, :, :n, :w] = attn.gather(3, keep[:, :, None, :].expand(-1, -1, w, -1)).transpose(2, 3)
+            self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)
+            self.step.fill_(w % self.window)
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        index = slot[..., None]
+        self.attn_sum.scatter_(2, index, 0.0)
+        self.attn_steps.scatter_(2, index, 0.0)
+        if self.window > 1:
+            self.attn_history.scatter_(2, index[..., None].expand(*index.shape, self.window), 0.0)
