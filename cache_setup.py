@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
-from cache_hybrid import token_classes
 from cache_spec import (
     LayerCacheSpec,
     add_cache_arguments,
@@ -32,6 +31,7 @@ from errors import CliParser, UserError
 from model import ModelArgs, Transformer
 from model_policies import apply_model_layer_policies
 from strategies import get_strategy
+from strategies.hybrid import token_classes
 from tokenizer import Tokenizer
 
 __all__ = ["attach_caches", "cache_config", "cache_specs", "check_budgets", "setup_caches"]
@@ -84,7 +84,7 @@ def cache_specs(config: argparse.Namespace, model_args: ModelArgs, prompt_length
 def setup_caches(model: Transformer, specs: list[LayerCacheSpec], capacity_needed: int,
                  tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None) -> None:
     """Build and attach one cache per layer from resolved specs; the tokenizer (or its `classes`,
-    cache_hybrid.token_classes) is needed by hybrid caches only. Gated caches get the model's learned gates:
+    strategies.hybrid.token_classes) is needed by hybrid caches only. Gated caches get the model's learned gates:
     --gates_path, else those already attached, else the shipped file."""
     a = model.args
     w = model.tok_embeddings.weight

@@ -22,7 +22,6 @@ import yaml
 
 from budget_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
 from cache import KVCache, Setting, finite_float
-from cache_hybrid import DEFAULT_HYBRID_POLICIES, parse_policy
 from errors import UserError
 from kv_storage import DENSE, SCHEMES, StorageSpec
 from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
@@ -64,16 +63,6 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--feed_long_prompts", action="store_true",
                    help="prefill what fits the smallest budget, feed the rest of the prompt token by token")
     g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
-    g.add_argument("--min_recovery_frac", type=finite_float, default=0.95,
-                   help="hybrid: a head takes the first policy recovering this much of its attention "
-                        "(FastGen's threshold T, which the paper varies; cold-compress's default is 0.9)")
-    g.add_argument("--hybrid_policies", nargs="+", default=list(DEFAULT_HYBRID_POLICIES),
-                   help="hybrid: candidate policies, cheapest first (components joined by +: "
-                        "special, punct, frequent, local, full)")
-    g.add_argument("--hybrid_recent_frac", type=finite_float, default=0.3,
-                   help="hybrid: local window, fraction of tokens")
-    g.add_argument("--hybrid_heavy_frac", type=finite_float, default=0.3,
-                   help="hybrid: heavy hitters, fraction of tokens (0.3 as cold-compress's FastGen)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
                    help="store keys/values as 2/4/8-bit integers (16 = unquantized)")
     g.add_argument("--cache_quantization", choices=SCHEMES, default="per_token",
@@ -279,13 +268,6 @@ def check_cache_flags(args: argparse.Namespace) -> None:
                             f"{', '.join(prompt_rules())}")
     for _, setting in strategy_settings():
         setting.check(getattr(args, setting.name))
-    if not 0 < args.min_recovery_frac <= 1:
-        raise UserError(f"--min_recovery_frac must be in (0, 1], got {args.min_recovery_frac:g}")
-    for key in ("hybrid_recent_frac", "hybrid_heavy_frac"):
-        if not 0 < getattr(args, key) <= 1:
-            raise UserError(f"--{key} must be in (0, 1], got {getattr(args, key):g}")
-    for policy in args.hybrid_policies:
-        parse_policy(policy)
     storage_spec(args)
     check_budget_allocation(args)
 
@@ -423,7 +405,7 @@ def build_caches(
     device: torch.device | str,
     token_classes: dict[str, torch.Tensor] | None = None,
 ) -> list[KVCache]:
-    """One cache per layer. `token_classes` (cache_hybrid.token_classes) is needed by hybrid caches."""
+    """One cache per layer. `token_classes` (strategies.hybrid.token_classes) is needed by hybrid caches."""
     caches = []
     for spec in specs:
         group = min(spec.storage.q_group_size, head_dim)

@@ -78,14 +78,32 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser | argparse._Argument
                         help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = True) -> None:
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = True, batch_flag: bool = True) -> None:
     """The model and runtime flags, defined once for every CLI (generate.py, eval, the bench, benchmarks);
-    a CLI with another default says so with `parser.set_defaults`."""
+    a CLI with another default says so with `parser.set_defaults`. `batch_flag`: --batch_size, the rows
+    decoded together (the bench sweeps batch sizes with its own --batch_sizes instead)."""
     g = parser.add_argument_group("model")
     add_checkpoint_argument(g)
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", default="auto",
                    help=f"auto (float32 on cpu, bfloat16 on cuda) or one of {', '.join(DTYPES)}")
+    g.add_argument("--allow_non_finite_weights", action="store_true",
+                   help="load a checkpoint whose weights hold NaN or inf (refused by default: they silently "
+                        "change every answer), for experiments on damaged weights")
+    if batch_flag:
+        g.add_argument("--batch_size", type=positive_int, default=1,
+                       help="sequences decoded together, each with its own cache and eviction decisions")
     if compile_flag:
         g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
 
@@ -100,23 +118,26 @@ def resolve_device(name: str) -> str:
 
 
 def load_checkpoint(
-    path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
+    path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, *,
+    allow_non_finite: bool = False,
 ) -> tuple[Transformer, Tokenizer]:
-    """Model (eval mode, on `device`, weights in `dtype`) and tokenizer; `path=None` is the bundled GGUF."""
+    """Model (eval mode, on `device`, weights in `dtype`) and tokenizer; `path=None` is the bundled GGUF.
+    A weight with a NaN or an infinity is refused unless `allow_non_finite`."""
     path = bundled_checkpoint_path() if path is None else Path(path)
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
     if path.is_dir():
         config = read_config(path)
         check_text_only(config)
-        args = hf_model_args(config)
+        args = hf_model_args(config, source=str(path / "config.json"))
         files = weight_files(path)
         tokenizer = tokenizer_from_hf_dir(path, config)  # before the weights: a missing file fails fast
-        tensors = ((name, t, n if i == 0 else 0) for key, tensor, n in iter_safetensors(files)
+        stream = iter_safetensors(files, allow_non_finite=allow_non_finite)
+        tensors = ((name, t, n if i == 0 else 0) for key, tensor, n in stream
                    for i, (name, t) in enumerate(map_tensor(key, tensor, args)))
         model = build_model(args, tensors, total_bytes(files), device, dtype, str(path))
     elif path.suffix == ".gguf":
-        args, tensors, size, tokenizer = read_gguf(path)
+        args, tensors, size, tokenizer = read_gguf(path, allow_non_finite=allow_non_finite)
         model = build_model(args, tensors, size, device, dtype, str(path))
     else:
         raise UserError(f"unsupported checkpoint {path}: expected a .gguf file or a Hugging Face directory")

@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    model, tokenizer = load_checkpoint(args.checkpoint_path, device, dtype)
+    model, tokenizer = load_checkpoint(args.checkpoint_path, device, dtype,
+                                       allow_non_finite=args.allow_non_finite_weights)
     load_seconds = time.perf_counter() - t0
     prompt_ids = encode_prompt(tokenizer, prompt_text, args.chat)
     check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
-    add_model_arguments(p, compile_flag=False)
+    add_model_arguments(p, compile_flag=False, batch_flag=False)
     return p
 
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device))
+    model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device),
+                                       allow_non_finite=args.allow_non_finite_weights)
     text_ids = tokenizer.encode(pydoc_split(held_out=True))
     windows = [text_ids[i * args.seq_len : (i + 1) * args.seq_len] for i in range(args.windows)]
     windows = [torch.tensor([w], device=device) for w in windows if len(w) == args.seq_len]

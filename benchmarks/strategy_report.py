@@ -57,11 +57,12 @@ def main() -> None:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--out", default="results/strategy_report.json")
-    add_model_arguments(p, compile_flag=False)
+    add_model_arguments(p, compile_flag=False, batch_flag=False)
     p.set_defaults(dtype="float32")  # on a GPU too: the report compares numbers, not a deployment
     a = p.parse_args()
     device = resolve_device(a.device)
-    model, tokenizer = load_checkpoint(a.checkpoint_path, device, parse_dtype(a.dtype, device))
+    model, tokenizer = load_checkpoint(a.checkpoint_path, device, parse_dtype(a.dtype, device),
+                                       allow_non_finite=a.allow_non_finite_weights)
     ids = pydoc_prompt(tokenizer, a.prompt_tokens)
     rows = []
     t0 = time.time()

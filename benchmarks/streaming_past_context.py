@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_reference", action="store_true", help="skip the full-attention reference")
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
-    add_model_arguments(p)
+    add_model_arguments(p, batch_flag=False)
     return p
 
 
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.budget < 2 or args.segment < 1:
         raise UserError("--budget must be ≥ 2 and --segment ≥ 1")
     device = resolve_device(args.device)
-    model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device))
+    model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device),
+                                       allow_non_finite=args.allow_non_finite_weights)
     context = model.args.context_length
     tokens = args.tokens or 2 * context
     ids = tokenizer.encode(pydoc_corpus())[args.text_offset : args.text_offset + tokens]

@@ -96,8 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @functools.lru_cache(maxsize=1)
-def load_model(checkpoint_path: str | None, device: str, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
-    return load_checkpoint(checkpoint_path, device, dtype)
+def load_model(checkpoint_path: str | None, device: str, dtype: torch.dtype,
+               allow_non_finite: bool = False) -> tuple[Transformer, Tokenizer]:
+    return load_checkpoint(checkpoint_path, device, dtype, allow_non_finite=allow_non_finite)
 
 
 def plan(args: argparse.Namespace) -> list[tuple[Task, argparse.Namespace, Path]]:
@@ -125,7 +126,7 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     dtype_name = str(dtype).removeprefix("torch.")
     identity = results.run_identity(args, task.name, task.options, dtype_name)
     inputs = results.input_fingerprints(args, task.options)  # before the run: what it is about to read
-    model, tokenizer = load_model(args.checkpoint_path, args.device, dtype)
+    model, tokenizer = load_model(args.checkpoint_path, args.device, dtype, args.allow_non_finite_weights)
     step = decode_one_token
     if args.compile:
         torch._dynamo.reset()  # each run brings new cache modules; start from a clean compile cache

@@ -43,6 +43,7 @@ from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftov
 from cache_spec import cache_flag_defaults
 from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
+from eval.data import input_fingerprint
 from strategies import CACHE_STRATEGIES, get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,13 +138,14 @@ def check_out_dir(path: str | Path) -> Path:
 
 # ---- what the numbers depend on beyond the flags --------------------------------------------------------
 
-_FILE_HASHES: dict[tuple[str, int, int], str] = {}
+_FILE_HASHES: dict[tuple[str, int, int, int, int], str] = {}
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's content, computed once per process for a given (path, size, mtime)."""
+    """sha256 of a file's content, computed once per process for a given (path, inode, size, mtime, ctime):
+    `cp -p`, `rsync -a` and os.utime restore the mtime of a replaced file, but not its ctime."""
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _FILE_HASHES:
         digest = hashlib.sha256()
         with path.open("rb") as f:
@@ -198,7 +200,10 @@ def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
     data = {}
     for key in ("text_file", "dataset", "haystack"):
         value = task_options.get(key)
-        if value and Path(value).exists():  # otherwise a name: pydoc, noise, a hub dataset
+        if value and Path(value).is_file():
+            # hashed from the bytes the task then parses (eval.data.input_bytes), never hashed apart
+            data[key] = input_fingerprint(value, f"--{key} file")
+        elif value and Path(value).exists():  # a directory: the task refuses it; otherwise a name
             data[key] = path_fingerprint(value)
     if "gates_path" in {hp for name in args.cache_strategy for hp in get_strategy(name).hyperparameters}:
         from gates import GATES_DIR

@@ -4,19 +4,19 @@
 One file per strategy in this package; a strategy is a `KVCache` subclass marked `@register_strategy`,
 and its `debug_` twin (debug.py) is made from it on demand, so it needs nothing more. To add a strategy:
 write its file (keep_it_odd.py is the smallest one) and add it to STRATEGY_FILES. `full` stays with the
-contract in cache.py; FastGen's `hybrid` is still a top-level file.
+contract in cache.py.
 """
 
 from __future__ import annotations
 
 import cache
-import cache_hybrid
 from cache import KVCache
 from errors import UserError
 from strategies import (
     expected_attention,
     gated,
     heavy_hitter,
+    hybrid,
     keep_it_odd,
     keydiff,
     l2,
@@ -26,7 +26,7 @@ from strategies import (
 )
 from strategies.debug import debug_strategy
 
-STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, cache_hybrid, tova, keydiff,
+STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {

@@ -289,3 +289,16 @@ def test_finite_weights_whose_sum_overflows_are_not_refused():
     check_finite(torch.full((70000,), 60000.0, dtype=torch.float16), "wide", "test")
     with pytest.raises(UserError, match="has 1 non-finite"):
         check_finite(torch.cat([big, torch.tensor([float("inf")])]), "big", "test")
+
+
+def test_load_checkpoint_allows_non_finite_when_asked(tmp_path):
+    tensors = gguf_tensors()
+    tensors["blk.1.ffn_down.weight"][3, 5] = float("nan")
+    path = write_gguf(tmp_path / "m.gguf", tensors=tensors)
+    model, _ = load_checkpoint(path, "cpu", torch.float32, allow_non_finite=True)
+    assert torch.isnan(model.layers[1].feed_forward.w2.weight).sum() == 1
+
+
+def test_config_messages_name_the_full_path(tiny_dir, tmp_path):
+    directory = with_config(tiny_dir, tmp_path, {"num_hidden_layers": None})
+    assert refused(directory, "missing") == f"{directory / 'config.json'}: num_hidden_layers is missing"

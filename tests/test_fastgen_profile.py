@@ -1,4 +1,4 @@
-"""FastGen's profile (cache_hybrid.py) against a naive oracle on hand-made attention maps.
+"""FastGen's profile (strategies/hybrid.py) against a naive oracle on hand-made attention maps.
 
 The oracle is written from the paper's policy definitions (Ge et al., arXiv 2310.01801), entry by entry of
 the attention map: a policy keeps the entry (query i, key j) when j is a special or punctuation token it
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import Tensor
 
-import cache_hybrid
-from cache_hybrid import DEFAULT_HYBRID_POLICIES, HybridCache
+from strategies import hybrid
+from strategies.hybrid import DEFAULT_HYBRID_POLICIES, HybridCache
 
 T = 20  # prompt length
 RECENT, HEAVY, THRESHOLD = 0.3, 0.3, 0.9
@@ -94,7 +94,7 @@ def make_cache(length: int = T, policies: tuple[str, ...] = DEFAULT_HYBRID_POLIC
 
 def prefill_with_map(cache: HybridCache, maps: Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache's prefill with its attention replaced by `maps` (any q and k then do)."""
-    monkeypatch.setattr(cache_hybrid, "prompt_attention",
+    monkeypatch.setattr(hybrid, "prompt_attention",
                         lambda q, k, rows: maps[:, :, rows, : k.shape[2]])
     n = maps.shape[2]
     k, v, q = (torch.randn(1, 5, n, 4) for _ in range(3))

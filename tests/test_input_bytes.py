@@ -79,8 +79,6 @@ def test_the_hashed_bytes_are_the_bytes_read_and_a_later_replacement_is_refused(
     assert load_rows(str(path)) == [{"q": "one?", "a": "tan"}]
 
 
-@pytest.mark.xfail(strict=True, reason="needs eval/results.py to fingerprint data files with "
-                                       "eval.data.input_fingerprint (its file_sha256 caches by size and mtime)")
 def test_the_eval_entry_reruns_on_the_new_rows(tiny_dir, tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     write_jsonl(rows, [{"q": "one?", "a": "red"}, {"q": "two?", "a": "2"}])

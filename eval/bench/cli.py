@@ -71,7 +71,7 @@ def build_parser() -> CliParser:
     p.add_argument("--hf_static", action="store_true",
                    help="also transformers' static cache with its forward compiled (its documented recipe for speed; "
                         "CUDA graphs on a GPU), at each of --contexts")
-    add_model_arguments(p, compile_flag=False)
+    add_model_arguments(p, compile_flag=False, batch_flag=False)
     p.set_defaults(dtype="bfloat16")  # the bench measures speed as deployed: bfloat16 on the CPU too
     p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
                    help="random weights with a real model's shapes instead of a checkpoint (decode speed depends on "

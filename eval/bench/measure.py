@@ -322,4 +322,4 @@ def load_model(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tup
         model = random_weight_model(args.random_weights, device, dtype)
         attach_random_gates(model)  # the gated strategy's gates: random too (no trained gates for random weights)
         return model, None
-    return load_checkpoint(args.checkpoint_path, device, dtype)
+    return load_checkpoint(args.checkpoint_path, device, dtype, allow_non_finite=args.allow_non_finite_weights)

@@ -35,7 +35,7 @@ import string
 import torch
 from torch import Tensor
 
-from cache import KVCache, grouped_mean, register_strategy
+from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy
 from errors import UserError
 from prompt_compression import prompt_attention
 
@@ -72,7 +72,19 @@ def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:
 @register_strategy
 class HybridCache(KVCache):
     name = "hybrid"
-    hyperparameters = ("min_recovery_frac", "hybrid_policies", "hybrid_recent_frac", "hybrid_heavy_frac")
+    settings = (
+        MIN_RECOVERY := Setting("min_recovery_frac", 0.95, type=finite_float, low=0, low_open=True, high=1,
+                                help="a head takes the first policy recovering this much of its attention "
+                                     "(FastGen's threshold T, which the paper varies; cold-compress's default "
+                                     "is 0.9)"),
+        POLICIES := Setting("hybrid_policies", DEFAULT_HYBRID_POLICIES, type=str, nargs="+", check_value=parse_policy,
+                            help="candidate policies, cheapest first (components joined by +: special, punct, "
+                                 "frequent, local, full)"),
+        RECENT_FRAC := Setting("hybrid_recent_frac", 0.3, type=finite_float, low=0, low_open=True, high=1,
+                               help="local window, fraction of tokens"),
+        HEAVY_FRAC := Setting("hybrid_heavy_frac", 0.3, type=finite_float, low=0, low_open=True, high=1,
+                              help="heavy hitters, fraction of tokens (0.3 as cold-compress's FastGen)"),
+    )
     head_specific = True
     needs_attention = True
     needs_token_ids = True
@@ -87,10 +99,10 @@ class HybridCache(KVCache):
         self.max_cache_length = max_cache_length
         B, H, L1 = batch_size, n_kv_heads, max_cache_length + 1
         kw = dict(device=self.pos.device)
-        self.policies = [parse_policy(p) for p in self.hparams.get("hybrid_policies", DEFAULT_HYBRID_POLICIES)]
-        self.min_recovery = float(self.hparams.get("min_recovery_frac", 0.95))
-        self.recent_frac = float(self.hparams.get("hybrid_recent_frac", 0.3))
-        self.heavy_frac = float(self.hparams.get("hybrid_heavy_frac", 0.3))
+        self.policies = [parse_policy(p) for p in self.setting(self.POLICIES)]
+        self.min_recovery = float(self.setting(self.MIN_RECOVERY))
+        self.recent_frac = float(self.setting(self.RECENT_FRAC))
+        self.heavy_frac = float(self.setting(self.HEAVY_FRAC))
         self.register_buffer("policy", torch.zeros(B, H, dtype=torch.long, **kw))  # chosen index per head
         self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool, **kw))  # its components
         self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool, **kw))  # special or punct
