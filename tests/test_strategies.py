@@ -283,22 +283,27 @@ def test_hybrid_heads_pick_the_first_policy_that_recovers_enough_and_hold_differ
     with torch.inference_mode():
         run(model, ids, decode_one_token, lambda p: None)
     cache = caches[0]
-    # Naive profile of layer 0: attention received by each prompt token from all prompt queries.
-    received = torch.zeros(model.args.n_kv_head, PROMPT)
+    # Naive profile of layer 0: the prompt's attention map, query by query (FastGen, arXiv 2310.01801).
+    attn = torch.zeros(model.args.n_kv_head, PROMPT, PROMPT)
     for i in range(PROMPT):
         for x, a in naive_probs(q[:, i], ref_k, list(range(i + 1)), model.args.n_kv_head).items():
-            received[:, x] += a
+            attn[:, i, x] = a
+    received = attn.sum(1)
     special = TOKEN_CLASSES["special"][ids[0, :PROMPT]]
     punct = TOKEN_CLASSES["punct"][ids[0, :PROMPT]]
+    # Locality is relative to each query: query i keeps the keys j with i - j < ceil(0.3 (i + 1)).
+    rows, cols = torch.arange(PROMPT)[:, None], torch.arange(PROMPT)
+    window = (rows - cols >= 0) & (rows - cols < torch.ceil(0.3 * (rows + 1)))
     for h in range(model.args.n_kv_head):
         k_heavy = math.ceil(0.3 * PROMPT)
         frequent = received[h] >= received[h].topk(k_heavy).values[-1]
-        local = torch.arange(PROMPT) >= PROMPT - math.ceil(0.3 * PROMPT)
-        parts = {"special": special, "punct": punct, "frequent": frequent, "local": local,
-                 "full": torch.ones(PROMPT, dtype=torch.bool)}
+        columns = {"special": special, "punct": punct, "frequent": frequent,
+                   "full": torch.ones(PROMPT, dtype=torch.bool)}
         for index, policy in enumerate(cache.policies):
-            kept = torch.stack([parts[c] for c in policy]).any(0)
-            if (received[h] * kept).sum() >= 0.6 * received[h].sum() or index == len(cache.policies) - 1:
+            kept = torch.zeros(PROMPT, PROMPT, dtype=torch.bool)
+            for c in policy:
+                kept |= window if c == "local" else columns[c].expand(PROMPT, PROMPT)
+            if (attn[h] * kept).sum() >= 0.6 * attn[h].sum() or index == len(cache.policies) - 1:
                 assert cache.policy[0, h].item() == index
                 break
     held = [len(h) for h in held_positions(cache)]
