@@ -78,7 +78,6 @@ def parse_cache_flags(flags: Sequence[str] | argparse.Namespace) -> argparse.Nam
     what the adapter cannot do yet, before anything is built."""
     from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset
     from errors import CliParser
-    from strategies import get_strategy
 
     if not isinstance(flags, argparse.Namespace):
         parser = CliParser(prog="transformers_adapter")
@@ -91,11 +90,20 @@ def parse_cache_flags(flags: Sequence[str] | argparse.Namespace) -> argparse.Nam
     if flags.feed_long_prompts:
         raise UserError("--feed_long_prompts is not supported from transformers (generate prefills the whole "
                         "prompt); choose a --prompt_compression_strategy instead")
-    gated = [s for s in flags.cache_strategy if get_strategy(s).needs_gates]
-    if gated:
+    if _needs(flags, "needs_gates"):
+        gated = [s for s in flags.cache_strategy if "gated" in s]
         raise UserError(f"{', '.join(gated)}: learned gates are attached to this project's model only; use "
                         "generate.py / eval for gated caches, or another strategy here")
     return flags
+
+
+def _needs(flags: argparse.Namespace, need: str) -> bool:
+    """Whether a requested strategy declares `need`; a debug_ twin's needs are its shadow's (on the class
+    they are properties, only read on instances)."""
+    from strategies import get_strategy
+
+    classes = [get_strategy(s) for s in flags.cache_strategy]
+    return any(getattr(getattr(c, "shadow_class", c), need) for c in classes)
 
 
 # ---- the model: architecture check, attention function, token ids -----------------------------------------
@@ -348,6 +356,9 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
     weight = next(model.parameters())
     if token_classes is None and tokenizer is not None:
         token_classes = tokenizer_classes(tokenizer, args.vocab_size)
+    if token_classes is None and _needs(flags, "needs_token_classes"):
+        raise UserError("the hybrid cache needs the tokenizer's special and punctuation tokens: pass "
+                        "make_cache(..., tokenizer=tokenizer) (or token_classes=)")
     caches = _build_layer_caches(flags, args, prompt_length, max_new_tokens, weight.dtype, weight.device,
                                  token_classes)
     return EvictionCache(caches, args)
