@@ -162,15 +162,36 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if ids.shape[0] != 1:
             raise UserError(f"the eviction cache decodes one sequence at a time (batch 1), got a batch of "
                             f"{ids.shape[0]}; loop over the prompts")
-        mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() == 2 and not bool(mask.all()):
+        if _has_padding(kwargs.get("attention_mask")):
             raise UserError("padded prompts are not supported by the eviction cache (batch 1, no padding)")
+    n = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+    if not torch.compiler.is_compiling():  # one host read per step in eager mode; a compiled step skips it
+        seen = int(cache.layers[0].seen())
+        if seen + n > cache.capacity:
+            raise UserError(f"the eviction cache was sized for {cache.prompt_length} prompt tokens + "
+                            f"{cache.capacity - cache.prompt_length} new ones ({cache.capacity} in all), and "
+                            f"{seen + n} were asked for; make_cache with the prompt length and max_new_tokens "
+                            "of this generate call (or cache.reset() before a new prompt)")
     if cache.needs_token_ids:
         if ids is None:
             raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")
         for layer in cache.layers:
             if layer.cache.needs_token_ids:
                 layer.cache.observe_tokens(ids)
+
+
+def _has_padding(mask: Tensor | dict | None) -> bool:
+    """Whether a prompt's attention mask hides some of its tokens: the 2D mask of a plain call, or the 4D masks
+    generate prepares (per layer type in a dict): a causal or sliding query always sees its own token, unless
+    that token is padding, so the diagonal says it (get_mask_sizes gives the prompt's keys from 0)."""
+    if isinstance(mask, dict):
+        return any(_has_padding(m) for m in mask.values())
+    if not isinstance(mask, Tensor):
+        return False  # None: transformers saw no padding (the causal kernel flag suffices)
+    if mask.dim() == 2:
+        return not bool(mask.bool().all())
+    diagonal = mask.diagonal(dim1=-2, dim2=-1)
+    return not bool(diagonal.all()) if diagonal.dtype == torch.bool else bool((diagonal != 0).any())
 
 
 def eviction_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -278,8 +299,9 @@ class EvictionLayer(CacheLayerMixin):
         return self.seen()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Only transformers' own mask functions ask; ours ignores masks. The slots, as StaticLayer reports.
-        return self.cache.keys().shape[2], 0
+        # Our attention ignores transformers' masks (the slots carry their own); generate still builds one from
+        # these sizes: the prompt's own keys (padding is refused from it), then the slots, as StaticLayer does.
+        return (query_length if query_length > 1 else self.cache.keys().shape[2]), 0
 
     def get_max_length(self) -> int:
         return self.cache.capacity_needed  # prompt + new tokens the caches were sized for (full / debug_)
@@ -306,7 +328,7 @@ class EvictionLayer(CacheLayerMixin):
 class EvictionCache(Cache):
     """A transformers Cache whose layer i is this project's KVCache for layer i (`kv_caches`)."""
 
-    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs) -> None:
+    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs, prompt_length: int) -> None:
         if len(caches) != model_args.n_layer:
             raise ValueError(f"got {len(caches)} caches for {model_args.n_layer} layers")
         for i, cache in enumerate(caches):
@@ -319,6 +341,8 @@ class EvictionCache(Cache):
             if cache.needs_gates:
                 raise UserError(f"the {cache.name} cache needs this project's learned gates; use generate.py")
         super().__init__(layers=[EvictionLayer(c, model_args.layer_window(i)) for i, c in enumerate(caches)])
+        self.capacity = caches[0].capacity_needed  # prompt + new tokens the caches were built for
+        self.prompt_length = prompt_length
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -361,7 +385,7 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
                         "make_cache(..., tokenizer=tokenizer) (or token_classes=)")
     caches = _build_layer_caches(flags, args, prompt_length, max_new_tokens, weight.dtype, weight.device,
                                  token_classes)
-    return EvictionCache(caches, args)
+    return EvictionCache(caches, args, prompt_length)
 
 
 def tokenizer_classes(tokenizer: object, vocab_size: int) -> dict[str, Tensor]:
