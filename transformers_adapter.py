@@ -234,6 +234,9 @@ class EvictionLayer(CacheLayerMixin):
         self.batch_size = cache.inserted.shape[0]
         self.device = cache.pos.device
         self._mask: Tensor | None = None
+        # Whether the prompt is in: a Python flag rather than a read of `seen`, so a compiled forward (transformers'
+        # model.forward recipe) branches on a guard instead of breaking its graph on a host read.
+        self.prefilled = False
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Nothing to allocate: the KVCache was built with its buffers."""
@@ -262,7 +265,7 @@ class EvictionLayer(CacheLayerMixin):
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """model.Attention's three paths over this layer's cache; q, k, v as the model made them (after RoPE)."""
         cache, T = self.cache, q.shape[2]
-        if T > 1 and bool(self.seen() > 0):  # a chunk after the prompt (KVCache.append, the kvpress question)
+        if T > 1 and self.prefilled:  # a chunk after the prompt (KVCache.append, the kvpress question)
             return self._append(q, k, v)
         if T > 1:
             input_pos = torch.arange(T, device=q.device)
@@ -272,6 +275,7 @@ class EvictionLayer(CacheLayerMixin):
             else:
                 y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             cache.prefill(input_pos, k, v, q)
+            self.prefilled = True
             return y
         B, H = q.shape[:2]
         mask = self._mask
@@ -308,6 +312,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.cache.reset()
+        self.prefilled = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UserError("beam search is not supported by the eviction cache (its per-token scores are per "
