@@ -1,10 +1,11 @@
 """Every strategy inside Hugging Face transformers: a `Cache` whose layers are this project's `KVCache`
 modules and a registered attention function, so `model.generate(..., past_key_values=cache)` decodes
 with eviction (docs/DESIGN.md §4 is the contract; the "Use from transformers" README section the usage).
+transformers 5.24 names the argument `cache=` (`past_key_values=` still works, deprecated).
 
     cache = make_cache(model, ["--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25"],
                        prompt_length=ids.shape[1], max_new_tokens=32)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
+    out = model.generate(ids, cache=cache, max_new_tokens=32, do_sample=False)  # past_key_values= before 5.x
     cache.statistics()  # compression, evictions, attention loss (debug_), as generate.py reports them
 
 How the contract maps onto transformers (its models call `cache.update(k, v, layer_idx, kwargs=...)` with
@@ -20,9 +21,10 @@ keys after q/k norm and RoPE, then the attention function with the query):
   `prefill`; a decode step is `model.grouped_attention` over the slots with their mask, and
   `update_state(probs [B, n_kv, rep, L])` for caches that need the probabilities: model.Attention's steps.
 - `get_seq_length` is the tokens seen (`KVCache.inserted`), not held: positions and RoPE continue past
-  evictions. `get_mask_sizes` is never needed by our function (transformers' mask is ignored for our
-  layers); it reports the slots. `reset` is `KVCache.reset`. Beam search, batch expansion and crop are
-  refused (the eviction state is per sequence and not reorderable here yet).
+  evictions. `get_mask_sizes`: our function ignores transformers' masks (the slots carry their own), but
+  generate still builds one: the prompt's own keys (padding is detected from it and refused), then the slots.
+  `reset` is `KVCache.reset`. Beam search, batch expansion and crop are refused (the eviction state is per
+  sequence and not reorderable here yet).
 """
 
 from __future__ import annotations
