@@ -1,0 +1,320 @@
+"""transformers_adapter: `model.generate` of a transformers model under this project's caches, against
+generate.py's own loop with the same flags.
+
+References, none produced by the adapter: (1) generate.generate on this project's Transformer loaded from the
+same weights (the bundled GGUF; tiny random checkpoints written by transformers for the other
+architectures), with caches built as generate.main builds them; (2) transformers' own DynamicCache for `full`.
+Tolerances: float32 on both sides; greedy tokens and kept positions (per layer and KV head) must be identical;
+logits within LOGIT_ATOL (test_model_parity measures |Δlogit| ≈ 1e-4 between the two models); attention loss
+within 1e-4 (both sides round it to 5 decimals from probabilities that differ in the last float32 bits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache import cache_statistics
+from cache_spec import add_cache_arguments, parse_args_with_preset, resolve_cache_spec
+from checkpoint import bundled_checkpoint_path, load_checkpoint
+from debug_cache import attention_loss_curve
+from errors import CliParser, UserError
+from generate import generate, setup_caches
+from model_policies import apply_model_layer_policies
+from rerotation import check_budgets
+from strategies import CACHE_STRATEGIES
+from tests.strategy_matrix import ALL, STORAGES, held_positions
+
+transformers = pytest.importorskip("transformers")
+ta = pytest.importorskip("transformers_adapter")
+
+NEW = 8
+BUDGET = "24"  # of a 48-token prompt + 8 new tokens: the prompt is compressed and decoding evicts
+COMMON = ["--global_tokens", "2", "--recent_window", "4", "--snapkv_window", "8"]
+LOGIT_ATOL = 1e-3
+# The registry's strategies and debug_ twins (tests/strategy_matrix.ALL), minus those that need learned gates
+# (refused: test_gated_caches_are_refused); a new strategy joins automatically, slow unless listed here.
+FAST = {"heavy_hitter", "hybrid", "debug_l2"}
+
+
+def _needs_gates(name: str) -> bool:
+    return CACHE_STRATEGIES[name.removeprefix("debug_")].needs_gates
+
+
+MATRIX = [pytest.param(s, marks=() if s in FAST else pytest.mark.slow) for s in ALL if not _needs_gates(s)]
+# Storages, budget patterns, prompt rules and Ada-KV allocation on top of a strategy (flags beyond COMMON).
+# Quantized storages run under debug_ twins: the two models' keys differ by ~1e-6 before quantization, which
+# flips one 4-bit code in a few layers (measured: layers 5, 8, 16 of 30 at prefill), a whole quantization step;
+# when the quantized cache drives the output (4bit tova / keydiff / l2, measured) that moves a near-tie eviction
+# or a later token. Under debug_ the output is the full cache's while the shadow's quantized storage takes every
+# update_kv, so kept positions stay comparable.
+VARIANTS = {
+    "adakv_heavy_hitter": ["--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"],
+    "4bit_debug_tova": ["--cache_strategy", "debug_tova", *STORAGES["4bit"]],
+    "kivi4_debug_l2": ["--cache_strategy", "debug_l2", *STORAGES["kivi4"]],
+    "2bit_debug_heavy_hitter": ["--cache_strategy", "debug_heavy_hitter", *STORAGES["2bit"]],
+    "adakv_debug_tova": ["--cache_strategy", "debug_tova", "--budget_allocation", "adakv"],
+    "adakv_8bit_debug_keydiff": ["--cache_strategy", "debug_keydiff", "--budget_allocation", "adakv",
+                                 *STORAGES["8bit"]],
+    "budgets_repeat": ["--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "32",
+                       "--cache_length_pattern", "repeat"],
+    "pyramid": ["--cache_strategy", "tova", "--cache_length_pattern", "pyramid"],
+    "strategy_pattern": ["--cache_strategy", "l2", "heavy_hitter", "--cache_strategy_pattern", "repeat"],
+    "prompt_rule": ["--cache_strategy", "recent_global", "--prompt_compression_strategy", "keep_it_odd"],
+    "preset": ["--cache_config", "alternating_local_global"],
+}
+FAST_VARIANTS = {"adakv_heavy_hitter"}
+
+
+def cache_flags(strategy_or_flags: str | list[str]) -> list[str]:
+    flags = ["--cache_strategy", strategy_or_flags] if isinstance(strategy_or_flags, str) else strategy_or_flags
+    budget = [] if "--max_cache_length" in flags or "--cache_config" in flags else ["--max_cache_length", BUDGET]
+    return [*COMMON, *budget, *flags]
+
+
+def run_our_loop(model, tokenizer, flags: list[str], prompt: list[int], new: int = NEW):
+    """generate.main's path: flags (a preset included) -> specs -> model policies -> caches -> the loop."""
+    parser = CliParser()
+    add_cache_arguments(parser)
+    args = parse_args_with_preset(parser, flags)
+    specs = resolve_cache_spec(args, model.args.n_layer, len(prompt), new)
+    specs = apply_model_layer_policies(specs, model.args, len(prompt), new, quiet=True)
+    check_budgets(specs, model.args.context_length, len(prompt) + new)
+    setup_caches(model, specs, len(prompt) + new, tokenizer, args.snapkv_window, args.snapkv_kernel)
+    return generate(model, prompt, new, eos_ids=[]).tokens
+
+
+def hf_generate(hf_model, prompt: list[int], cache=None, new: int = NEW, **kwargs):
+    x = torch.tensor([prompt])
+    out = hf_model.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=new,
+                            do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                            output_scores=True, **kwargs)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores, dim=1)[0]
+
+
+@pytest.fixture(scope="module")
+def hf_bundled():
+    """The bundled GGUF loaded by transformers itself (its dequantizer and un-permutation), float32."""
+    path = bundled_checkpoint_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(bundled_session) -> list[int]:
+    import pydoc_data.topics
+
+    ids = bundled_session[1].encode(pydoc_data.topics.topics["with"][:600])[:48]
+    assert len(ids) == 48
+    return ids
+
+
+def assert_same_run(hf_model, model, tokenizer, flags: list[str], prompt: list[int]):
+    ours = run_our_loop(model, tokenizer, flags, prompt)
+    cache = ta.make_cache(hf_model, flags, len(prompt), NEW, tokenizer=tokenizer)
+    tokens, _ = hf_generate(hf_model, prompt, cache)
+    assert len(ours) == NEW and tokens == ours
+    for layer, (theirs, mine) in enumerate(zip(cache.kv_caches, model.caches(), strict=True)):
+        assert held_positions(theirs) == held_positions(mine), f"layer {layer}"
+    return cache
+
+
+# ---- the bundled model: every strategy against generate.py's loop ------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", MATRIX)
+def test_generate_matches_our_loop(strategy, hf_bundled, bundled, prompt):
+    model, tokenizer = bundled
+    cache = assert_same_run(hf_bundled, model, tokenizer, cache_flags(strategy), prompt)
+    stats, ours = cache.statistics(), cache_statistics(model.caches())
+    if strategy.removeprefix("debug_") != "full":
+        assert stats["compression_ratio"] > 0 and sum(stats["evictions_per_layer"]) > 0  # it really evicts
+    for key in ("compression_ratio", "compression_ratio_per_head", "tokens_held_per_head", "evictions_per_layer",
+                "cache_budget_per_head", "cache_bytes", "cache_kv_bytes"):
+        assert stats[key] == ours[key], key
+    if strategy.startswith("debug_"):
+        assert stats["attention_loss_mean"] == pytest.approx(ours["attention_loss_mean"], abs=1e-4)
+        assert stats["attention_loss_per_head"] == [pytest.approx(x, abs=1e-4) for x in ours["attention_loss_per_head"]]
+        curve = attention_loss_curve(model.caches())
+        assert stats["attention_loss_cumulative_by_step"] == {k: pytest.approx(v, abs=1e-4) for k, v in curve.items()}
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v in FAST_VARIANTS else pytest.mark.slow)
+                                     for v in VARIANTS])
+def test_storages_patterns_and_adakv_match_our_loop(variant, hf_bundled, bundled, prompt):
+    model, tokenizer = bundled
+    assert_same_run(hf_bundled, model, tokenizer, cache_flags(VARIANTS[variant]), prompt)
+
+
+def test_full_equals_transformers_dynamic_cache(hf_bundled, prompt):
+    hf_bundled.set_attn_implementation("sdpa")  # transformers' own attention and DynamicCache: the reference
+    reference, ref_scores = hf_generate(hf_bundled, prompt)
+    cache = ta.make_cache(hf_bundled, cache_flags("full"), len(prompt), NEW)
+    tokens, scores = hf_generate(hf_bundled, prompt, cache)
+    assert tokens == reference
+    torch.testing.assert_close(scores, ref_scores, atol=LOGIT_ATOL, rtol=0)
+    # Switched to the eviction attention, any other cache still gets transformers' SDPA (the fallback).
+    assert hf_bundled.config._attn_implementation == ta.ATTENTION_NAME
+    assert hf_generate(hf_bundled, prompt)[0] == reference
+
+
+def test_a_cache_is_reusable_after_reset(hf_bundled, bundled, prompt):
+    model, tokenizer = bundled
+    flags = cache_flags("tova")
+    ours = run_our_loop(model, tokenizer, flags, prompt)
+    cache = ta.make_cache(hf_bundled, flags, len(prompt), NEW)
+    assert hf_generate(hf_bundled, prompt, cache)[0] == ours
+    assert int(cache.get_seq_length()) == len(prompt) + NEW - 1  # tokens seen, not held (24)
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0
+    assert hf_generate(hf_bundled, prompt, cache)[0] == ours
+
+
+# ---- every supported architecture, on tiny random checkpoints written by transformers -----------------------
+
+
+ARCHS = ["llama", "mistral", "qwen2_window", "qwen3", "gemma3", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory):
+    from tests.arch_helpers import save_tiny_model
+
+    models = {}
+    for arch in ARCHS:
+        directory = tmp_path_factory.mktemp(arch)
+        hf = save_tiny_model(arch, directory)
+        models[arch] = (hf, *load_checkpoint(str(directory), "cpu", torch.float32))
+    return models
+
+
+def tiny_prompt(n: int = 24) -> list[int]:
+    return torch.randint(3, 160, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "debug_tova"])
+def test_every_architecture_matches_our_loop(arch, strategy, arch_models):
+    hf, model, tokenizer = arch_models[arch]
+    flags = [*COMMON, "--cache_strategy", strategy, "--max_cache_length", "16"]
+    cache = assert_same_run(hf, model, tokenizer, flags, tiny_prompt())
+    if model.args.sliding_window:  # the window (12) binds: sliding layers hold a window cache, as generate.py's
+        sliding = [i for i in range(model.args.n_layer) if model.args.layer_window(i)]
+        assert sliding and all(cache.kv_caches[i].name == "recent_global" for i in sliding)
+
+
+# ---- compiled, as transformers compiles a static cache's decode step --------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["generate_compile_config", "compiled_forward"])
+def test_compiled_matches_eager_without_recompiling(recipe, arch_models, monkeypatch):
+    """transformers' two recipes for a static cache: generate's auto-compile of the decode step (a compileable
+    cache + compile_config; _compile_all_devices lets it run on the CPU), and model.forward = torch.compile(...)
+    (prefill compiled too). fullgraph and static shapes: one graph per kind of forward for every step, and none
+    more for a second cache of the same flags. The backend counts graphs and runs them as traced."""
+    hf, _, _ = arch_models["llama"]
+    graphs = []
+
+    def counting_backend(gm, example_inputs):  # a function: CompileConfig deep-copies its backend
+        graphs.append(gm)
+        return gm.forward
+
+    kwargs = {}
+    if recipe == "generate_compile_config":
+        config = transformers.CompileConfig(fullgraph=True, dynamic=False, backend=counting_backend, mode=None)
+        config._compile_all_devices = True
+        kwargs = dict(compile_config=config)
+    flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "16"]
+    prompt = tiny_prompt()
+    eager, eager_scores = hf_generate(hf, prompt, ta.make_cache(hf, flags, len(prompt), NEW))
+    if recipe == "compiled_forward":
+        monkeypatch.setattr(hf, "forward", torch.compile(hf.forward, fullgraph=True, backend=counting_backend))
+    for _ in range(2):
+        tokens, scores = hf_generate(hf, prompt, ta.make_cache(hf, flags, len(prompt), NEW), **kwargs)
+        assert tokens == eager
+        torch.testing.assert_close(scores, eager_scores, atol=1e-5, rtol=0)
+    assert len(graphs) == (1 if recipe == "generate_compile_config" else 2)  # decode (and prefill)
+
+
+# ---- refused, each with one clear error -------------------------------------------------------------------
+
+
+def test_gated_caches_are_refused(arch_models):
+    hf = arch_models["llama"][0]
+    for name in [s for s in ALL if _needs_gates(s)]:
+        with pytest.raises(UserError, match="learned gates"):
+            ta.make_cache(hf, [*COMMON, "--cache_strategy", name, "--max_cache_length", "16"], 24, NEW)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rerotate_positions"], "rerotate_positions is not supported"),
+    (["--feed_long_prompts"], "feed_long_prompts is not supported"),
+    (["--cache_strategy", "hybrid"], "pass make_cache\\(..., tokenizer=tokenizer\\)"),
+    (["--cache_strategy", "nope"], "unknown cache strategy"),
+])
+def test_unsupported_flags_are_refused(flags, message, arch_models):
+    hf = arch_models["llama"][0]
+    with pytest.raises(UserError, match=message):
+        ta.make_cache(hf, [*COMMON, "--max_cache_length", "16", *flags], 24, NEW)
+
+
+def test_unsupported_and_multimodal_architectures_are_refused():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UserError, match="unsupported architecture 'gpt2'.*supported: llama"):
+        ta.make_cache(gpt2, ["--cache_strategy", "full"], 8, 4)
+    multimodal = torch.nn.Module()
+    multimodal.config = transformers.Gemma3Config()  # a config only: the check comes before any weight is read
+    with pytest.raises(UserError, match="multimodal.*Gemma3ForCausalLM"):
+        ta.model_args_of(multimodal)
+
+
+def test_a_model_that_cannot_switch_attention_is_refused(tmp_path, monkeypatch):
+    from tests.arch_helpers import save_tiny_model
+
+    hf = save_tiny_model("llama", tmp_path)
+    monkeypatch.setattr(type(hf), "_can_set_attn_implementation", lambda self: False)
+    with pytest.raises(UserError, match="cannot switch its attention implementation"):
+        ta.make_cache(hf, ["--cache_strategy", "full"], 8, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_beams=2), "beam search|one sequence"),
+    (dict(do_sample=True, num_return_sequences=2), "one sequence"),
+])
+def test_beam_search_and_several_sequences_are_refused(kwargs, message, arch_models):
+    hf = arch_models["llama"][0]
+    x = torch.tensor([tiny_prompt()])
+    cache = ta.make_cache(hf, [*COMMON, "--cache_strategy", "tova", "--max_cache_length", "16"], 24, NEW)
+    with pytest.raises(UserError, match=message):
+        hf.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=NEW, eos_token_id=None,
+                    pad_token_id=0, **{"do_sample": False, **kwargs})
+
+
+def test_a_batch_and_padding_are_refused(arch_models):
+    hf = arch_models["llama"][0]
+    flags = [*COMMON, "--cache_strategy", "tova", "--max_cache_length", "16"]
+    x = torch.tensor([tiny_prompt(), tiny_prompt()])
+    with pytest.raises(UserError, match="batch 1"):
+        hf.generate(x, attention_mask=torch.ones_like(x), cache=ta.make_cache(hf, flags, 24, NEW),
+                    max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    mask = torch.ones(1, 24, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.raises(UserError, match="padded prompts"):
+        hf.generate(x[:1], attention_mask=mask, cache=ta.make_cache(hf, flags, 24, NEW), max_new_tokens=NEW,
+                    do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def test_a_sequence_past_the_cache_or_context_is_refused(arch_models):
+    hf = arch_models["llama"][0]
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        ta.make_cache(hf, ["--cache_strategy", "full"], 250, 10)  # the tiny model's context is 256
+
+
+def test_more_tokens_than_the_cache_was_built_for_is_refused(arch_models):
+    hf = arch_models["llama"][0]
+    x = torch.tensor([tiny_prompt()])
+    cache = ta.make_cache(hf, [*COMMON, "--cache_strategy", "full"], 24, 4)
+    with pytest.raises(UserError, match="sized for 24 prompt tokens \\+ 4 new ones"):
+        hf.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=8, do_sample=False,
+                    eos_token_id=None, pad_token_id=0)
