@@ -47,8 +47,8 @@ except ImportError as e:  # transformers is optional for the tool: only this mod
     raise ImportError("transformers_adapter needs Hugging Face transformers (pip install transformers)") from e
 
 from cache import KVCache, cache_statistics
-from debug_cache import attention_loss_curve
 from model import ModelArgs, follows_window, grouped_attention, sliding_causal_mask
+from strategies.debug import attention_loss_curve
 
 ATTENTION_NAME = "kv_eviction"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
@@ -61,31 +61,26 @@ _LAYER_KEY = "kv_eviction_layer"  # the keyword through which `update` hands its
 def _build_layer_caches(flags: argparse.Namespace, model_args: ModelArgs, prompt_length: int, max_new_tokens: int,
                         dtype: torch.dtype, device: torch.device,
                         token_classes: dict[str, Tensor] | None = None) -> list[KVCache]:
-    """Flags -> one KVCache per layer, exactly as generate.setup_caches builds them (the model's layer policies,
-    the re-rotation budget check). The single function to swap for the cache_spec Python API at merge."""
-    from cache_spec import build_caches, resolve_cache_spec
-    from model_policies import apply_model_layer_policies
-    from rerotation import check_budgets
+    """Flags -> one KVCache per layer, resolved as every entry point resolves them (cache_setup: the model's
+    layer policies, the budget checks), built for the transformers model rather than attached to ours."""
+    from cache_setup import cache_specs
+    from cache_spec import build_caches
 
-    total = prompt_length + max_new_tokens
-    specs = resolve_cache_spec(flags, model_args.n_layer, prompt_length, max_new_tokens)
-    specs = apply_model_layer_policies(specs, model_args, prompt_length, max_new_tokens, quiet=True)
-    check_budgets(specs, model_args.context_length, total)
-    return build_caches(specs, 1, model_args.n_kv_head, model_args.head_dim, total, dtype, device,
-                        flags.snapkv_window, flags.snapkv_kernel, token_classes)
+    specs = cache_specs(flags, model_args, prompt_length, max_new_tokens)
+    return build_caches(specs, 1, model_args.n_kv_head, model_args.head_dim, prompt_length + max_new_tokens, dtype,
+                        device, token_classes)
 
 
 def parse_cache_flags(flags: Sequence[str] | argparse.Namespace) -> argparse.Namespace:
     """The cache flags of generate.py / eval (a `--cache_config` preset included) as a namespace; refuses
     what the adapter cannot do yet, before anything is built."""
-    from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset
-    from errors import CliParser
+    from cache_setup import cache_config
+    from cache_spec import check_cache_flags
 
-    if not isinstance(flags, argparse.Namespace):
-        parser = CliParser(prog="transformers_adapter")
-        add_cache_arguments(parser)
-        flags = parse_args_with_preset(parser, list(flags))
-    check_cache_flags(flags)
+    if isinstance(flags, argparse.Namespace):
+        check_cache_flags(flags)
+    else:
+        flags = cache_config(list(flags))
     if flags.rerotate_positions:
         raise UserError("--rerotate_positions is not supported from transformers: its models apply RoPE before "
                         "the cache sees the keys, and re-rotation stores them before RoPE; use generate.py or eval")
@@ -396,8 +391,8 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
 
 
 def tokenizer_classes(tokenizer: object, vocab_size: int) -> dict[str, Tensor]:
-    """cache_hybrid.token_classes for this project's tokenizer or a transformers one (same rule)."""
-    from cache_hybrid import token_classes
+    """strategies.hybrid.token_classes for this project's tokenizer or a transformers one (same rule)."""
+    from strategies.hybrid import token_classes
 
     if not hasattr(tokenizer, "special_token_ids"):  # a transformers tokenizer: the same questions, its names
         hf = tokenizer

@@ -15,14 +15,12 @@ import pytest
 import torch
 
 from cache import cache_statistics
-from cache_spec import add_cache_arguments, parse_args_with_preset, resolve_cache_spec
+from cache_setup import attach_caches, cache_config
 from checkpoint import bundled_checkpoint_path, load_checkpoint
-from debug_cache import attention_loss_curve
-from errors import CliParser, UserError
-from generate import generate, setup_caches
-from model_policies import apply_model_layer_policies
-from rerotation import check_budgets
+from errors import UserError
+from generate import generate
 from strategies import CACHE_STRATEGIES
+from strategies.debug import attention_loss_curve
 from tests.strategy_matrix import ALL, STORAGES, held_positions
 
 transformers = pytest.importorskip("transformers")
@@ -74,13 +72,7 @@ def cache_flags(strategy_or_flags: str | list[str]) -> list[str]:
 
 def run_our_loop(model, tokenizer, flags: list[str], prompt: list[int], new: int = NEW):
     """generate.main's path: flags (a preset included) -> specs -> model policies -> caches -> the loop."""
-    parser = CliParser()
-    add_cache_arguments(parser)
-    args = parse_args_with_preset(parser, flags)
-    specs = resolve_cache_spec(args, model.args.n_layer, len(prompt), new)
-    specs = apply_model_layer_policies(specs, model.args, len(prompt), new, quiet=True)
-    check_budgets(specs, model.args.context_length, len(prompt) + new)
-    setup_caches(model, specs, len(prompt) + new, tokenizer, args.snapkv_window, args.snapkv_kernel)
+    attach_caches(model, cache_config(flags), len(prompt), new, tokenizer)
     return generate(model, prompt, new, eos_ids=[]).tokens
 
 
