@@ -32,10 +32,35 @@ _RENAME_EXCHANGE = 2  # renameat2 flag (Linux ≥ 3.15): swap two paths atomical
 _AT_FDCWD = -100
 
 
-def refuse_replacing(path: Path, overwrite: bool, flag: str = "output") -> Path:
-    """`path`, unless it is a directory or (without `overwrite`) an existing file: then a UserError."""
+# Errors of the disk rather than of the path: raised while a result is being written, they become one line
+# (the temporary file is removed and the previous result, if any, is left as it was).
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.ENAMETOOLONG)
+
+
+def refuse_replacing(path: str | Path, overwrite: bool, flag: str = "output") -> Path:
+    """`path`, unless it cannot be a result file: empty, a directory, a symbolic link (a dangling one would
+    pass every check and only fail once the work is done), below a regular file, or (without `overwrite`)
+    an existing file: then a UserError."""
+    if str(path) == "":
+        raise UserError(f"{flag}: the path is empty")
+    path = Path(path)
+    try:
+        return _refuse_replacing(path, overwrite, flag)
+    except OSError as e:  # e.g. a name too long for the file system: even stat() refuses it
+        raise UserError(f"cannot write {flag} {path}: {e.strerror or e}") from None
+
+
+def _refuse_replacing(path: Path, overwrite: bool, flag: str) -> Path:
+    if path.is_symlink():
+        target = "a missing file" if not path.exists() else os.readlink(path)
+        raise UserError(f"{flag} {path} is a symbolic link (to {target}); give the real path")
     if path.is_dir():
         raise UserError(f"{flag} {path} is a directory, not a file")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"cannot write {flag} {path}: {parent} is a file, not a directory")
+            break
     if path.exists() and not overwrite:
         raise UserError(f"{path} exists; pass --overwrite to replace it")
     return path
@@ -43,7 +68,7 @@ def refuse_replacing(path: Path, overwrite: bool, flag: str = "output") -> Path:
 
 def check_writable(path: str | Path, overwrite: bool, flag: str = "output") -> Path:
     """Fail now (UserError) if `path` could not be written later; creates missing parent directories."""
-    path = refuse_replacing(Path(path), overwrite, flag)
+    path = refuse_replacing(path, overwrite, flag)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}{TMP_MARK}"):
@@ -69,8 +94,16 @@ def atomic_target(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(name)
     try:
-        yield tmp
-        _fsync_file(tmp)
+        try:
+            yield tmp
+        except OSError as e:
+            if e.errno not in _WRITE_ERRNOS:
+                raise
+            raise UserError(f"cannot write {path}: {e.strerror or e}; nothing was replaced") from None
+        try:
+            _fsync_file(tmp)  # a full disk can surface only here, when the data reaches it
+        except OSError as e:
+            raise UserError(f"cannot write {path}: {e.strerror or e}; nothing was replaced") from None
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are meant to be shared
         try:
             if overwrite:
@@ -128,7 +161,9 @@ def temp_dir_beside(target: Path) -> Path:
     """A new hidden directory next to `target`, to be filled and then swapped in with replace_dir."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # The writer's pid in the name: remove_leftovers spares the directories of live writers.
-    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}{TMP_MARK}{os.getpid()}-"))
+    new = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}{TMP_MARK}{os.getpid()}-"))
+    os.chmod(new, 0o755)  # mkdtemp makes it owner-only; its files are 0644 to be shared, so must it be
+    return new
 
 
 def _exchange(a: Path, b: Path) -> bool:
