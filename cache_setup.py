@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
+from cache import KVCache
 from cache_spec import (
     LayerCacheSpec,
     add_cache_arguments,
@@ -28,7 +29,6 @@ from cache_spec import (
     parse_args_with_preset,
     resolve_cache_spec,
 )
-from cache import KVCache
 from errors import CliParser, UserError
 from model import ModelArgs, Transformer
 from model_policies import apply_model_layer_policies

@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
-from cache_setup import cache_specs, setup_caches
+from cache_setup import attach_row_caches, cache_specs, setup_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
@@ -330,7 +331,9 @@ def prefill_rows_one(model: Transformer, b: int, ids: list[int], prefill_length:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="generate.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt", required=True, help="the prompt text, or the path of an existing text file")
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="the prompt text, or the path of an existing text file; repeat it for several prompts, "
+                             "decoded --batch_size at a time")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_sampling(args.temperature, args.top_k)
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
-    prompt_text = read_prompt(args.prompt)
+    prompt_texts = [read_prompt(p) for p in args.prompt]
     if args.stats_json:  # before the model loads: a failed write after the run would lose the statistics
         check_writable(args.stats_json, args.overwrite, "--stats_json")
     torch.manual_seed(args.seed)
@@ -426,8 +429,12 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, dtype,
                                        allow_non_finite=args.allow_non_finite_weights)
     load_seconds = time.perf_counter() - t0
-    prompt_ids = encode_prompt(tokenizer, prompt_text, args.chat)
-    check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
+    prompts = [encode_prompt(tokenizer, text, args.chat) for text in prompt_texts]
+    for ids in prompts:  # every prompt before any decoding: a bad one fails the run before it starts
+        check_lengths(len(ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
+    if len(prompts) > 1:
+        return main_rows(args, model, tokenizer, prompts, load_seconds)
+    prompt_ids = prompts[0]
     specs = cache_specs(args, model.args, len(prompt_ids), args.max_new_tokens, quiet=False)
     if args.print_cache_spec:
         print(format_cache_spec(specs))
@@ -439,27 +446,78 @@ def main(argv: list[str] | None = None) -> dict:
                       prefill_length=prefill_length_for(specs, len(prompt_ids), args.feed_long_prompts))
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     print(text)
-
-    stats = {
-        "prompt_tokens": len(prompt_ids),
-        "generated_tokens": len(result.tokens),
-        "load_seconds": round(load_seconds, 3),
-        "prefill_seconds": round(result.prefill_seconds, 4),
-        "prefill_tokens_per_second": round(len(prompt_ids) / result.prefill_seconds, 2),
-        "decode_tokens_per_second": round(result.decode_steps / result.decode_seconds, 2)
-        if result.decode_steps else None,
-        "compile_seconds": round(result.compile_seconds, 2) if args.compile else None,
-        "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
-        **cache_statistics(model.caches()),
-    }
-    curve = attention_loss_curve(model.caches())
-    if curve:
-        stats["attention_loss_cumulative_by_step"] = curve
+    stats = {"load_seconds": round(load_seconds, 3), **row_stats(len(prompt_ids), result, model, None),
+             "compile_seconds": round(result.compile_seconds, 2) if args.compile else None}
     print_stats_block(stats)
     if args.stats_json:
         config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
         payload = {**stats, "text": text, "tokens": result.tokens, "config": config,
                    "model": model.args.to_dict(), "cache_spec": [s.to_dict() for s in specs]}
+        write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
+    return stats
+
+
+def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, row: int | None) -> dict:
+    """A generation's statistics; `row`: its row of a batch, whose caches are read in its row context."""
+    stats = {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(result.tokens),
+        "prefill_seconds": round(result.prefill_seconds, 4),
+        "prefill_tokens_per_second": round(prompt_tokens / result.prefill_seconds, 2),
+        "decode_tokens_per_second": round(result.decode_steps / result.decode_seconds, 2)
+        if result.decode_steps else None,
+        "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
+    }
+    with nullcontext() if row is None else model.cache_row(row):
+        stats |= cache_statistics(model.caches())
+        curve = attention_loss_curve(model.caches())
+    if curve:
+        stats["attention_loss_cumulative_by_step"] = curve
+    return stats
+
+
+def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]],
+              load_seconds: float) -> dict:
+    """Several prompts: decoded in batches of --batch_size rows (generate_batch), each row with the caches
+    and budgets its own length resolves to; statistics per row and the batches' decode throughput."""
+    step = compile_decode_step() if args.compile else decode_one_token
+    rows, specs_of, decode_seconds, decoded, compile_seconds, batch_bytes = [], [], 0.0, 0, 0.0, 0
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        row_specs = attach_row_caches(model, args, [len(ids) for ids in batch], args.max_new_tokens, tokenizer,
+                                      quiet=first > 0)
+        if args.print_cache_spec and first == 0:
+            print(format_cache_spec(row_specs[0]))
+        lengths = [prefill_length_for(s, len(ids), args.feed_long_prompts) for s, ids in zip(row_specs, batch,
+                                                                                              strict=True)]
+        results = generate_batch(model, batch, args.max_new_tokens, tokenizer.eos_ids, step, args.temperature,
+                                 args.top_k, args.seed, progress=sys.stderr.isatty(), prefill_lengths=lengths)
+        decode_seconds += results[0].decode_seconds
+        decoded += sum(len(r.tokens) - 1 for r in results)
+        compile_seconds += results[0].compile_seconds
+        batch_bytes = max(batch_bytes, sum(c.nbytes() for c in model.caches()))
+        for b, (ids, result) in enumerate(zip(batch, results, strict=True)):
+            text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+            print(f"---- row {first + b} ----\n{text}")
+            rows.append({**row_stats(len(ids), result, model, b), "text": text, "tokens": result.tokens})
+        specs_of += row_specs
+    stats = {
+        "load_seconds": round(load_seconds, 3),
+        "batch_size": args.batch_size,
+        "rows": len(rows),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "generated_tokens": sum(r["generated_tokens"] for r in rows),
+        # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
+        "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,
+        "compile_seconds": round(compile_seconds, 2) if args.compile else None,
+        "cache_bytes": batch_bytes,  # the largest batch's caches, every row together
+        "compression_ratio": round(sum(r["compression_ratio"] for r in rows) / len(rows), 4),
+    }
+    print_stats_block(stats)
+    if args.stats_json:
+        config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
+        payload = {**stats, "row_statistics": rows, "config": config, "model": model.args.to_dict(),
+                   "cache_spec": [[s.to_dict() for s in specs] for specs in specs_of]}
         write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
     return stats
 

@@ -108,8 +108,10 @@ def test_every_strategy_decodes_rows_as_alone(strategy, budget):
     assert_rows_match(cache_args(strategy, BUDGETS[budget]))
 
 
-@pytest.mark.parametrize(("storage", "budget"), [s for s in STORAGE_BUDGETS if s[0] != "dense"] + [("2bit", "fraction"),
-                                                                                                   ("8bit", "absolute")])
+QUANTIZED = [s for s in STORAGE_BUDGETS if s[0] != "dense"] + [("2bit", "fraction"), ("8bit", "absolute")]
+
+
+@pytest.mark.parametrize(("storage", "budget"), QUANTIZED)
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "keydiff", "hybrid", "debug_tova"])
 def test_quantized_storages_decode_rows_as_alone(strategy, storage, budget):
     assert_rows_match(cache_args(strategy, BUDGETS[budget], storage))
