@@ -121,8 +121,8 @@ class HybridCache(KVCache):
         super().configure(**settings)
 
     def room(self) -> int:
-        held = self.mask[:, :, 0, : self.max_cache_length].sum(-1)  # its heads grow by their own policy
-        return self.max_cache_length - int(held.max())
+        held = self.mask[:, :, 0, : self.scratch].sum(-1)  # its heads grow by their own policy
+        return int((self.row_budget[:, None] - held).min())
 
     def before_chunk_token(self, i: int) -> None:
         # A chunk's ids arrive together (observe_tokens saw T tokens): token i's class decides its admission.

@@ -117,6 +117,13 @@ def test_quantized_storages_decode_rows_as_alone(strategy, storage, budget):
     assert_rows_match(cache_args(strategy, BUDGETS[budget], storage))
 
 
+@pytest.mark.parametrize("flags", [["--history_window_size", "16"], ["--attn_thresholding"]])
+def test_heavy_hitter_history_per_row(flags):
+    """A history window's column counter is per row: a window of 16 is full after the longer prompts, not the
+    shortest (13 columns)."""
+    assert_rows_match(cache_args("heavy_hitter", BUDGETS["fraction"], "dense", *flags))
+
+
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "l2", "debug_tova"])
 def test_pooled_heads_decode_rows_as_alone(strategy):
     assert strategy in ADAKV
