@@ -151,7 +151,7 @@ class PooledCache(KVCache):
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """Per head [B, n_kv]: its next empty slot while it has one, else its lowest-scoring unprotected slot."""
         empty = self.offset + self.filled
-        if self.never_full():
+        if self.never_full:
             return empty  # never full: skip scoring
         blocked = self.protected(input_pos) | ~self.owned()
         # A head's quota exceeds its protected tokens (it keeps them, and its prompt target exceeds them).

@@ -176,8 +176,9 @@ class KVCache(nn.Module):
             self.register_buffer(name, torch.zeros(B, H, L, **kw))
         # Each row's budget within the L slots (a setting, kept by reset): rows of different lengths get
         # different budgets from a fractional --max_cache_length, as each would alone.
-        self.register_buffer("row_budget", torch.full((B,), L, dtype=torch.long, **kw))
+        self.register_buffer("row_budget", torch.full((B, 1), L, dtype=torch.long, **kw))  # [B, 1]: against [B, heads]
         self.row_budgets, self.row_capacities = [L] * B, [self.capacity_needed] * B
+        self.never_full = self.rows_never_full()
 
     # ---- rows ---------------------------------------------------------------------------------------------
 
@@ -188,10 +189,12 @@ class KVCache(nn.Module):
         if max(budgets) > self.max_cache_length or max(capacities) > self.capacity_needed:
             raise ValueError(f"row budgets {budgets} exceed the cache's {self.max_cache_length} slots")
         self.row_budgets, self.row_capacities = list(budgets), list(capacities)
-        self.row_budget.copy_(torch.tensor(budgets, dtype=torch.long, device=self.row_budget.device))
+        self.never_full = self.rows_never_full()
+        self.row_budget.copy_(torch.tensor(budgets, dtype=torch.long, device=self.row_budget.device)[:, None])
 
-    def never_full(self) -> bool:
-        """No row's budget can fill (the full cache, or budgets above the sequences): slots need no scores."""
+    def rows_never_full(self) -> bool:
+        """No row's budget can fill (the full cache, or budgets above the sequences): slots need no scores
+        (read as `never_full`, kept with the budgets: decode steps ask at every layer)."""
         return all(b >= c for b, c in zip(self.row_budgets, self.row_capacities, strict=True))
 
     @contextmanager
@@ -208,16 +211,18 @@ class KVCache(nn.Module):
                     module._buffers[name] = buf[b : b + 1]
             if isinstance(module, KVCache):
                 limits.append((module, module.max_cache_length, module.capacity_needed, module.row_budgets,
-                               module.row_capacities))
+                               module.row_capacities, module.never_full))
                 module.max_cache_length, module.capacity_needed = module.row_budgets[b], module.row_capacities[b]
                 module.row_budgets, module.row_capacities = [module.row_budgets[b]], [module.row_capacities[b]]
+                module.never_full = module.rows_never_full()
         try:
             yield self
         finally:
             for module, name, buf in swapped:
                 module._buffers[name] = buf
             for module, *values in limits:
-                module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities = values
+                (module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities,
+                 module.never_full) = values
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
@@ -260,7 +265,7 @@ class KVCache(nn.Module):
         self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, slot.shape[1], 1))
         self.mask.scatter_(3, head_slot[..., None, None], True)
         self.inserted += 1
-        self.filled += (self.filled < self.row_budget[:, None]).long()
+        self.filled += (self.filled < self.row_budget).long()
         self.after_insert(slot, input_pos, k)
         return self.keys(), self.values(), self.mask
 
@@ -279,7 +284,7 @@ class KVCache(nn.Module):
 
     def room(self) -> int:
         """Empty slots left before this cache evicts (an eager read, for callers choosing how to feed)."""
-        return int((self.row_budget[:, None] - self.filled).min())
+        return int((self.row_budget - self.filled).min())
 
     def before_chunk_token(self, i: int) -> None:
         """Hook: token i of a chunk (`append`) is next; per-token inputs the model passed for the whole chunk
@@ -370,13 +375,13 @@ class KVCache(nn.Module):
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
         filled = self.filled
-        if self.never_full():
+        if self.never_full:
             # Never full (the full cache, or a budget above the sequence): skip scoring. A copy, since update_kv
             # advances `filled` in place before after_insert reads the slot.
             return filled.clone()
         # Slots past a row's budget are empty, and empty slots (pos −1) are always protected: never chosen.
         scores = self.token_scores(input_pos).masked_fill(self.protected(input_pos), float("inf"))
-        return torch.where(filled < self.row_budget[:, None], filled, scores.argmin(dim=-1))
+        return torch.where(filled < self.row_budget, filled, scores.argmin(dim=-1))
 
     def protected(self, input_pos: Tensor) -> Tensor:
         """Slots never evicted: global (sink) tokens and the recent window, [B, pos_heads, L].

@@ -122,7 +122,7 @@ class HybridCache(KVCache):
 
     def room(self) -> int:
         held = self.mask[:, :, 0, : self.scratch].sum(-1)  # its heads grow by their own policy
-        return int((self.row_budget[:, None] - held).min())
+        return int((self.row_budget - held).min())
 
     def before_chunk_token(self, i: int) -> None:
         # A chunk's ids arrive together (observe_tokens saw T tokens): token i's class decides its admission.
@@ -234,7 +234,7 @@ class HybridCache(KVCache):
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, H = k.shape[:2]
-        L, limit = self.scratch, self.row_budget[:, None]  # the slots, and each row's budget within them
+        L, limit = self.scratch, self.row_budget  # the slots, and each row's budget within them
         seen = self.inserted + 1  # [B, H], including this token
         is_special, is_punct = (c[:, None].expand(B, H) for c in self._classes(self.current_token[:, 0]))
         new_is_special = (is_special & self._use("special")) | (is_punct & self._use("punct"))
