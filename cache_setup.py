@@ -8,6 +8,10 @@ benchmarks and the tests:
 name, and returns the validated flags; `cache_specs` resolves them for a model (per-layer budgets, the
 model's own layer policies such as sliding windows, the budget checks); `attach_caches` does that and
 builds and attaches the caches. Every step a caller could forget is inside.
+
+Rows of one batch: `batch_size=B` gives B rows of one shape (equal prompt lengths, shared positions);
+`attach_row_caches(model, config, prompt_lengths, max_new_tokens)` gives one row per prompt length, each
+with the budgets its own length resolves to (prefill them with generate.prefill_rows).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ RoPE implementation serves every checkpoint format.
 Two entry points share one forward:
 - prefill (T > 1, positions 0..T-1): full causal attention over the prompt itself, then each layer's
   cache keeps what fits its budget (it may compress the prompt);
-- decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache.
+- decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache;
+  the rows may be at different positions (input_pos [B]), each rotated by its own.
+Rows of different lengths are prefilled one at a time in their row context (`cache_row`), no padding.
 
 With re-rotation (`--rerotate_positions`, rerotation.py) the caches store keys before RoPE, and after the
 prompt RoPE is applied at ranks within each head's cache instead of at positions in the text.
