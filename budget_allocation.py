@@ -41,7 +41,7 @@ import argparse
 import torch
 from torch import Tensor
 
-from cache import KVCache
+from cache import KVCache, row_positions
 from errors import UserError
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES, get_strategy
@@ -67,7 +67,8 @@ class PooledCache(KVCache):
         pool = n_kv_heads * max_cache_length
         super().__init__(batch_size, n_kv_heads, head_dim, pool, *args, **kwargs)
         self.max_cache_length = max_cache_length  # the per-head budget L: the average quota
-        self.pool_slots = pool
+        self.pool_slots = pool  # the buffers' pool; a row with a smaller budget uses its first n_kv·L_b slots
+        self.set_row_budgets([max_cache_length] * batch_size, self.row_capacities)
         self.floor_fraction = float(self.hparams.get("adakv_floor", DEFAULT_FLOOR))
         kw = dict(dtype=torch.long, device=self.pos.device)
         self.register_buffer("quota", torch.zeros(batch_size, n_kv_heads, **kw))  # slots each head owns
@@ -150,7 +151,7 @@ class PooledCache(KVCache):
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """Per head [B, n_kv]: its next empty slot while it has one, else its lowest-scoring unprotected slot."""
         empty = self.offset + self.filled
-        if self.max_cache_length >= self.capacity_needed:
+        if self.never_full:
             return empty  # never full: skip scoring
         blocked = self.protected(input_pos) | ~self.owned()
         # A head's quota exceeds its protected tokens (it keeps them, and its prompt target exceeds them).
@@ -161,7 +162,7 @@ class PooledCache(KVCache):
         slot = self.choose_slot(input_pos)  # [B, n_kv]: distinct slots, each in its head's range
         B, H = k.shape[:2]
         self.storage.write(slot[:, None], k.transpose(1, 2), v.transpose(1, 2))  # H rows of the one pool head
-        self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, H, 1))
+        self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, H, 1))
         self.mask.scatter_(3, slot[..., None, None], True)
         self.inserted += 1
         self.filled += (self.filled < self.quota).long()

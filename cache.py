@@ -16,6 +16,11 @@ decode step never recompiles:
   from slot 0 (the next empty slot) until the cache is full, [B, n_kv_heads or 1].
 - With `--budget_allocation adakv` (budget_allocation.py) the heads share one pool: the storage has one head of
   n_kv·L slots and `pos` / `mask` / per-slot state are per head over the pool; `pooled` says so to the model.
+- Rows (the batch, B): every buffer but the declared `row_shared_buffers` has the row first. Rows may hold
+  different sequences: at decode `input_pos` is [1] (shared) or [B] (one position per row), and each row
+  has its own budget (`row_budget` [B], `set_row_budgets`) within the L slots, which are the largest row's.
+  `row(b)` is the row context: inside it the cache is row b alone, a batch-1 cache (prompts of different
+  lengths are prefilled row by row in it, with no padding).
 
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the
@@ -30,7 +35,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -129,6 +135,8 @@ class KVCache(nn.Module):
     # One K/V pool of n_kv·L slots shared by the heads (budget_allocation.py, --budget_allocation adakv):
     # keys()/values() are [B, 1, n_kv·L, D] and `mask` [B, n_kv, 1, n_kv·L] says which slots each head holds.
     pooled: ClassVar[bool] = False
+    # Buffers without a row dimension: the same for every row (the row context leaves them whole).
+    row_shared_buffers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -166,6 +174,55 @@ class KVCache(nn.Module):
         self.register_buffer("filled", torch.zeros(B, pos_heads, dtype=torch.long, **kw))
         for name in self.slot_buffers:
             self.register_buffer(name, torch.zeros(B, H, L, **kw))
+        # Each row's budget within the L slots (a setting, kept by reset): rows of different lengths get
+        # different budgets from a fractional --max_cache_length, as each would alone.
+        self.register_buffer("row_budget", torch.full((B, 1), L, dtype=torch.long, **kw))  # [B, 1]: against [B, heads]
+        self.row_budgets, self.row_capacities = [L] * B, [self.capacity_needed] * B
+        self.never_full = self.rows_never_full()
+
+    # ---- rows ---------------------------------------------------------------------------------------------
+
+    def set_row_budgets(self, budgets: list[int], capacities: list[int]) -> None:
+        """Row b may hold `budgets[b]` ≤ L tokens and will see `capacities[b]` (its prompt + new tokens)."""
+        if len(budgets) != len(self.row_budgets) or len(capacities) != len(budgets):
+            raise ValueError(f"{len(budgets)} row budgets for {len(self.row_budgets)} rows")
+        if max(budgets) > self.max_cache_length or max(capacities) > self.capacity_needed:
+            raise ValueError(f"row budgets {budgets} exceed the cache's {self.max_cache_length} slots")
+        self.row_budgets, self.row_capacities = list(budgets), list(capacities)
+        self.never_full = self.rows_never_full()
+        self.row_budget.copy_(torch.tensor(budgets, dtype=torch.long, device=self.row_budget.device)[:, None])
+
+    def rows_never_full(self) -> bool:
+        """No row's budget can fill (the full cache, or budgets above the sequences): slots need no scores
+        (read as `never_full`, kept with the budgets: decode steps ask at every layer)."""
+        return all(b >= c for b, c in zip(self.row_budgets, self.row_capacities, strict=True))
+
+    @contextmanager
+    def row(self, b: int) -> Iterator[KVCache]:
+        """The row context: inside it this cache (its storage and shadow too) is row b alone, a batch-1
+        cache with that row's budget. Buffers are replaced by views of row b, so whatever the cache does in
+        place lands in the batched buffers; they are put back on exit."""
+        swapped, limits = [], []
+        for module in self.modules():
+            shared = getattr(module, "row_shared_buffers", ())
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and name not in shared:
+                    swapped.append((module, name, buf))
+                    module._buffers[name] = buf[b : b + 1]
+            if isinstance(module, KVCache):
+                limits.append((module, module.max_cache_length, module.capacity_needed, module.row_budgets,
+                               module.row_capacities, module.never_full))
+                module.max_cache_length, module.capacity_needed = module.row_budgets[b], module.row_capacities[b]
+                module.row_budgets, module.row_capacities = [module.row_budgets[b]], [module.row_capacities[b]]
+                module.never_full = module.rows_never_full()
+        try:
+            yield self
+        finally:
+            for module, name, buf in swapped:
+                module._buffers[name] = buf
+            for module, *values in limits:
+                (module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities,
+                 module.never_full) = values
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
@@ -199,15 +256,16 @@ class KVCache(nn.Module):
         self.after_prefill(keep, input_pos, k, q)
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Insert one token (input_pos [1]; k, v [B, n_kv, 1, D]); return (keys, values, mask) to attend over."""
+        """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]); return (keys, values,
+        mask) to attend over."""
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
         self.storage.write(head_slot[..., None], k, v)
-        self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, slot.shape[1], 1))
+        self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, slot.shape[1], 1))
         self.mask.scatter_(3, head_slot[..., None, None], True)
         self.inserted += 1
-        self.filled += (self.filled < self.max_cache_length).long()
+        self.filled += (self.filled < self.row_budget).long()
         self.after_insert(slot, input_pos, k)
         return self.keys(), self.values(), self.mask
 
@@ -226,7 +284,7 @@ class KVCache(nn.Module):
 
     def room(self) -> int:
         """Empty slots left before this cache evicts (an eager read, for callers choosing how to feed)."""
-        return self.max_cache_length - int(self.filled.max())
+        return int((self.row_budget - self.filled).min())
 
     def before_chunk_token(self, i: int) -> None:
         """Hook: token i of a chunk (`append`) is next; per-token inputs the model passed for the whole chunk
@@ -244,7 +302,8 @@ class KVCache(nn.Module):
 
     def reset(self) -> None:
         for name, buf in self.named_buffers(recurse=False):
-            buf.fill_(-1) if name == "pos" else buf.zero_()
+            if name != "row_budget":  # a setting, not state
+                buf.fill_(-1) if name == "pos" else buf.zero_()
         self.storage.reset()
         for child in self.children():
             if isinstance(child, KVCache):  # a debug cache's shadow
@@ -316,12 +375,13 @@ class KVCache(nn.Module):
     def choose_slot(self, input_pos: Tensor) -> Tensor:
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
         filled = self.filled
-        if self.max_cache_length >= self.capacity_needed:
+        if self.never_full:
             # Never full (the full cache, or a budget above the sequence): skip scoring. A copy, since update_kv
             # advances `filled` in place before after_insert reads the slot.
             return filled.clone()
+        # Slots past a row's budget are empty, and empty slots (pos −1) are always protected: never chosen.
         scores = self.token_scores(input_pos).masked_fill(self.protected(input_pos), float("inf"))
-        return torch.where(filled < self.max_cache_length, filled, scores.argmin(dim=-1))
+        return torch.where(filled < self.row_budget, filled, scores.argmin(dim=-1))
 
     def protected(self, input_pos: Tensor) -> Tensor:
         """Slots never evicted: global (sink) tokens and the recent window, [B, pos_heads, L].
@@ -329,7 +389,7 @@ class KVCache(nn.Module):
         The window counts the token being inserted, so after the insert exactly the `recent_window`
         most recent positions are held.
         """
-        return (self.pos < self.global_tokens) | (self.pos > input_pos - self.recent_window)
+        return (self.pos < self.global_tokens) | (self.pos > row_positions(input_pos) - self.recent_window)
 
     # ---- statistics ----------------------------------------------------------------------------------------
 
@@ -367,6 +427,12 @@ class KVCache(nn.Module):
 
     def storage_statistics(self) -> dict[str, Tensor]:
         return self.storage.statistics(self.mask[:, :, 0])
+
+
+def row_positions(input_pos: Tensor) -> Tensor:
+    """A decode step's position, [1] (every row) or [B] (one per row), as [1 or B, 1, 1]: it broadcasts
+    against [B, heads, slots]."""
+    return input_pos.view(-1, 1, 1)
 
 
 def grouped_mean(probs: Tensor) -> Tensor:
@@ -420,3 +486,12 @@ def cache_statistics(caches: list[KVCache]) -> dict:
         stats[f"{key}_per_layer"] = [round(float(x.mean()), 5) for x in per_layer]
         stats[f"{key}_per_head"] = [[round(float(v), 5) for v in x.flatten()] for x in per_layer]
     return stats
+
+
+def row_statistics(caches: list[KVCache], b: int) -> dict:
+    """`cache_statistics` of row b, as if it had been decoded alone (in its row context); the bytes are the
+    row's share of the batch's buffers, whose slots are the largest row's."""
+    with ExitStack() as stack:
+        for cache in caches:
+            stack.enter_context(cache.row(b))
+        return cache_statistics(caches)

@@ -8,15 +8,21 @@ benchmarks and the tests:
 name, and returns the validated flags; `cache_specs` resolves them for a model (per-layer budgets, the
 model's own layer policies such as sliding windows, the budget checks); `attach_caches` does that and
 builds and attaches the caches. Every step a caller could forget is inside.
+
+Rows of one batch: `batch_size=B` gives B rows of one shape (equal prompt lengths, shared positions);
+`attach_row_caches(model, config, prompt_lengths, max_new_tokens)` gives one row per prompt length, each
+with the budgets its own length resolves to (prefill them with generate.prefill_rows).
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from torch import Tensor
 
+from cache import KVCache
 from cache_spec import (
     LayerCacheSpec,
     add_cache_arguments,
@@ -34,7 +40,8 @@ from strategies import get_strategy
 from strategies.hybrid import token_classes
 from tokenizer import Tokenizer
 
-__all__ = ["attach_caches", "cache_config", "cache_specs", "check_budgets", "setup_caches"]
+__all__ = ["attach_caches", "attach_row_caches", "cache_config", "cache_specs", "check_budgets", "setup_caches",
+           "setup_row_caches"]
 
 
 def cache_config(flags: Sequence[str] | Mapping[str, object] | str | None = None,
@@ -82,28 +89,67 @@ def cache_specs(config: argparse.Namespace, model_args: ModelArgs, prompt_length
 
 
 def setup_caches(model: Transformer, specs: list[LayerCacheSpec], capacity_needed: int,
-                 tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None) -> None:
-    """Build and attach one cache per layer from resolved specs; the tokenizer (or its `classes`,
-    strategies.hybrid.token_classes) is needed by hybrid caches only. Gated caches get the model's learned gates:
-    --gates_path, else those already attached, else the shipped file."""
+                 tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None,
+                 batch_size: int = 1) -> None:
+    """Build and attach one cache per layer from resolved specs, for `batch_size` rows of one shape (equal
+    prompt lengths); the tokenizer (or its `classes`, strategies.hybrid.token_classes) is needed by hybrid
+    caches only. Gated caches get the model's learned gates: --gates_path, else those already attached, else
+    the shipped file."""
+    model.setup_caches(_build(model, specs, batch_size, capacity_needed, tokenizer, classes))
+
+
+def setup_row_caches(model: Transformer, row_specs: list[list[LayerCacheSpec]], capacities: list[int],
+                     tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None) -> None:
+    """Caches for rows that each have their own sequence: row b's specs (resolved for its prompt length) and
+    the tokens it will see, `capacities[b]`. A layer's cache has the largest row's slots and every row its
+    own budget within them (KVCache.set_row_budgets), so a row behaves as it would alone. The rows' specs
+    must agree on everything but the budget (one cache class and storage per layer)."""
+    if len(row_specs) != len(capacities) or not row_specs:
+        raise ValueError(f"{len(row_specs)} rows of specs for {len(capacities)} capacities")
+    widest = []
+    for layer, specs in enumerate(zip(*row_specs, strict=True)):
+        if any(replace(s, max_cache_length=0) != replace(specs[0], max_cache_length=0) for s in specs):
+            raise UserError(f"layer {layer}: the rows' prompts resolve to different caches (strategy, storage or "
+                            "layer policy); batch prompts whose lengths resolve alike, or decode them apart")
+        widest.append(max(specs, key=lambda s: s.max_cache_length))
+    caches = _build(model, widest, len(capacities), max(capacities), tokenizer, classes)
+    for layer, cache in enumerate(caches):
+        cache.set_row_budgets([specs[layer].max_cache_length for specs in row_specs], list(capacities))
+    model.setup_caches(caches)
+
+
+def _build(model: Transformer, specs: list[LayerCacheSpec], batch_size: int, capacity_needed: int,
+           tokenizer: Tokenizer | None, classes: dict[str, Tensor] | None) -> list[KVCache]:
     a = model.args
     w = model.tok_embeddings.weight
     if classes is None and tokenizer is not None and any(get_strategy(s.strategy).needs_token_classes for s in specs):
         classes = token_classes(tokenizer, a.vocab_size)
-    caches = build_caches(specs, 1, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device, classes)
+    caches = build_caches(specs, batch_size, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device, classes)
     if any(c.needs_gates for c in caches):
         from gates import prepare_gates
 
         paths = {s.hyperparameters.get("gates_path") for s in specs if "gates_path" in s.hyperparameters}
         prepare_gates(model, next(iter(paths), None))  # one --gates_path flag: one value
-    model.setup_caches(caches)
+    return caches
 
 
 def attach_caches(model: Transformer, config: argparse.Namespace, prompt_length: int, max_new_tokens: int,
                   tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None,
-                  quiet: bool = True, capacity_needed: int | None = None) -> list[LayerCacheSpec]:
-    """Caches for a prompt of `prompt_length` tokens followed by `max_new_tokens`, attached to `model`;
-    the resolved specs. `capacity_needed` (default: prompt + new tokens) is what a full cache holds."""
+                  quiet: bool = True, capacity_needed: int | None = None, batch_size: int = 1) -> list[LayerCacheSpec]:
+    """Caches for a prompt of `prompt_length` tokens followed by `max_new_tokens` (in each of `batch_size`
+    rows), attached to `model`; the resolved specs. `capacity_needed` (default: prompt + new tokens) is what
+    a full cache holds."""
     specs = cache_specs(config, model.args, prompt_length, max_new_tokens, quiet=quiet)
-    setup_caches(model, specs, capacity_needed or prompt_length + max_new_tokens, tokenizer, classes)
+    setup_caches(model, specs, capacity_needed or prompt_length + max_new_tokens, tokenizer, classes, batch_size)
     return specs
+
+
+def attach_row_caches(model: Transformer, config: argparse.Namespace, prompt_lengths: list[int],
+                      max_new_tokens: int, tokenizer: Tokenizer | None = None,
+                      classes: dict[str, Tensor] | None = None, quiet: bool = True) -> list[list[LayerCacheSpec]]:
+    """Caches for one row per prompt length (each followed by `max_new_tokens`), each row with the budgets
+    its own length resolves to (setup_row_caches); the specs of every row."""
+    row_specs = [cache_specs(config, model.args, n, max_new_tokens, quiet=quiet or b > 0)
+                 for b, n in enumerate(prompt_lengths)]
+    setup_row_caches(model, row_specs, [n + max_new_tokens for n in prompt_lengths], tokenizer, classes)
+    return row_specs

@@ -1,7 +1,8 @@
-"""Generate from one prompt under a (compressed) KV cache and report its statistics.
+"""Generate from one prompt, or a batch of them, under a (compressed) KV cache and report its statistics.
 
     python generate.py --prompt "What is a KV cache?" --max_new_tokens 64
     python generate.py --cache_strategy full --compile --stats_json stats.json --prompt prompt.txt
+    python generate.py --prompt "Hi" --prompt notes.txt --prompt "Why?" --batch_size 3
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
-from cache_setup import cache_specs, setup_caches
+from cache_setup import attach_row_caches, cache_specs, setup_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
@@ -46,8 +48,32 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-    """token [B, 1] at position input_pos [1] (device tensors) -> logits [B, vocab]. The eager step."""
+    """token [B, 1] at position input_pos [1] shared by the rows, or [B] one per row (device tensors) ->
+    logits [B, vocab]. The eager step."""
     return model(token, input_pos)[:, -1]
+
+
+def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None = None,
+                 first_row: int = 0) -> Tensor:
+    """Prefill row b of the caches with prompts[b] [T_b] in its row context (Transformer.cache_row): rows of
+    any lengths, no padding. Tokens past a row's prefill length (--feed_long_prompts) are fed there one at
+    a time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
+    `first_row`: the row of prompts[0] (a part of the batch). Logits of each row's last position, [B, vocab]."""
+    rows = []
+    for b, prompt in enumerate(prompts, start=first_row):
+        with model.cache_row(b):
+            n = None if prefill_lengths is None else prefill_lengths[b - first_row]
+            rows.append(prefill(model, prompt.view(1, -1), n))
+    return torch.cat(rows)
+
+
+def sample_rows(logits: Tensor, temperature: float, top_k: int | None,
+                generators: list[torch.Generator] | None) -> Tensor:
+    """Next token of each row [B, 1]; each row draws from its own generator, so a row's tokens are those it
+    would sample alone with the same seed."""
+    if temperature <= 0 or generators is None:
+        return sample(logits, temperature, top_k, None)
+    return torch.cat([sample(logits[b : b + 1], temperature, top_k, g) for b, g in enumerate(generators)])
 
 
 def sample(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> Tensor:
@@ -86,9 +112,10 @@ class CompiledDecodeStep:
     def __init__(self, cuda_graph: bool = True) -> None:
         self.block = torch.compile(_run_block, fullgraph=True, dynamic=False)
         self.cuda_graph = cuda_graph
-        # Per set of caches (their ids): the captured graph, its static inputs (token, position) and logits.
-        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
-        self.prepared: set[tuple[int, ...]] = set()
+        # Per set of caches (their ids) and positions per step (1 shared, or one per row): the captured graph,
+        # its static inputs (token, position) and logits.
+        self.graphs: dict[tuple[tuple[int, ...], int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        self.prepared: set[tuple[tuple[int, ...], int]] = set()
         self.compile_seconds = 0.0
 
     def compiled_step(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
@@ -97,15 +124,17 @@ class CompiledDecodeStep:
         with torch._dynamo.config.patch(recompile_limit=limit):
             return model(token, input_pos, run_block=self.block)[:, -1]
 
-    def prepare(self, model: Transformer, batch_size: int = 1) -> None:
-        caches = tuple(id(c) for c in model.caches())
-        if caches in self.prepared:
+    def prepare(self, model: Transformer, batch_size: int = 1, per_row_positions: bool = False) -> None:
+        """Compile (and on CUDA capture) the step for `batch_size` rows, at one shared position per step or,
+        with `per_row_positions`, one per row (input_pos [B], generate_batch)."""
+        key = (tuple(id(c) for c in model.caches()), batch_size if per_row_positions else 1)
+        if key in self.prepared:
             return
         started = time.perf_counter()
         device = model.tok_embeddings.weight.device
         with torch.inference_mode():  # inputs made here are inference tensors, like the loop's (no guard miss)
             token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-            input_pos = torch.zeros(1, dtype=torch.long, device=device)
+            input_pos = torch.zeros(key[1], dtype=torch.long, device=device)
             model.reset_caches()
             if device.type == "cuda" and self.cuda_graph:
                 stream = torch.cuda.Stream(device)
@@ -117,17 +146,18 @@ class CompiledDecodeStep:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     logits = self.compiled_step(model, token, input_pos)
-                self.graphs[caches] = (graph, token, input_pos, logits)
+                self.graphs[key] = (graph, token, input_pos, logits)
                 torch.cuda.synchronize(device)
             else:
                 for _ in range(2):
                     self.compiled_step(model, token, input_pos)
             model.reset_caches()
-        self.prepared.add(caches)
+        self.prepared.add(key)
         self.compile_seconds += time.perf_counter() - started
 
     def __call__(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-        captured = self.graphs.get(tuple(id(c) for c in model.caches())) if self.graphs else None
+        key = (tuple(id(c) for c in model.caches()), input_pos.numel())
+        captured = self.graphs.get(key) if self.graphs else None
         if captured is None:
             return self.compiled_step(model, token, input_pos)
         graph, static_token, static_pos, logits = captured
@@ -219,12 +249,91 @@ def generate(
     return GenerationResult(tokens, t1 - t0, t2 - t1, n - 1, first_eos is not None, compile_seconds)
 
 
+def generate_batch(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: list[int],
+    decode_step=decode_one_token,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    progress: bool = False,
+    prefill_lengths: list[int] | None = None,
+) -> list[GenerationResult]:
+    """One row per prompt, of any lengths: each prompt prefilled in its row context (prefill_rows), then
+    every row decoded in one step per token, at its own position, until every row has its EOS or
+    `max_new_tokens`. Row b's tokens are what `generate` gives for prompts[b] alone (greedy, or sampled
+    with the same seed), on caches set up per row (cache_setup.setup_row_caches). A row that stopped keeps
+    being decoded with the others (its tokens are dropped; its cache sees them). Per row: its own prefill
+    time; the batch's decode time and steps."""
+    from tqdm import tqdm
+
+    device = model.tok_embeddings.weight.device
+    B = len(prompts)
+    generators = None
+    if temperature > 0:
+        generators = [torch.Generator(device=device).manual_seed(seed if seed is not None else 0) for _ in prompts]
+    compile_seconds = 0.0
+    if hasattr(decode_step, "prepare"):
+        before = decode_step.compile_seconds
+        decode_step.prepare(model, B, per_row_positions=True)
+        compile_seconds = decode_step.compile_seconds - before
+    eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
+    check_every = 1 if device.type == "cpu" else EOS_CHECK_INTERVAL
+    model.reset_caches()
+    with torch.inference_mode():
+        prefill_seconds, first = [], []
+        for b, ids in enumerate(prompts):
+            started = time.perf_counter()
+            logits = prefill_rows_one(model, b, ids, None if prefill_lengths is None else prefill_lengths[b])
+            first.append(sample_rows(logits, temperature, top_k, generators and generators[b : b + 1]))
+            _synchronize(device)
+            prefill_seconds.append(time.perf_counter() - started)
+        token = torch.cat(first)  # [B, 1]
+        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+        out[:, :1] = token
+        done = torch.isin(token[:, 0], eos)
+        stopped = bool(done.all())
+        t1 = time.perf_counter()
+        input_pos = torch.tensor([len(ids) for ids in prompts], dtype=torch.long, device=device)  # one per row
+        n = 1
+        bar = tqdm(total=max_new_tokens - 1, desc="decode", disable=not progress, leave=False)
+        while not stopped and n < max_new_tokens:
+            token = sample_rows(decode_step(model, token, input_pos), temperature, top_k, generators)
+            out[:, n : n + 1] = token
+            done |= torch.isin(token[:, 0], eos)
+            input_pos += 1
+            n += 1
+            if n % check_every == 0 or n == max_new_tokens:
+                stopped = bool(done.all())
+                bar.update(n - 1 - bar.n)
+        bar.close()
+        _synchronize(device)
+        decode_seconds = time.perf_counter() - t1
+    results = []
+    for b, row in enumerate(out[:, :n].tolist()):
+        first_eos = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        tokens = row if first_eos is None else row[: first_eos + 1]
+        results.append(GenerationResult(tokens, prefill_seconds[b], decode_seconds, n - 1, first_eos is not None,
+                                        compile_seconds))
+    return results
+
+
+def prefill_rows_one(model: Transformer, b: int, ids: list[int], prefill_length: int | None) -> Tensor:
+    """Row b's prompt prefilled in its row context (see prefill_rows); its last logits [1, vocab]."""
+    prompt = torch.tensor(ids, dtype=torch.long, device=model.tok_embeddings.weight.device)
+    return prefill_rows(model, [prompt], None if prefill_length is None else [prefill_length], first_row=b)
+
+
 # ---- CLI ---------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="generate.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt", required=True, help="the prompt text, or the path of an existing text file")
+    parser.add_argument("--prompt", required=True, action="append",
+                        help="the prompt text, or the path of an existing text file; repeat it for several prompts, "
+                             "decoded --batch_size at a time")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -311,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_sampling(args.temperature, args.top_k)
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
-    prompt_text = read_prompt(args.prompt)
+    prompt_texts = [read_prompt(p) for p in args.prompt]
     if args.stats_json:  # before the model loads: a failed write after the run would lose the statistics
         check_writable(args.stats_json, args.overwrite, "--stats_json")
     torch.manual_seed(args.seed)
@@ -320,8 +429,12 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, dtype,
                                        allow_non_finite=args.allow_non_finite_weights)
     load_seconds = time.perf_counter() - t0
-    prompt_ids = encode_prompt(tokenizer, prompt_text, args.chat)
-    check_lengths(len(prompt_ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
+    prompts = [encode_prompt(tokenizer, text, args.chat) for text in prompt_texts]
+    for ids in prompts:  # every prompt before any decoding: a bad one fails the run before it starts
+        check_lengths(len(ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
+    if len(prompts) > 1:
+        return main_rows(args, model, tokenizer, prompts, load_seconds)
+    prompt_ids = prompts[0]
     specs = cache_specs(args, model.args, len(prompt_ids), args.max_new_tokens, quiet=False)
     if args.print_cache_spec:
         print(format_cache_spec(specs))
@@ -333,27 +446,78 @@ def main(argv: list[str] | None = None) -> dict:
                       prefill_length=prefill_length_for(specs, len(prompt_ids), args.feed_long_prompts))
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     print(text)
-
-    stats = {
-        "prompt_tokens": len(prompt_ids),
-        "generated_tokens": len(result.tokens),
-        "load_seconds": round(load_seconds, 3),
-        "prefill_seconds": round(result.prefill_seconds, 4),
-        "prefill_tokens_per_second": round(len(prompt_ids) / result.prefill_seconds, 2),
-        "decode_tokens_per_second": round(result.decode_steps / result.decode_seconds, 2)
-        if result.decode_steps else None,
-        "compile_seconds": round(result.compile_seconds, 2) if args.compile else None,
-        "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
-        **cache_statistics(model.caches()),
-    }
-    curve = attention_loss_curve(model.caches())
-    if curve:
-        stats["attention_loss_cumulative_by_step"] = curve
+    stats = {"load_seconds": round(load_seconds, 3), **row_stats(len(prompt_ids), result, model, None),
+             "compile_seconds": round(result.compile_seconds, 2) if args.compile else None}
     print_stats_block(stats)
     if args.stats_json:
         config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
         payload = {**stats, "text": text, "tokens": result.tokens, "config": config,
                    "model": model.args.to_dict(), "cache_spec": [s.to_dict() for s in specs]}
+        write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
+    return stats
+
+
+def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, row: int | None) -> dict:
+    """A generation's statistics; `row`: its row of a batch, whose caches are read in its row context."""
+    stats = {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(result.tokens),
+        "prefill_seconds": round(result.prefill_seconds, 4),
+        "prefill_tokens_per_second": round(prompt_tokens / result.prefill_seconds, 2),
+        "decode_tokens_per_second": round(result.decode_steps / result.decode_seconds, 2)
+        if result.decode_steps else None,
+        "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
+    }
+    with nullcontext() if row is None else model.cache_row(row):
+        stats |= cache_statistics(model.caches())
+        curve = attention_loss_curve(model.caches())
+    if curve:
+        stats["attention_loss_cumulative_by_step"] = curve
+    return stats
+
+
+def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]],
+              load_seconds: float) -> dict:
+    """Several prompts: decoded in batches of --batch_size rows (generate_batch), each row with the caches
+    and budgets its own length resolves to; statistics per row and the batches' decode throughput."""
+    step = compile_decode_step() if args.compile else decode_one_token
+    rows, specs_of, decode_seconds, decoded, compile_seconds, batch_bytes = [], [], 0.0, 0, 0.0, 0
+    for first in range(0, len(prompts), args.batch_size):
+        batch = prompts[first : first + args.batch_size]
+        row_specs = attach_row_caches(model, args, [len(ids) for ids in batch], args.max_new_tokens, tokenizer,
+                                      quiet=first > 0)
+        if args.print_cache_spec and first == 0:
+            print(format_cache_spec(row_specs[0]))
+        lengths = [prefill_length_for(s, len(ids), args.feed_long_prompts) for s, ids in zip(row_specs, batch,
+                                                                                              strict=True)]
+        results = generate_batch(model, batch, args.max_new_tokens, tokenizer.eos_ids, step, args.temperature,
+                                 args.top_k, args.seed, progress=sys.stderr.isatty(), prefill_lengths=lengths)
+        decode_seconds += results[0].decode_seconds
+        decoded += sum(len(r.tokens) - 1 for r in results)
+        compile_seconds += results[0].compile_seconds
+        batch_bytes = max(batch_bytes, sum(c.nbytes() for c in model.caches()))
+        for b, (ids, result) in enumerate(zip(batch, results, strict=True)):
+            text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+            print(f"---- row {first + b} ----\n{text}")
+            rows.append({**row_stats(len(ids), result, model, b), "text": text, "tokens": result.tokens})
+        specs_of += row_specs
+    stats = {
+        "load_seconds": round(load_seconds, 3),
+        "batch_size": args.batch_size,
+        "rows": len(rows),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "generated_tokens": sum(r["generated_tokens"] for r in rows),
+        # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
+        "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,
+        "compile_seconds": round(compile_seconds, 2) if args.compile else None,
+        "cache_bytes": batch_bytes,  # the largest batch's caches, every row together
+        "compression_ratio": round(sum(r["compression_ratio"] for r in rows) / len(rows), 4),
+    }
+    print_stats_block(stats)
+    if args.stats_json:
+        config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
+        payload = {**stats, "row_statistics": rows, "config": config, "model": model.args.to_dict(),
+                   "cache_spec": [[s.to_dict() for s in specs] for specs in specs_of]}
         write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
     return stats
 

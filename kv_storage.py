@@ -175,7 +175,8 @@ class ResidualQuantizedStorage(Storage):
       k_res, v_res [B, H, R, D]               the residual, in full precision
       res_slot [B, H, R]                      slot held by each residual entry (-1: empty or evicted)
       slot_res [B, H, L+1] int32              residual entry of each slot (-1: quantized or empty)
-      res_fill, next_group [1]                residual entries used; first unused key group
+      res_fill, next_group [B]                residual entries used; first unused key group (per row: rows keep
+                                              prompts of different lengths, so they flush at different steps)
     """
 
     def __init__(self, shape: tuple[int, ...], spec: StorageSpec, dtype: torch.dtype,
@@ -207,8 +208,8 @@ class ResidualQuantizedStorage(Storage):
         self.register_buffer("v_res", torch.zeros(B, H, R, D, dtype=dtype, **kw))
         self.register_buffer("res_slot", torch.full((B, H, R), -1, dtype=torch.long, **kw))
         self.register_buffer("slot_res", torch.full((B, H, L + 1), -1, dtype=torch.int32, **kw))
-        self.register_buffer("res_fill", torch.zeros(1, dtype=torch.long, **kw))
-        self.register_buffer("next_group", torch.zeros(1, dtype=torch.long, **kw))
+        self.register_buffer("res_fill", torch.zeros(B, dtype=torch.long, **kw))
+        self.register_buffer("next_group", torch.zeros(B, dtype=torch.long, **kw))
 
     def reset(self) -> None:
         for name, buf in self.named_buffers():
@@ -246,9 +247,10 @@ class ResidualQuantizedStorage(Storage):
         Slots of tokens that are not live must already point at the scratch row L."""
         B, H, n, D = k.shape
         G = self.group_size
+        first_group = first_group.view(-1, 1, 1)  # [1 or B, 1, 1]: each row's first group
         codes, scale, zero = quantize_key_groups(k.reshape(B, H, n // G, G, D), live, self.bits)
         _scatter_rows(self.k_codes, slots, pack_codes(codes.reshape(B, H, n, D), self.bits))
-        groups = first_group + torch.arange(n // G, device=k.device)  # [n // G]
+        groups = first_group + torch.arange(n // G, device=k.device)  # [1 or B, 1, n // G]
         # A group with no live token (every group of a masked-off flush) writes into the scratch row.
         groups = torch.where(live.any(-1), groups, self.n_groups)  # [B, H, n // G]
         _scatter_rows(self.k_scale, groups, scale)
@@ -263,13 +265,13 @@ class ResidualQuantizedStorage(Storage):
     def _flush_if_full(self) -> None:
         """When the residual is full, quantize its live entries into new groups and empty it. Written as
         a masked update (targets redirected to the scratch row) so the decode step has no branch."""
-        full = self.res_fill == self.residual_length  # [1]
-        live = (self.res_slot >= 0) & full  # [B, H, R]
+        full = self.res_fill == self.residual_length  # [B]
+        live = (self.res_slot >= 0) & full.view(-1, 1, 1)  # [B, H, R]
         B, H, R = live.shape
         targets = torch.where(live, self.res_slot, self.slots)
         self._quantize_into(targets, self.k_res, self.v_res, live.view(B, H, R // self.group_size, -1),
                             self.next_group)
-        self.res_slot.masked_fill_(full, -1)
+        self.res_slot.masked_fill_(full.view(-1, 1, 1), -1)
         self.next_group.add_(full.long() * (R // self.group_size))
         self.res_fill.masked_fill_(full, 0)
 
@@ -280,7 +282,7 @@ class ResidualQuantizedStorage(Storage):
         evicted_entry = self.slot_res.gather(2, slot)  # [B, H, 1], -1 when quantized or empty
         entries = torch.arange(self.residual_length, device=slot.device)
         self.res_slot.masked_fill_(entries == evicted_entry, -1)
-        entry = self.res_fill.view(1, 1, 1).expand_as(slot)
+        entry = self.res_fill.view(-1, 1, 1).expand_as(slot)
         _scatter_rows(self.k_res, entry, k)
         _scatter_rows(self.v_res, entry, v)
         self.res_slot.scatter_(2, entry, slot)

@@ -15,7 +15,9 @@ RoPE implementation serves every checkpoint format.
 Two entry points share one forward:
 - prefill (T > 1, positions 0..T-1): full causal attention over the prompt itself, then each layer's
   cache keeps what fits its budget (it may compress the prompt);
-- decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache.
+- decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache;
+  the rows may be at different positions (input_pos [B]), each rotated by its own.
+Rows of different lengths are prefilled one at a time in their row context (`cache_row`), no padding.
 
 With re-rotation (`--rerotate_positions`, rerotation.py) the caches store keys before RoPE, and after the
 prompt RoPE is applied at ranks within each head's cache instead of at positions in the text.
@@ -24,7 +26,8 @@ prompt RoPE is applied at ranks within each head's cache instead of at positions
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -152,7 +155,8 @@ def rotate_by_rank(q: Tensor, keys: Tensor, pos: Tensor, input_pos: Tensor, cos:
     n_kv = keys.shape[1]
     last = cos.shape[0] - 1
     k_rank = slot_ranks(pos).clamp(max=last)  # [B, P, L]
-    q_rank = query_ranks(pos, input_pos).clamp(max=last).expand(B, n_kv, T).repeat_interleave(H // n_kv, dim=1)
+    per_row = T == 1 and input_pos.numel() > 1  # a decode step of rows at their own positions
+    q_rank = query_ranks(pos, input_pos, per_row).clamp(max=last).expand(B, n_kv, T).repeat_interleave(H // n_kv, dim=1)
     # F.embedding: a row gather ~8x faster than advanced indexing on the CPU (measured at L = 1024).
     return (apply_rope(q, F.embedding(q_rank, cos), F.embedding(q_rank, sin)),
             apply_rope(keys, F.embedding(k_rank, cos), F.embedding(k_rank, sin)))
@@ -415,13 +419,23 @@ class Transformer(nn.Module):
     def caches(self) -> list[KVCache]:
         return [layer.attention.kv_cache for layer in self.layers if layer.attention.kv_cache is not None]
 
+    @contextmanager
+    def cache_row(self, b: int) -> Iterator[Transformer]:
+        """The row context of every layer's cache (KVCache.row): inside it the model is a batch-1 model of row
+        b, for the work rows cannot share (a prompt of its own length, a chunk at its own positions)."""
+        with ExitStack() as stack:
+            for cache in self.caches():
+                stack.enter_context(cache.row(b))
+            yield self
+
     def reset_caches(self) -> None:
         for cache in self.caches():
             cache.reset()
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
                 run_block: Callable[..., Tensor] | None = None, append: bool = False) -> Tensor:
-        """idx: [B, T] token ids; input_pos: [T] absolute positions (a device tensor).
+        """idx: [B, T] token ids; input_pos: [T] absolute positions shared by the rows (a device tensor), or
+        at a decode step (T = 1) [B], each row at its own position.
 
         Returns float32 logits [B, T, vocab], or [B, 1, vocab] with `last_logits_only` (a prefill needs
         only the last position, and the vocabulary projection is the largest matmul of a long prompt).
@@ -438,9 +452,15 @@ class Transformer(nn.Module):
         # input_pos, which may lie past the context then, indexes nothing.
         by_rank = bool(caches) and caches[0].rerotate_positions and (append or idx.shape[1] == 1)
         index = slice(None) if by_rank else input_pos
-        cos, sin = self.rope_cos[index], self.rope_sin[index]
-        local = (self.rope_local_cos[index], self.rope_local_sin[index]) if self.args.local_rope_base \
-            else (cos, sin)
+        tables = [self.rope_cos[index], self.rope_sin[index]]
+        if self.args.local_rope_base:
+            tables += [self.rope_local_cos[index], self.rope_local_sin[index]]
+        if idx.shape[1] == 1 and not by_rank:
+            # A decode step's rows may be at different positions (input_pos [B]): its rows of the tables,
+            # [1 or B, R], become [1 or B, 1, 1, R], which broadcast against q/k [B, heads, 1, D] row by row.
+            tables = [t[:, None, None] for t in tables]
+        cos, sin = tables[:2]
+        local = tuple(tables[2:]) or (cos, sin)
         x = self.tok_embeddings(idx)
         if self.args.embedding_scale != 1.0:
             # Scaled in the weights' dtype, as the reference does (the scale itself is rounded there too).

@@ -42,11 +42,12 @@ def slot_ranks(pos: Tensor) -> Tensor:
     return ranks.masked_fill(~held, 0)
 
 
-def query_ranks(pos: Tensor, input_pos: Tensor) -> Tensor:
+def query_ranks(pos: Tensor, input_pos: Tensor, per_row: bool = False) -> Tensor:
     """Rank of each query: the number of held tokens before its position (its own rank when it is held).
 
-    pos [B, P, L], input_pos [T] -> [B, P, T] long. A token a head did not keep (FastGen's `hybrid` can
-    reject one) still sits just after the tokens before it.
+    pos [B, P, L], input_pos [T] (or, for one query per row, [B]) -> [B, P, T] long. A token a head did not
+    keep (FastGen's `hybrid` can reject one) still sits just after the tokens before it.
     """
-    before = (pos[..., None, :] >= 0) & (pos[..., None, :] < input_pos.view(-1, 1))  # [B, P, T, L]
+    query = input_pos.view(-1, 1, 1, 1) if per_row else input_pos.view(-1, 1)
+    before = (pos[..., None, :] >= 0) & (pos[..., None, :] < query)  # [B, P, T, L]
     return before.sum(dim=-1)

@@ -33,10 +33,16 @@ class DebugCache(KVCache):
         super().__init__(batch_size, n_kv_heads, shadow.head_dim, capacity_needed, shadow.dtype, device,
                          capacity_needed=capacity_needed)
         self.shadow = shadow
-        self.register_buffer("current_pos", torch.zeros(1, dtype=torch.long, device=device))
+        # Per row: rows decode at their own positions.
+        self.register_buffer("current_pos", torch.zeros(batch_size, dtype=torch.long, device=device))
         # Loss per step and head, indexed by absolute position (empty before the first decode step).
         self.register_buffer("loss_history", torch.zeros(batch_size, n_kv_heads, capacity_needed, device=device))
-        self.register_buffer("loss_recorded", torch.zeros(capacity_needed, dtype=torch.bool, device=device))
+        self.register_buffer("loss_recorded", torch.zeros(batch_size, capacity_needed, dtype=torch.bool,
+                                                          device=device))
+
+    def set_row_budgets(self, budgets: list[int], capacities: list[int]) -> None:
+        super().set_row_budgets(capacities, capacities)  # the reference holds each row's whole sequence
+        self.shadow.set_row_budgets(budgets, capacities)
 
     def configure(self, **settings: object) -> None:
         self.shadow.configure(**settings)
@@ -92,8 +98,8 @@ class DebugCache(KVCache):
         held_probs = probs.gather(3, index) * held[:, :, None, :]
         mass = held_probs.sum(dim=-1)  # [B, H, rep]
         loss = (1.0 - mass).clamp(min=0.0).mean(dim=2)
-        self.loss_history.index_copy_(2, self.current_pos, loss[..., None])
-        self.loss_recorded.index_fill_(0, self.current_pos, True)
+        self.loss_history.scatter_(2, self.current_pos.view(B, 1, 1).expand(B, H, 1), loss[..., None])
+        self.loss_recorded.scatter_(1, self.current_pos.view(B, 1), True)
         if self.shadow.needs_attention:
             # What the shadow would have seen as the only cache: softmax over its own tokens, i.e. the
             # full probabilities restricted to them and renormalised, per query head.
@@ -106,8 +112,12 @@ class DebugCache(KVCache):
         return self.shadow.compression_ratio_per_head()
 
     def attention_loss_per_step(self) -> Tensor:
-        """[steps, n_kv]: the loss of each decode step, batch-averaged, in order."""
-        return self.loss_history.mean(dim=0)[:, self.loss_recorded].T
+        """[steps, n_kv]: the loss of each decode step, in order, averaged over the rows. Rows that recorded
+        more steps (a longer prompt fed with --feed_long_prompts) count their last ones: the generation's."""
+        rows = [history[:, recorded].T for history, recorded in zip(self.loss_history, self.loss_recorded,
+                                                                      strict=True)]
+        steps = min(len(r) for r in rows)
+        return torch.stack([r[len(r) - steps :] for r in rows]).mean(dim=0)
 
     def extra_statistics(self) -> dict[str, Tensor]:
         steps = self.attention_loss_per_step()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cache import KVCache, Setting, register_strategy
+from cache import KVCache, Setting, register_strategy, row_positions
 from errors import UserError
 from prompt_compression import prompt_positions
 
@@ -51,7 +51,8 @@ class GatedCache(KVCache):
         self.incoming_log_gate.copy_(self.prompt_log_gates[..., i : i + 1])
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.log_retention(self.log_gate, input_pos - self.pos)  # the most decayed token goes first
+        # The most decayed token goes first.
+        return self.log_retention(self.log_gate, row_positions(input_pos) - self.pos)
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:

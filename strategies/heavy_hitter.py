@@ -43,7 +43,8 @@ class HeavyHitterCache(KVCache):
         kw = dict(device=self.pos.device)
         if self.window > 1:
             self.register_buffer("attn_history", torch.zeros(B, H, L, self.window, **kw))
-            self.register_buffer("step", torch.zeros((), dtype=torch.long, **kw))
+            # Per row: a row's first column after the prompt depends on its prompt length.
+            self.register_buffer("step", torch.zeros(B, dtype=torch.long, **kw))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         if self.window > 1:
@@ -69,7 +70,7 @@ class HeavyHitterCache(KVCache):
             attn = (attn >= uniform).float() * self.mask[:, :, 0]
         self.attn_steps += self.mask[:, :, 0].float()
         if self.window > 1:
-            column = (self.step % self.window).view(1, 1, 1, 1).expand(*attn.shape, 1)
+            column = (self.step % self.window).view(-1, 1, 1, 1).expand(*attn.shape, 1)
             self.attn_history.scatter_(3, column, attn[..., None])
             self.step += 1
         else:

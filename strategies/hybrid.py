@@ -35,7 +35,7 @@ import string
 import torch
 from torch import Tensor
 
-from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy
+from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy, row_positions
 from errors import UserError
 from prompt_compression import prompt_attention
 
@@ -96,7 +96,8 @@ class HybridCache(KVCache):
                  *args: object, **kwargs: object) -> None:
         # One extra slot (index L) where heads that reject a token write it; it is never held.
         super().__init__(batch_size, n_kv_heads, head_dim, max_cache_length + 1, *args, **kwargs)
-        self.max_cache_length = max_cache_length
+        self.max_cache_length = self.scratch = max_cache_length  # the scratch slot stays the last one in a row context
+        self.set_row_budgets([max_cache_length] * batch_size, self.row_capacities)
         B, H, L1 = batch_size, n_kv_heads, max_cache_length + 1
         kw = dict(device=self.pos.device)
         self.policies = [parse_policy(p) for p in self.setting(self.POLICIES)]
@@ -120,8 +121,8 @@ class HybridCache(KVCache):
         super().configure(**settings)
 
     def room(self) -> int:
-        held = self.mask[:, :, 0, : self.max_cache_length].sum(-1)  # its heads grow by their own policy
-        return self.max_cache_length - int(held.max())
+        held = self.mask[:, :, 0, : self.scratch].sum(-1)  # its heads grow by their own policy
+        return int((self.row_budget - held).min())
 
     def before_chunk_token(self, i: int) -> None:
         # A chunk's ids arrive together (observe_tokens saw T tokens): token i's class decides its admission.
@@ -233,7 +234,7 @@ class HybridCache(KVCache):
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, H = k.shape[:2]
-        L = self.max_cache_length
+        L, limit = self.scratch, self.row_budget  # the slots, and each row's budget within them
         seen = self.inserted + 1  # [B, H], including this token
         is_special, is_punct = (c[:, None].expand(B, H) for c in self._classes(self.current_token[:, 0]))
         new_is_special = (is_special & self._use("special")) | (is_punct & self._use("punct"))
@@ -244,8 +245,9 @@ class HybridCache(KVCache):
         allowance = (self.slot_special[..., :L] & held).sum(-1) + new_is_special.long()
         allowance = allowance + self._use("local") * local_len + self._use("frequent") * torch.ceil(
             self.heavy_frac * seen.float())
-        allowance = torch.where(self._use("full"), L, allowance.clamp(max=L))
-        can_grow = (held.sum(-1) < allowance) & ~held.all(dim=-1)
+        allowance = torch.where(self._use("full"), limit, torch.minimum(allowance, limit))
+        # Held slots are below the row's budget, so while it has room the first empty slot is one of its own.
+        can_grow = (held.sum(-1) < allowance) & (held.sum(-1) < limit)
         first_empty = (~held).float().argmax(dim=-1)
 
         pos = self.pos[..., :L]
@@ -257,7 +259,7 @@ class HybridCache(KVCache):
         slot = torch.where(admitted, torch.where(can_grow, first_empty, evict), L)  # [B, H]
 
         self.storage.write(slot[..., None], k, v)
-        self.pos.scatter_(2, slot[..., None], input_pos.view(1, 1, 1).expand(B, H, 1))
+        self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, H, 1))
         self.mask.scatter_(3, slot[..., None, None], True)
         self.slot_special.scatter_(2, slot[..., None], new_is_special[..., None])
         self.attn_sum.scatter_(2, slot[..., None], 0.0)

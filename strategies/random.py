@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cache import KVCache, register_strategy
+from cache import KVCache, register_strategy, row_positions
 from prompt_compression import hashed_scores, prompt_positions, random_seed
 
 
@@ -19,6 +19,7 @@ class RandomCache(KVCache):
 
     name = "random"
     hyperparameters = ("global_tokens", "recent_window", "seed")
+    row_shared_buffers = ("seed",)  # the layer's seed, the same for every row
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -34,7 +35,7 @@ class RandomCache(KVCache):
         self.seed.fill_(random_seed(self))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return hashed_scores(self.pos, input_pos, self.seed)
+        return hashed_scores(self.pos, row_positions(input_pos), self.seed)
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:

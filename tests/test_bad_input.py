@@ -159,6 +159,12 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
     "gen empty prompt .md": (GEN, lambda w: ["--prompt", w.file("empty.md", " \n")], "empty", True),
     "gen missing prompt .txt": (GEN, lambda w: ["--prompt", str(w.root / "nope.txt")], "not found", True),
     "gen prompt is a directory": (GEN, lambda w: ["--prompt", str(w.root)], "directory", True),
+    "gen second prompt empty": (GEN, lambda w: w.gen("--prompt", "   "), "empty", True),
+    "gen batch_size 0": (GEN, lambda w: w.gen("--prompt", "Hi", "--batch_size", "0"), "batch_size", True),
+    # A batch is checked whole before any row decodes: one prompt past the context fails the run.
+    "gen one batched prompt too long": (GEN, lambda w: w.gen("--prompt", "Hello there " * 200, "--checkpoint_path",
+                                                             str(w.tiny), "--no-chat", "--overwrite"),
+                                        "exceeds the model's context", False),
     # ---- where the statistics go: refused before the run -------------------------------------------------
     "gen stats exists": (GEN, lambda w: w.gen(), "--overwrite", True),
     "gen stats is a directory": (GEN, lambda w: w.gen("--stats_json", str(w.root / "out"), "--overwrite"),

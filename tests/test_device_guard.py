@@ -14,15 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generate import decode_one_token, prefill
+from cache_setup import attach_row_caches
+from gates import attach_random_gates
+from generate import decode_one_token, prefill, prefill_rows
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,
     ADAKV_STORAGES,
     ALL,
     ALLOCATIONS,
+    NEW,
     PROMPT,
     STORAGES,
+    TOKEN_CLASSES,
     attach,
     cache_args,
     token_ids,
@@ -46,5 +50,34 @@ def test_prefill_and_decode_keep_every_tensor_on_the_model_device(strategy, stor
             logits = decode_one_token(model, ids[:, p : p + 1], torch.tensor([p], device="meta"))
     assert logits.device.type == "meta" and logits.shape == (1, model.args.vocab_size)
     for cache in caches:
+        on_cpu = [name for name, buf in cache.named_buffers() if buf.device.type != "meta"]
+        assert not on_cpu, f"{strategy}: buffers left on the host: {on_cpu}"
+
+
+# Every strategy on dense storage; KIVI's per-row residual on a few; the pooled caches.
+ROW_CASES = [(s, "dense", "uniform") for s in ALL] + \
+            [(s, "kivi4", "uniform") for s in ("l2", "hybrid", "debug_heavy_hitter")] + \
+            [(s, "dense", "adakv") for s in ADAKV]
+
+
+@pytest.mark.parametrize(("strategy", "storage", "allocation"), ROW_CASES)
+def test_rows_of_their_own_lengths_stay_on_the_model_device(strategy, storage, allocation):
+    """Batched rows (cache_setup.setup_row_caches): per-row budgets, prompts prefilled in their row contexts,
+    a decode step at one position per row."""
+    model = make_tiny_model().to(device="meta")
+    model.init_rope_tables()
+    attach_random_gates(model, seed=0)
+    model.to(device="meta")
+    lengths = [PROMPT, PROMPT - 5, PROMPT - 11]
+    attach_row_caches(model, cache_args(strategy, "0.5", storage, *ALLOCATIONS[allocation]), lengths, NEW,
+                      classes=TOKEN_CLASSES)
+    ids = token_ids().to("meta")
+    with torch.inference_mode():
+        prefill_rows(model, [ids[0, :n] for n in lengths])
+        positions = torch.tensor(lengths, device="meta")
+        for i in range(3):
+            logits = decode_one_token(model, ids[:, i : i + 1].expand(3, 1), positions + i)
+    assert logits.device.type == "meta" and logits.shape == (3, model.args.vocab_size)
+    for cache in model.caches():
         on_cpu = [name for name, buf in cache.named_buffers() if buf.device.type != "meta"]
         assert not on_cpu, f"{strategy}: buffers left on the host: {on_cpu}"

@@ -71,3 +71,26 @@ def test_bad_input_is_one_line(case):
 
 def test_prompt_longer_than_context(long_prompt_file):
     assert_one_line_error(run_generate("--prompt", str(long_prompt_file), "--no-chat"), "context")
+
+
+def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys):
+    """Three prompts of different lengths, two rows at a time (a batch of 2, then of 1): every row's tokens
+    and cache statistics are those of the prompt run alone."""
+    import generate
+
+    prompts = ["Hello there, how are you", "Hi", "What is a KV cache?"]
+    common = ["--checkpoint_path", str(tiny_dir), "--no-chat", "--max_new_tokens", "6", "--cache_strategy",
+              "l2", "--max_cache_length", "0.5", "--global_tokens", "1", "--recent_window", "2"]
+    batched = tmp_path / "batched.json"
+    stats = generate.main([arg for p in prompts for arg in ("--prompt", p)] + ["--batch_size", "2",
+                          "--stats_json", str(batched), *common])
+    rows = json.loads(batched.read_text())["row_statistics"]
+    assert stats["rows"] == len(rows) == 3 and stats["batch_size"] == 2
+    for prompt, row in zip(prompts, rows, strict=True):
+        alone = tmp_path / "alone.json"
+        generate.main(["--prompt", prompt, "--stats_json", str(alone), "--overwrite", *common])
+        single = json.loads(alone.read_text())
+        assert row["tokens"] == single["tokens"] and row["text"] == single["text"]
+        for key in ("prompt_tokens", "compression_ratio", "tokens_held_per_head", "cache_budget_per_layer"):
+            assert row[key] == single[key], key
+    assert "---- row 2 ----" in capsys.readouterr().out

@@ -1,0 +1,250 @@
+"""Batched decoding: rows of different lengths decoded together give, row by row, what each row gives
+alone at batch 1 (the reference): every registered strategy and its debug_ twin, every storage, adakv,
+re-rotated positions, an appended chunk, fed long prompts, eager and compiled."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from cache import KVCache, cache_statistics, row_statistics
+from cache_setup import attach_caches, attach_row_caches
+from gates import attach_random_gates
+from generate import compile_decode_step, decode_one_token, generate, generate_batch, prefill, prefill_rows
+from tests.conftest import make_tiny_model
+from tests.strategy_matrix import (
+    ADAKV,
+    ALL,
+    ALLOCATIONS,
+    BUDGETS,
+    STORAGE_BUDGETS,
+    TOKEN_CLASSES,
+    VOCAB,
+    cache_args,
+    inner,
+)
+
+LENGTHS = (24, 19, 13)  # prompt tokens per row: three budgets from a fractional --max_cache_length
+NEW = 12
+ATOL = 1e-4  # float32 logits; the batch only changes how many (empty, masked) slots a row's sums run over
+
+
+def sequences(seed: int = 0) -> list[torch.Tensor]:
+    """No token twice in a row's sequence: a repeated token has the same key norm at any position (RoPE
+    keeps norms), an exact tie for l2 that the batch's matmuls round differently from batch 1's."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(VOCAB, generator=g)[: n + NEW] for n in LENGTHS]
+
+
+def tiny_model():
+    model = make_tiny_model()
+    attach_random_gates(model, seed=0)  # used only by caches that need gates
+    return model
+
+
+def held(cache: KVCache) -> list[list[int]]:
+    """Positions held per KV head, sorted (row 0 of `cache`: inside a row context, that row)."""
+    c = inner(cache)
+    pos = c.pos[0].expand(c.n_kv_heads, -1)
+    return [sorted(pos[h][c.mask[0, h, 0]].tolist()) for h in range(c.n_kv_heads)]
+
+
+def flat(value) -> list[float]:
+    return [x for v in value for x in flat(v)] if isinstance(value, list) else [] if value is None else [value]
+
+
+def teacher_forced(model, seq: torch.Tensor, prompt: int, step, prefill_length: int | None = None):
+    """Batch 1: logits after the prompt and after each forced token, [NEW, vocab]; what the caches hold."""
+    with torch.inference_mode():
+        model.reset_caches()
+        rows = [prefill(model, seq[None, :prompt], prefill_length)]
+        for p in range(prompt, len(seq) - 1):
+            rows.append(step(model, seq[None, p : p + 1], torch.tensor([p])))
+    return torch.cat(rows), [held(c) for c in model.caches()]
+
+
+def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=None):
+    """The same for every row at once: prompts prefilled row by row, then one step for all rows per token."""
+    lengths = torch.tensor(LENGTHS)
+    with torch.inference_mode():
+        model.reset_caches()
+        rows = [prefill_rows(model, [s[:n] for s, n in zip(seqs, LENGTHS, strict=True)], prefill_lengths)]
+        for i in range(NEW - 1):
+            token = torch.stack([s[n + i] for s, n in zip(seqs, LENGTHS, strict=True)])[:, None]
+            rows.append(step(model, token, lengths + i))
+    kept = []
+    for b in range(len(seqs)):
+        with model.cache_row(b):
+            kept.append([held(c) for c in model.caches()])
+    return torch.stack(rows, dim=1), kept  # [B, NEW, vocab]
+
+
+def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=None) -> None:
+    model = model or tiny_model()
+    seqs = sequences()
+    row_specs = attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    feed_lengths = [min(n, *(s.max_cache_length for s in specs)) for n, specs in zip(LENGTHS, row_specs,
+                                                                                      strict=True)]
+    logits, kept = teacher_forced_batch(model, seqs, step, feed_lengths if feed else None)
+    stats = [row_statistics(model.caches(), b) for b in range(len(LENGTHS))]
+    for b, (seq, n) in enumerate(zip(seqs, LENGTHS, strict=True)):
+        specs = attach_caches(model, args, n, NEW, classes=TOKEN_CLASSES)
+        alone, alone_kept = teacher_forced(model, seq, n, step, feed_lengths[b] if feed else None)
+        assert [s.max_cache_length for s in specs] == [s.max_cache_length for s in row_specs[b]]
+        torch.testing.assert_close(logits[b], alone, atol=ATOL, rtol=ATOL, msg=f"row {b}")
+        assert kept[b] == alone_kept, f"row {b}: held positions differ"
+        reference = cache_statistics(model.caches())
+        for key in ("compression_ratio", "tokens_held_per_head", "evictions_per_layer", "cache_budget_per_layer",
+                    "cache_budget_per_head", "attention_loss_mean"):
+            assert flat(stats[b].get(key)) == pytest.approx(flat(reference.get(key)), abs=2e-4), (b, key)
+
+
+@pytest.mark.parametrize("budget", sorted(BUDGETS))
+@pytest.mark.parametrize("strategy", ALL)
+def test_every_strategy_decodes_rows_as_alone(strategy, budget):
+    assert_rows_match(cache_args(strategy, BUDGETS[budget]))
+
+
+QUANTIZED = [s for s in STORAGE_BUDGETS if s[0] != "dense"] + [("2bit", "fraction"), ("8bit", "absolute")]
+
+
+@pytest.mark.parametrize(("storage", "budget"), QUANTIZED)
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "keydiff", "hybrid", "debug_tova"])
+def test_quantized_storages_decode_rows_as_alone(strategy, storage, budget):
+    assert_rows_match(cache_args(strategy, BUDGETS[budget], storage))
+
+
+@pytest.mark.parametrize("flags", [["--history_window_size", "16"], ["--attn_thresholding"]])
+def test_heavy_hitter_history_per_row(flags):
+    """A history window's column counter is per row: a window of 16 is full after the longer prompts, not the
+    shortest (13 columns)."""
+    assert_rows_match(cache_args("heavy_hitter", BUDGETS["fraction"], "dense", *flags))
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "l2", "debug_tova"])
+def test_pooled_heads_decode_rows_as_alone(strategy):
+    assert strategy in ADAKV
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", *ALLOCATIONS["adakv"]))
+
+
+@pytest.mark.parametrize("strategy", ["recent_global", "tova", "hybrid"])
+def test_rerotated_rows_decode_as_alone(strategy):
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--rerotate_positions"))
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "gated", "kivi"])
+def test_fed_long_prompts_decode_rows_as_alone(strategy):
+    storage = "kivi4" if strategy == "kivi" else "dense"
+    assert_rows_match(cache_args("l2" if strategy == "kivi" else strategy, BUDGETS["absolute"], storage), feed=True)
+
+
+def test_shared_positions_still_decode_equal_rows():
+    """The shared-position API (equal-length rows, input_pos [1]) is the per-row one with equal positions."""
+    model = tiny_model()
+    args = cache_args("heavy_hitter", BUDGETS["fraction"])
+    seqs = torch.stack([s[:LENGTHS[2] + NEW] for s in sequences()])
+    attach_caches(model, args, LENGTHS[2], NEW, classes=TOKEN_CLASSES, batch_size=3)
+    with torch.inference_mode():
+        model.reset_caches()
+        shared = [prefill(model, seqs[:, : LENGTHS[2]])]
+        for p in range(LENGTHS[2], seqs.shape[1] - 1):
+            shared.append(decode_one_token(model, seqs[:, p : p + 1], torch.tensor([p])))
+    for b in range(3):
+        attach_caches(model, args, LENGTHS[2], NEW, classes=TOKEN_CLASSES)
+        alone, _ = teacher_forced(model, seqs[b], LENGTHS[2], decode_one_token)
+        torch.testing.assert_close(torch.stack(shared, dim=1)[b], alone, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "hybrid", "debug_gated"])
+def test_appended_chunks_at_each_rows_positions(strategy):
+    """The kvpress protocol per row: a prompt prefilled within a prompt budget, then a chunk appended at the
+    row's own positions in its row context, then decoding together."""
+    model = tiny_model()
+    args = cache_args(strategy, BUDGETS["fraction"])
+    seqs, chunk = sequences(1), 4
+
+    def run(rows: list[int]):
+        with torch.inference_mode():
+            model.reset_caches()
+            for i, b in enumerate(rows):
+                n = LENGTHS[b] - chunk
+                with model.cache_row(i) if len(rows) > 1 else nullcontext():
+                    for cache in model.caches():
+                        inner(cache).prompt_budget = n // 2
+                    prefill(model, seqs[b][None, :n])
+                    last = model(seqs[b][None, n : LENGTHS[b]], torch.arange(n, LENGTHS[b]), append=True)[:, -1]
+            out = [last]
+            token = torch.stack([seqs[b][LENGTHS[b]] for b in rows])[:, None]
+            out.append(decode_one_token(model, token, torch.tensor([LENGTHS[b] for b in rows])))
+            return out[-1]
+
+    attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    together = run([0, 1, 2])
+    for b in range(3):
+        attach_caches(model, args, LENGTHS[b], NEW, classes=TOKEN_CLASSES)
+        torch.testing.assert_close(together[b : b + 1], run([b]), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_batch_gives_each_row_its_own_generation(temperature):
+    model = tiny_model()
+    args = cache_args("tova", BUDGETS["fraction"])
+    prompts = [s[:n].tolist() for s, n in zip(sequences(2), LENGTHS, strict=True)]
+    attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    rows = generate_batch(model, prompts, NEW, eos_ids=[], temperature=temperature, top_k=50, seed=3)
+    for prompt, row in zip(prompts, rows, strict=True):
+        attach_caches(model, args, len(prompt), NEW, classes=TOKEN_CLASSES)
+        assert row.tokens == generate(model, prompt, NEW, eos_ids=[], temperature=temperature, top_k=50, seed=3).tokens
+        assert row.decode_steps == NEW - 1
+
+
+def test_rows_stop_at_their_own_eos():
+    model = tiny_model()
+    args = cache_args("full", BUDGETS["fraction"])
+    prompts = [s[:n].tolist() for s, n in zip(sequences(3), LENGTHS, strict=True)]
+    attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    free = generate_batch(model, prompts, NEW, eos_ids=[])
+    eos = free[1].tokens[3]
+    stopped = generate_batch(model, prompts, NEW, eos_ids=[eos])
+    for f, s in zip(free, stopped, strict=True):
+        cut = f.tokens.index(eos) + 1 if eos in f.tokens else NEW
+        assert s.tokens == f.tokens[:cut] and s.stopped_at_eos == (eos in f.tokens)
+
+
+def test_every_buffer_has_the_row_first_or_is_declared_shared():
+    """The per-buffer audit, over the registry: a buffer the row context would slice must be per row."""
+    for strategy in ALL:
+        for storage in ("dense", "kivi4"):
+            model = tiny_model()
+            attach_row_caches(model, cache_args(strategy, "0.5", storage), list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+            for cache in model.caches():
+                for module in cache.modules():
+                    shared = getattr(module, "row_shared_buffers", ())
+                    for name, buf in module.named_buffers(recurse=False):
+                        assert name in shared or buf.shape[0] == len(LENGTHS), (strategy, storage, name)
+
+
+# Each case a compile: attention state, FastGen's own decode, a graph constant (the seed), a debug twin; KIVI's
+# per-row flush on two of them.
+COMPILED = [("heavy_hitter", "dense"), ("hybrid", "kivi4"), ("random", "dense"), ("debug_keydiff", "kivi4")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "storage"), COMPILED)
+def test_compiled_rows_decode_as_alone_without_recompiling(strategy, storage):
+    step = compile_decode_step()
+    model = tiny_model()
+    args = cache_args(strategy, BUDGETS["fraction"], storage)
+    attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    step.prepare(model, len(LENGTHS), per_row_positions=True)
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        logits, _ = teacher_forced_batch(model, sequences(), step)
+    assert counters["stats"]["unique_graphs"] == 0  # every graph was compiled by prepare
+    for b, (seq, n) in enumerate(zip(sequences(), LENGTHS, strict=True)):
+        attach_caches(model, args, n, NEW, classes=TOKEN_CLASSES)
+        alone, _ = teacher_forced(model, seq, n, decode_one_token)
+        torch.testing.assert_close(logits[b], alone, atol=ATOL, rtol=ATOL)
