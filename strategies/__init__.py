@@ -22,12 +22,14 @@ from strategies import (
     l2,
     random,
     recent_global,
+    threshold,
     tova,
 )
 from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
+STRATEGY_FILES += (threshold,)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls
