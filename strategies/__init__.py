@@ -13,6 +13,8 @@ import cache
 from cache import KVCache
 from errors import UserError
 from strategies import (
+    chunkkv,
+    duo_attention,
     expected_attention,
     gated,
     heavy_hitter,
@@ -29,7 +31,7 @@ from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
-STRATEGY_FILES += (threshold,)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls
