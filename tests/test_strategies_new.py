@@ -12,9 +12,9 @@ import torch
 
 from cache import cache_statistics
 from errors import UserError
+from generate import decode_one_token, prefill
 from strategies.duo_attention import retrieval_heads
 from tests.conftest import make_tiny_model
-from generate import decode_one_token, prefill
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, run, token_ids
 from tests.test_strategies import evictions, layer0_queries, naive_probs, reference_kv, unprotected
 from tests.test_strategies_recent import assert_evicts_lowest, assert_prompt_kept_best, tova_oracle
