@@ -14,6 +14,7 @@ from cache import KVCache
 from errors import UserError
 from strategies import (
     chunkkv,
+    critical_kv,
     duo_attention,
     expected_attention,
     gated,
@@ -31,7 +32,7 @@ from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
-STRATEGY_FILES += (threshold, duo_attention, chunkkv)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

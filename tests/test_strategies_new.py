@@ -6,6 +6,7 @@ and compared with what the cache held after prefill and after every decode step 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -186,3 +187,33 @@ def test_chunkkv_of_chunk_one_is_tova():
 def test_chunk_size_out_of_range_is_a_user_error():
     with pytest.raises(UserError, match="chunk_size"):
         cache_args("chunkkv", "16", "dense", "--chunk_size", "0")
+
+
+# ---- critical_kv -------------------------------------------------------------------------------------------
+
+
+def critical_kv_oracle(model, ids):
+    """Naive CriticalKV's bound a_x · ‖v_x‖: the previous query's attention over what the head held (the
+    whole prompt for the last prompt query) times the L2 norm of the token's value."""
+    attention = naive_attention(model, ids)
+    _, ref_v = reference_kv(model, ids)
+
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        attended = set(range(PROMPT)) if p == PROMPT else held
+        norm = math.sqrt(sum(float(c) ** 2 for c in ref_v[h, x]))
+        return attention(p - 1, attended, h, x) * norm
+
+    return score
+
+
+def test_critical_kv_evicts_the_smallest_attention_times_value_norm():
+    model, ids, steps = evictions("critical_kv", "16")
+    score = critical_kv_oracle(model, ids)
+    assert_prompt_kept_best(steps, score)
+    assert assert_evicts_lowest(steps, score) > 0
+    assert steps != evictions("tova", "16")[2], "the value norms should change some choice"
+
+
+def test_critical_kv_prompt_rule_needs_its_own_cache():
+    with pytest.raises(UserError, match="critical_kv"):
+        evictions("l2", "16", "--prompt_compression_strategy", "critical_kv")
