@@ -6,9 +6,9 @@ the statistics (docs/DESIGN.md §6: compression is measured from the mask) no lo
 token reuses the first such hole before taking a fresh slot, so the budget L stays the most a head holds.
 Per-slot state is [B, heads, L] and every decision is per row, so rows of a batch release independently.
 
-A pooled cache (`--budget_allocation adakv`) chooses its slots itself and does not reuse holes: there a
-released slot stays empty until the head's quota is used up, then its argmin eviction goes on as usual
-(holes have pos −1 and are never evicted), so a head still holds at most its quota.
+A pooled cache (`--budget_allocation adakv`) is refused: Ada-KV's pool chooses its slots itself and would
+never reuse a hole (a released slot stays empty for good), and its invariant that every head fills its
+quota is what a variable budget gives up.
 """
 
 from __future__ import annotations
@@ -17,10 +17,20 @@ import torch
 from torch import Tensor
 
 from cache import KVCache
+from errors import UserError
 
 
 class VariableOccupancy(KVCache):
     """Mixed in before a strategy class (it is not a strategy itself)."""
+
+    # Heads may hold fewer tokens than their slots (what a head-adaptive pool cannot express).
+    variable_occupancy = True
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        if self.pooled:
+            raise UserError(f"--budget_allocation adakv cannot pool the {self.name} cache: its heads hold a "
+                            "variable number of tokens (released slots are left empty)")
 
     def release(self, drop: Tensor) -> None:
         """Empty the slots `drop` [B, pos_heads, L] (bool; only held, unprotected slots should be given)."""

@@ -217,3 +217,18 @@ def test_critical_kv_evicts_the_smallest_attention_times_value_norm():
 def test_critical_kv_prompt_rule_needs_its_own_cache():
     with pytest.raises(UserError, match="critical_kv"):
         evictions("l2", "16", "--prompt_compression_strategy", "critical_kv")
+
+
+def test_the_shipped_head_file_gives_the_bundled_models_layers_their_roles():
+    """A cache shaped as the bundled model's layers (3 KV heads of 64) reads duo/'s file: half of all heads,
+    ranked over the 30 layers together, are retrieval heads."""
+    from strategies.duo_attention import SHIPPED, DuoAttentionCache, load_head_scores
+
+    scores = load_head_scores(SHIPPED)["scores"]
+    expected = retrieval_heads(scores, 0.5)
+    roles = []
+    for layer in range(len(scores)):
+        cache = DuoAttentionCache(1, 3, 64, 8, torch.float32, capacity_needed=16)
+        cache.configure(layer_idx=layer)
+        roles.append([bool(x) for x in cache.retrieval[0].tolist()])
+    assert roles == expected and sum(map(sum, roles)) == round(0.5 * 3 * len(scores))
