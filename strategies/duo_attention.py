@@ -119,9 +119,18 @@ class DuoAttentionCache(VariableOccupancy, KVCache):
         if len(scores[0]) != self.n_kv_heads or self.layer_idx >= len(scores):
             raise UserError(f"the DuoAttention head file has {len(scores)} layers of {len(scores[0])} KV heads; "
                             f"layer {self.layer_idx} has {self.n_kv_heads}: calibrate with calibrate_duo.py")
-        roles = retrieval_heads(scores, self.fraction)[self.layer_idx]
-        self.retrieval.copy_(torch.tensor(roles, dtype=torch.float32, device=self.pos.device).expand_as(self.retrieval))
+        self.file_roles = retrieval_heads(scores, self.fraction)[self.layer_idx]
         self.roles_from_file = True
+        self.apply_file_roles()
+
+    def apply_file_roles(self) -> None:
+        roles = torch.tensor(self.file_roles, dtype=torch.float32, device=self.pos.device)
+        self.retrieval.copy_(roles.expand_as(self.retrieval))
+
+    def reset(self) -> None:
+        super().reset()  # zeroes every buffer, the roles too: the calibrated ones are a setting, not state
+        if self.roles_from_file:
+            self.apply_file_roles()
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.pos.float()  # the oldest unprotected token goes first (both roles)

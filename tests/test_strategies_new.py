@@ -16,7 +16,7 @@ from errors import UserError
 from generate import decode_one_token, prefill
 from strategies.duo_attention import retrieval_heads
 from tests.conftest import make_tiny_model
-from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, run, token_ids
+from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
 from tests.test_strategies import evictions, layer0_queries, naive_probs, reference_kv, unprotected
 from tests.test_strategies_recent import assert_evicts_lowest, assert_prompt_kept_best, tova_oracle
 
@@ -132,7 +132,11 @@ def test_duo_attention_reads_head_roles_from_a_calibration_file(tmp_path):
     model = make_tiny_model()
     caches = attach(model, cache_args("duo_attention", "1.0", "dense", "--duo_heads_path", str(path),
                                       "--duo_retrieval_fraction", "0.5"))
+    with torch.inference_mode():
+        run(model, token_ids(), decode_one_token, lambda p: None)  # reset, prefill, decode: roles stay
     assert [c.retrieval[0].tolist() for c in caches] == [[0.0, 0.0], [1.0, 1.0]]
+    held = [[len(h) for h in held_positions(c)] for c in caches]
+    assert held == [[GLOBAL + RECENT] * 2, [TOTAL] * 2]
     path.write_text(json.dumps({"scores": [[0.1, 0.2, 0.3]]}))
     with pytest.raises(UserError, match="KV heads"):
         attach(model, cache_args("duo_attention", "1.0", "dense", "--duo_heads_path", str(path)))
