@@ -25,6 +25,7 @@ from strategies import (
     l2,
     random,
     recent_global,
+    rkv,
     threshold,
     tova,
 )
@@ -32,7 +33,7 @@ from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
-STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -236,3 +236,40 @@ def test_the_shipped_head_file_gives_the_bundled_models_layers_their_roles():
         cache.configure(layer_idx=layer)
         roles.append([bool(x) for x in cache.retrieval[0].tolist()])
     assert roles == expected and sum(map(sum, roles)) == round(0.5 * 3 * len(scores))
+
+
+# ---- rkv ---------------------------------------------------------------------------------------------------
+
+
+def rkv_oracle(model, ids, lam: float):
+    """Naive R-KV: λ · the previous query's attention − (1 − λ) · the mean cosine similarity of the key to
+    every other key the head holds (the whole prompt at prefill)."""
+    attention = naive_attention(model, ids)
+    ref_k, _ = reference_kv(model, ids)
+
+    def cosine(h: int, x: int, y: int) -> float:
+        a, b = ref_k[h, x].tolist(), ref_k[h, y].tolist()
+        dot = sum(u * v for u, v in zip(a, b, strict=True))
+        return dot / (math.sqrt(sum(u * u for u in a)) * math.sqrt(sum(v * v for v in b)))
+
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        attended = set(range(PROMPT)) if p == PROMPT else held
+        others = [y for y in held if y != x]
+        redundancy = sum(cosine(h, x, y) for y in others) / len(others)
+        return lam * attention(p - 1, attended, h, x) - (1 - lam) * redundancy
+
+    return score
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 0.9])
+def test_rkv_evicts_the_lowest_importance_minus_redundancy(lam):
+    model, ids, steps = evictions("rkv", "16", "--rkv_lambda", str(lam))
+    score = rkv_oracle(model, ids, lam)
+    assert_prompt_kept_best(steps, score)
+    assert assert_evicts_lowest(steps, score) > 0
+
+
+def test_rkv_lambda_one_is_tova():
+    assert evictions("rkv", "16", "--rkv_lambda", "1")[2] == evictions("tova", "16")[2]
+    with pytest.raises(UserError, match="rkv_lambda"):
+        cache_args("rkv", "16", "dense", "--rkv_lambda", "-0.1")
