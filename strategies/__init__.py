@@ -13,6 +13,9 @@ import cache
 from cache import KVCache
 from errors import UserError
 from strategies import (
+    chunkkv,
+    critical_kv,
+    duo_attention,
     expected_attention,
     gated,
     heavy_hitter,
@@ -22,12 +25,15 @@ from strategies import (
     l2,
     random,
     recent_global,
+    rkv,
+    threshold,
     tova,
 )
 from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -1,0 +1,64 @@
+"""`rkv`: R-KV (Cai et al. 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models",
+arXiv 2505.24133).
+
+Long reasoning traces repeat themselves, so the most attended tokens are often near-copies of each
+other. R-KV scores a token by its importance minus its redundancy, Z_i = λ·I_i − (1 − λ)·R_i, and evicts
+the lowest: I_i is the attention it receives, R_i how similar its key is to the other keys the head holds
+(the mean cosine similarity to them). λ = `--rkv_lambda`.
+
+- Decode: I_i is TOVA's (strategies/tova.py: the latest query's attention, per KV group); R_i is
+  recomputed from the stored keys of the held slots at each eviction (dequantized on quantized storage),
+  so it needs no state beyond TOVA's.
+- Prompt: the same score over the prompt, I_i from the last prompt query, R_i over all prompt keys.
+
+Where this differs from the paper: R-KV takes I_i from an observation window of the last α queries
+(averaged, pooled) and turns the similarities into R_i through a threshold and a softmax, keeping the
+most recent copy of a repeated key; here I_i is the latest query's (so the prompt rule is the decode
+rule) and R_i the plain mean similarity. It costs L² dot products per head at each eviction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache import KVCache, Setting, finite_float, register_strategy
+from strategies.tova import TovaCache
+
+LAMBDA = Setting("rkv_lambda", 0.5, type=finite_float, low=0.0, high=1.0,
+                 help="weight of importance (attention) against redundancy (key similarity): λ·I − (1 − λ)·R")
+
+
+def redundancy(keys: Tensor, held: Tensor | None) -> Tensor:
+    """Mean cosine similarity of each key to the other `held` keys ([B, n_kv, L] bool; None: all of them):
+    [B, n_kv, L] float32, 0 where nothing else is held."""
+    unit = F.normalize(keys.float(), dim=-1)
+    similarity = unit @ unit.transpose(-1, -2)  # [B, n_kv, L, L]
+    weight = torch.ones_like(similarity[..., 0]) if held is None else held.float()
+    others = (similarity * weight[..., None, :]).sum(-1) - weight * similarity.diagonal(dim1=-2, dim2=-1)
+    count = (weight.sum(-1, keepdim=True) - weight).clamp(min=1)
+    return others / count
+
+
+@register_strategy
+class RKVCache(TovaCache):
+    name = "rkv"
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (LAMBDA,)
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        keys = self.keys()
+        held = self.mask[:, :, 0]
+        if keys.shape[1] != held.shape[1]:  # a pooled cache: one K/V head of pool slots, masked per head
+            keys = keys.expand(-1, held.shape[1], -1, -1)
+        return self.combine(self, self.last_attention, redundancy(keys, held))
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        return cls.combine(cache, TovaCache.prompt_scores(cache, k, q), redundancy(k, None))
+
+    @staticmethod
+    def combine(cache: KVCache, importance: Tensor, redundant: Tensor) -> Tensor:
+        lam = float(cache.setting(LAMBDA))
+        return lam * importance - (1 - lam) * redundant
