@@ -207,12 +207,16 @@ def check_budget_allocation(args: argparse.Namespace) -> None:
         return
     if not 0 <= floor <= 1:
         raise UserError(f"--adakv_floor is a fraction of the per-head budget in [0, 1], got {floor:g}")
-    pooled = sorted(n for n, c in CACHE_STRATEGIES.items() if c.head_specific and not c.profiles_prompt)
+    pooled = sorted(n for n, c in CACHE_STRATEGIES.items()
+                    if c.head_specific and not c.profiles_prompt and not getattr(c, "variable_occupancy", False))
     for name in dict.fromkeys(args.cache_strategy):
         own = getattr(get_strategy(name), "shadow_class", get_strategy(name))
         if own.profiles_prompt:
             raise UserError(f"--budget_allocation adakv: the {name} cache sizes its heads by its own policies "
                             f"(FastGen); use one of: {', '.join(pooled)}")
+        if getattr(own, "variable_occupancy", False):
+            raise UserError(f"--budget_allocation adakv: the {name} cache holds a variable number of tokens per head "
+                            f"(a pool never reuses released slots); use one of: {', '.join(pooled)}")
         if not own.head_specific:
             raise UserError(f"--budget_allocation adakv shares a layer's budget between KV heads by their own "
                             f"scores, but the {name} cache keeps the same tokens in every head; use one of: "

@@ -36,7 +36,10 @@ ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
 # can pool its heads (hybrid sizes them itself) and its debug_ twin, on dense and per-token-quantized storage
 # (KIVI is refused). A short SnapKV window, so heavy_hitter's prompt rule protects less than the budget and
 # heads really receive different quotas.
-ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items()) if c.head_specific and not c.profiles_prompt]
+# Caches that hold a variable number of tokens per head (threshold, duo_attention): released slots stay empty.
+VARIABLE = {s for s, c in CACHE_STRATEGIES.items() if getattr(c, "variable_occupancy", False)}
+ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items())
+                    if c.head_specific and not c.profiles_prompt and s not in VARIABLE]
 ADAKV = ADAKV_STRATEGIES + [f"debug_{s}" for s in ADAKV_STRATEGIES]
 ADAKV_STORAGES = ["dense", "4bit"]
 ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapkv_window", "4"]}

@@ -17,11 +17,12 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
 )
-from tests.strategy_matrix import ALL, STORAGES, attach, cache_args, prompt_then_rest, token_ids
+from tests.strategy_matrix import ALL, STORAGES, VARIABLE, attach, cache_args, prompt_then_rest, token_ids
 
 
 @pytest.mark.parametrize("storage", sorted(STORAGES))
-@pytest.mark.parametrize("strategy", ALL)
+# Variable-occupancy caches drop tokens a chunk's queries would still see when fed one by one: left out.
+@pytest.mark.parametrize("strategy", [s for s in ALL if s not in VARIABLE])
 def test_a_chunk_appended_after_the_prompt_equals_feeding_it_token_by_token(strategy, storage):
     ids = token_ids()
     logits = []
