@@ -38,17 +38,17 @@ def rows_per_batch(specs: list[LayerCacheSpec], asked: int) -> int:
 
 
 def attach_row_caches(model: Transformer, specs: list[LayerCacheSpec], capacity: int, rows: int,
-                      tokenizer: Tokenizer | None = None) -> tuple[list[KVCache], list[KVCache]]:
+                      tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None,
+                      ) -> tuple[list[KVCache], list[KVCache]]:
     """Caches for `rows` rows attached to `model`, and batch-1 caches of the same specs (a row's view: see
     copy_row). cache_setup.setup_caches builds batch 1 only; it is still called first, for what it
     prepares (gates, the checks), and its caches become the view."""
-    cache_setup.setup_caches(model, specs, capacity, tokenizer=tokenizer)
+    cache_setup.setup_caches(model, specs, capacity, tokenizer=tokenizer, classes=classes)
     single = model.caches()
     if rows == 1:
         return single, single
     a, w = model.args, model.tok_embeddings.weight
-    classes = None
-    if tokenizer is not None and any(get_strategy(s.strategy).needs_token_classes for s in specs):
+    if classes is None and tokenizer is not None and any(get_strategy(s.strategy).needs_token_classes for s in specs):
         classes = token_classes(tokenizer, a.vocab_size)
     caches = build_caches(specs, rows, a.n_kv_head, a.head_dim, capacity, w.dtype, w.device, classes)
     model.setup_caches(caches)
@@ -68,6 +68,16 @@ def copy_row(caches: list[KVCache], single: list[KVCache], row: int) -> list[KVC
                 raise ValueError(f"cache buffer {name} {tuple(src.shape)} has no leading batch dimension")
             dst.copy_(part)
     return single
+
+
+def fill_rows(caches: list[KVCache], single: list[KVCache]) -> None:
+    """Every row of `caches` set to the state of `single` (batch-1 caches of the same specs): B rows of one
+    prefilled prompt, for a speed measurement whose prefill of B prompts would cost B times as long."""
+    if single is caches:
+        return
+    for big, small in zip(caches, single, strict=True):
+        for dst, src in zip(big.buffers(), small.buffers(), strict=True):
+            dst.copy_(src)  # [1, ...] broadcasts over the rows; a buffer without rows is copied whole
 
 
 def step_compression(caches: list[KVCache]) -> tuple[list[float], list[bool]]:
