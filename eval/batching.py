@@ -19,7 +19,6 @@ from strategies import get_strategy
 from strategies.hybrid import token_classes
 from tokenizer import Tokenizer
 
-
 # Strategies whose scores tie exactly across repeats of a token: l2 scores a key by its norm, which RoPE
 # keeps, and a layer-0 key is a function of the token alone. Which of the tied slots is evicted is then
 # decided by the last bit of the norms, and a batched matmul rounds differently from a batch-1 one, so a

@@ -246,8 +246,9 @@ def test_batched_run_writes_rows_of_measured_batches(tmp_path, bundled):
     from eval.bench.cli import main
 
     out = tmp_path / "bench"
-    rows = main(["--batch_sizes", "1", "2", "4", "--kv_memory_gb", "0.002", "--batch_context", "32", "--new_tokens", "3",
-                 "--strategies", "recent_global", "--budgets", "0.25", "--dtype", "float32", "--out_dir", str(out)])
+    rows = main(["--batch_sizes", "1", "2", "4", "--kv_memory_gb", "0.002", "--batch_context", "32",
+                 "--new_tokens", "3", "--strategies", "recent_global", "--budgets", "0.25", "--dtype", "float32",
+                 "--out_dir", str(out)])
     assert [(r["strategy"], r["batch_size"]) for r in rows] == [("full", 1), ("recent_global", 4)]
     for r in rows:
         assert set(r) == set(FIELDS) and r["cache_bytes"] <= 0.002e9 and r["decode_tokens_per_second"] > 0
