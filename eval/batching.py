@@ -85,8 +85,11 @@ def step_compression(caches: list[KVCache]) -> tuple[list[float], list[bool]]:
     full precision in every layer and head (then the row's logits are exact attention: the full cache's).
 
     `lossless` reads the attended cache itself (KVCache's ratio), not a debug_ cache's shadow."""
-    reported = torch.stack([c.compression_ratio_per_head() for c in caches]).transpose(0, 1).contiguous()
-    attended = torch.stack([KVCache.compression_ratio_per_head(c) for c in caches]).transpose(0, 1)
+    per_layer = [c.compression_ratio_per_head() for c in caches]
+    own = [r if type(c).compression_ratio_per_head is KVCache.compression_ratio_per_head
+           else KVCache.compression_ratio_per_head(c) for c, r in zip(caches, per_layer, strict=True)]
+    reported = torch.stack(per_layer).transpose(0, 1).contiguous()
+    attended = torch.stack(own).transpose(0, 1)
     ratios = [round(float(r.mean()), 4) for r in reported]  # [layers, n_kv] per row, as cache_statistics
     lossless = (attended.flatten(1).amax(dim=1) == 0).tolist()
     return ratios, lossless

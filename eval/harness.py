@@ -141,8 +141,9 @@ def average_stats(rows: list[dict]) -> dict:
     return {k: mean([r[k] for r in rows]) for k in keys}
 
 
-def kept_positions(caches: list) -> list[np.ndarray]:
-    """Per layer, the original positions its cache holds: [heads, n] int32, ascending per head.
+def kept_positions(caches: list, row: int = 0) -> list[np.ndarray]:
+    """Per layer, the original positions its cache holds in batch row `row`: [heads, n] int32, ascending per
+    head.
 
     `heads` is the number of KV heads for strategies that evict per head, else 1 (one set for all heads).
     Rows of unequal length (a head that holds fewer tokens) are padded with -1 at the end; a cache without
@@ -154,7 +155,7 @@ def kept_positions(caches: list) -> list[np.ndarray]:
         if pos is None:
             layers.append(np.zeros((0, 0), dtype=np.int32))
             continue
-        rows = [np.sort(r[r >= 0]) for r in pos[0].cpu().numpy().astype(np.int32)]
+        rows = [np.sort(r[r >= 0]) for r in pos[row].cpu().numpy().astype(np.int32)]
         width = max((len(r) for r in rows), default=0)
         layers.append(np.stack([np.pad(r, (0, width - len(r)), constant_values=-1) for r in rows]))
     return layers
@@ -310,8 +311,7 @@ def teacher_force(
     sync(device)
     timings.prefill_tokens += rows * n_prefill
     timings.prefill_seconds += time.perf_counter() - t0
-    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(copy_row(ours, single, r)))
-              for r in range(rows)]
+    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(ours, r)) for r in range(rows)]
     rt.kept = traces[-1].kept
     lossy = [False] * rows  # once a row has lost a token, the one-pass reference stays its reference
     for pos in range(n_prefill, n):

@@ -13,6 +13,8 @@ or the `--text_column` of a `--dataset`; `--limit` consecutive windows from `--t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from tqdm import tqdm
 
@@ -26,6 +28,37 @@ from eval.uncertainty import bootstrap_function
 
 # Characters per token is about 4 for English; 16 leaves room when joining dataset rows.
 _CHARS_PER_TOKEN_BOUND = 16
+
+
+@dataclass
+class Collected:
+    """What a run has gathered so far: per window its item and statistics, per scored position a prediction."""
+
+    predictions: list[dict] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    items: list[dict] = field(default_factory=list)
+    trace: dict[str, list] = field(default_factory=lambda: {"kl": [], "agree": [], "nll_full": [], "nll": []})
+
+    def add(self, w: int, window: list[int], n_prompt: int, trace: FidelityTrace, cache_stats: dict) -> None:
+        # A matched budget (eval.reproduce) needs the mean over the scored steps, not the final state.
+        cache_stats["compression_ratio_scored_mean"] = sum(trace.compression) / len(trace.compression)
+        self.stats.append(cache_stats)
+        # A window is the item: its positions share one text and one cache, so they are not
+        # independent draws. Every window scores the same number of positions, so the means of
+        # the windows' means are the pooled kl_mean and top1_agreement.
+        window_metrics = {"kl_mean": sum(trace.kl) / len(trace.kl),
+                          "top1_agreement": sum(trace.agree) / len(trace.agree),
+                          "nll_mean": sum(trace.nll) / len(trace.nll),
+                          "nll_full_mean": sum(trace.nll_full) / len(trace.nll_full),
+                          "compression_ratio": cache_stats.get("compression_ratio"),
+                          "compression_ratio_scored_mean": cache_stats["compression_ratio_scored_mean"]}
+        self.items.append(item_record(w, window, n_prompt, trace.n_prefill, window_metrics, trace.kept))
+        for key, values in self.trace.items():
+            values += getattr(trace, key)
+        for i, pos in enumerate(trace.positions):
+            self.predictions.append({"window": w, "position": pos, "token": window[pos], "kl": trace.kl[i],
+                                     "top1_agree": trace.agree[i], "nll_full": trace.nll_full[i],
+                                     "nll": trace.nll[i]})
 
 
 @register_task
@@ -68,30 +101,6 @@ class Fidelity(Task):
             return "\n\n".join(parts), f"{o['dataset']}:{o['text_column']}"
         return pydoc_corpus(), "pydoc_data.topics"
 
-    @staticmethod
-    def record(w: int, window: list[int], n_prompt: int, trace: FidelityTrace, cache_stats: dict, stats: list,
-               items: list, predictions: list, trace_all: dict) -> None:
-        """Window `w`'s item, predictions and statistics, appended to the run's."""
-        # A matched budget (eval.reproduce) needs the mean over the scored steps, not the final state.
-        cache_stats["compression_ratio_scored_mean"] = sum(trace.compression) / len(trace.compression)
-        stats.append(cache_stats)
-        # A window is the item: its positions share one text and one cache, so they are not
-        # independent draws. Every window scores the same number of positions, so the means of
-        # the windows' means are the pooled kl_mean and top1_agreement.
-        window_metrics = {"kl_mean": sum(trace.kl) / len(trace.kl),
-                          "top1_agreement": sum(trace.agree) / len(trace.agree),
-                          "nll_mean": sum(trace.nll) / len(trace.nll),
-                          "nll_full_mean": sum(trace.nll_full) / len(trace.nll_full),
-                          "compression_ratio": cache_stats.get("compression_ratio"),
-                          "compression_ratio_scored_mean": cache_stats["compression_ratio_scored_mean"]}
-        items.append(item_record(w, window, n_prompt, trace.n_prefill, window_metrics, trace.kept))
-        for key in trace_all:
-            trace_all[key] += getattr(trace, key)
-        for i, pos in enumerate(trace.positions):
-            predictions.append({"window": w, "position": pos, "token": window[pos], "kl": trace.kl[i],
-                                "top1_agree": trace.agree[i], "nll_full": trace.nll_full[i],
-                                "nll": trace.nll[i]})
-
     def run(self, rt: Runtime) -> TaskResult:
         o = self.options
         seq_len, n_prompt, offset = o["seq_len"], o["prefill_tokens"], o["text_offset"]
@@ -106,8 +115,7 @@ class Fidelity(Task):
         if not windows:
             raise UserError(f"the text ({source}) has {max(len(ids) - offset, 0)} tokens after --text_offset "
                             f"{offset}; fidelity needs --seq_len {seq_len}")
-        timings, predictions, stats, items = Timings(), [], [], []
-        trace_all = {"kl": [], "agree": [], "nll_full": [], "nll": []}
+        timings, got = Timings(), Collected()
         specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolves them
         batch = rows_per_batch(specs, getattr(rt.args, "batch_size", 1))
         with tqdm(total=len(windows) * (seq_len - n_prompt), desc="fidelity", unit="tok", leave=False,
@@ -117,9 +125,10 @@ class Fidelity(Task):
                 # Windows of one length share positions: they decode together as rows of one batch.
                 done = teacher_force(rt, group, n_prompt, o["decode_first_token"], timings, bar)
                 for w, (window, (trace, cache_stats)) in enumerate(zip(group, done, strict=True), start):
-                    self.record(w, window, n_prompt, trace, cache_stats, stats, items, predictions, trace_all)
-        metrics = summarize_fidelity(trace_all["kl"], trace_all["agree"], trace_all["nll_full"], trace_all["nll"])
+                    got.add(w, window, n_prompt, trace, cache_stats)
+        t = got.trace
+        metrics = summarize_fidelity(t["kl"], t["agree"], t["nll_full"], t["nll"])
         config = {"text_source": source, "text_sha256": text_sha256(text), "text_tokens": len(ids),
                   "windows": len(windows), "batch_size": batch,
                   "cache_spec": [s.to_dict() for s in specs]}
-        return TaskResult(predictions, metrics, average_stats(stats), timings, config, items)
+        return TaskResult(got.predictions, metrics, average_stats(got.stats), timings, config, got.items)
