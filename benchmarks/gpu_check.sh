@@ -5,7 +5,12 @@
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: transformers' generate (default
 #      cache and its static-cache compiled recipe), ours eager and compiled, every strategy at 10% at 4k,
 #      10% vs full at 16k and 32k; decode tok/s, ms/step, compile seconds, peak GPU memory, fraction of
-#      the bandwidth bound (measured in the same run).
+#      the bandwidth bound (measured in the same run);
+#   3. the batched bench under a memory cap, same shapes, 32k-token prompts: the full cache and
+#      recent_global at 10%, each at the largest batch whose caches fit the GPU's memory less the
+#      weights and a headroom for prefill (the cap in the report), tokens/s summed over the rows, the ratio
+#      to the full cache and the bandwidth bound's prediction.
+# The timeouts keep the whole script under 8 minutes.
 # Writes gpu_check.md (and the raw files) into $OUT (default results/gpu_check). Nothing is downloaded.
 #   bash benchmarks/gpu_check.sh [out_dir]
 set -uo pipefail
@@ -25,7 +30,7 @@ REPORT="$OUT_DIR/gpu_check.md"
 } > "$REPORT"
 
 start=$(date +%s)
-timeout 200 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rfE > "$OUT_DIR/cuda_tests.txt" 2>&1
+timeout 180 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rfE > "$OUT_DIR/cuda_tests.txt" 2>&1
 tests_rc=$?
 {
   echo
@@ -37,7 +42,7 @@ tests_rc=$?
 } >> "$REPORT"
 
 start=$(date +%s)
-timeout 330 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 210 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --contexts 4096 --hf_static --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
   --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 \
   --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1
@@ -60,5 +65,29 @@ bench_rc=$?
   echo '```'
   grep -iE "warning|error|Traceback" "$OUT_DIR/bench_log.txt" | tail -20
   echo '```'
+} >> "$REPORT"
+
+# The cap: the GPU's memory, less the 8B weights (16.1e9 bytes in bf16) and 12e9 bytes for prefill's
+# activations and the batch-1 row a batch is copied from (eval/bench/batched.py).
+CAP=$($PY -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 1e9 - 16.1 - 12, 1))")
+start=$(date +%s)
+timeout 80 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+  --batch_sizes 1 8 16 24 28 32 64 128 256 --kv_memory_gb "$CAP" --batch_context 32768 \
+  --strategies recent_global --budgets 0.1 --speedup_budget 0.1 --new_tokens 32 \
+  --out_dir "$OUT_DIR/batched" --overwrite > "$OUT_DIR/batched_log.txt" 2>&1
+batched_rc=$?
+{
+  echo
+  echo "## eval.bench --batch_sizes, llama-3.1-8b shapes, bf16, 32k prompts, cap $CAP GB (exit $batched_rc, $(( $(date +%s) - start )) s)"
+  echo
+  if [ -f "$OUT_DIR/batched/bench.md" ]; then
+    grep -E "read bandwidth" "$OUT_DIR/batched_log.txt"
+    echo
+    cat "$OUT_DIR/batched/bench.md"
+  else
+    echo '```'
+    tail -20 "$OUT_DIR/batched_log.txt"
+    echo '```'
+  fi
 } >> "$REPORT"
 cat "$REPORT"

@@ -23,7 +23,8 @@ import cache_setup
 from cache import cache_statistics
 from cache_spec import LayerCacheSpec, cache_flag_defaults
 from errors import UserError
-from eval.metrics import step_fidelity
+from eval.batching import ReferenceLogits, attach_row_caches, copy_row, reference_hidden, step_compression
+from eval.metrics import rows_fidelity
 from generate import decode_one_token, prefill
 from model import Transformer
 from strategies.debug import attention_loss_curve
@@ -140,8 +141,9 @@ def average_stats(rows: list[dict]) -> dict:
     return {k: mean([r[k] for r in rows]) for k in keys}
 
 
-def kept_positions(caches: list) -> list[np.ndarray]:
-    """Per layer, the original positions its cache holds: [heads, n] int32, ascending per head.
+def kept_positions(caches: list, row: int = 0) -> list[np.ndarray]:
+    """Per layer, the original positions its cache holds in batch row `row`: [heads, n] int32, ascending per
+    head.
 
     `heads` is the number of KV heads for strategies that evict per head, else 1 (one set for all heads).
     Rows of unequal length (a head that holds fewer tokens) are padded with -1 at the end; a cache without
@@ -153,7 +155,7 @@ def kept_positions(caches: list) -> list[np.ndarray]:
         if pos is None:
             layers.append(np.zeros((0, 0), dtype=np.int32))
             continue
-        rows = [np.sort(r[r >= 0]) for r in pos[0].cpu().numpy().astype(np.int32)]
+        rows = [np.sort(r[r >= 0]) for r in pos[row].cpu().numpy().astype(np.int32)]
         width = max((len(r) for r in rows), default=0)
         layers.append(np.stack([np.pad(r, (0, width - len(r)), constant_values=-1) for r in rows]))
     return layers
@@ -207,13 +209,15 @@ def run_prompt(rt: Runtime, ids: list[int], n_prefill: int, timings: Timings, ch
     return logits[0]
 
 
-def timed_step(rt: Runtime, token: int, pos: int, timings: Timings) -> Tensor:
+def timed_step(rt: Runtime, token: int | Tensor, pos: int, timings: Timings) -> Tensor:
+    """One decode step at position `pos`: a token id, or a [B, 1] tensor of one token per row."""
     device = rt.device
+    tokens = token if isinstance(token, Tensor) else torch.tensor([[token]], device=device)
     t0 = time.perf_counter()
-    logits = rt.step(rt.model, torch.tensor([[token]], device=device), torch.tensor([pos], device=device))
+    logits = rt.step(rt.model, tokens, torch.tensor([pos], device=device))
     sync(device)
     dt = time.perf_counter() - t0
-    timings.decode_tokens += 1
+    timings.decode_tokens += tokens.shape[0]
     timings.decode_seconds += dt
     timings.step_seconds.append(dt)
     return logits
@@ -266,50 +270,68 @@ class FidelityTrace:
     agree: list[bool] = field(default_factory=list)
     nll_full: list[float] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)
+    compression: list[float] = field(default_factory=list)  # the caches' compression ratio (§6) at the step
     n_prefill: int = 0  # tokens that went through prefill (the rest through the decode path)
+    kept: list[np.ndarray] | None = None  # positions held right after prefill (kept_positions)
+
+
+def reference_is_run(args: argparse.Namespace) -> bool:
+    """Whether the configured caches are the full cache itself (the baseline run): its own logits are the
+    reference, and no reference pass is needed."""
+    return vars(full_cache_args(args)) == vars(args)
 
 
 def teacher_force(
-    rt: Runtime, ids: list[int], n_prompt: int, decode_first_token: bool, timings: Timings, bar: object = None
-) -> tuple[FidelityTrace, dict]:
-    """Feed `ids` with the configured cache and with the full cache, step-interleaved on one model.
+    rt: Runtime, windows: list[list[int]], n_prompt: int, decode_first_token: bool, timings: Timings,
+    bar: object = None,
+) -> list[tuple[FidelityTrace, dict]]:
+    """Feed the windows (all of one length) with the configured cache, as one batch of rows sharing
+    positions, and score them against the full cache. Per window: its trace and the compressed caches'
+    statistics at the end (see measure_caches), as a batch-1 run of that window gives them.
 
-    Both runs see the same tokens; each step's two next-token distributions are compared at once, so
-    nothing of vocabulary size is kept. Positions n_prompt..len(ids)-1 are scored. Returns the trace and
-    the compressed caches' statistics at the end (see measure_caches).
+    The full cache is exact attention, so its logits come from one causal forward pass per window
+    (batching.reference_hidden) rather than a second decode. Where a row's caches are still lossless
+    (every token held at full precision: batching.step_compression) its own logits are exact attention
+    and stand as the reference, so the KL is exactly 0 until the first loss, not the two kernels' float
+    noise; the baseline run (reference_is_run) is its own reference throughout. Positions
+    n_prompt..len-1 are scored; nothing of vocabulary size is kept beyond a chunk of reference logits.
     """
-    model, device, n = rt.model, rt.device, len(ids)
-    full = attach_caches(rt, cache_specs(rt, full_cache_args(rt.args), n_prompt, n - n_prompt), n)
+    model, device = rt.model, rt.device
+    n, rows = len(windows[0]), len(windows)
+    if any(len(w) != n for w in windows):
+        raise ValueError("teacher_force batches windows of one length (their positions are shared)")
+    ids = torch.tensor(windows, device=device)
     specs = cache_specs(rt, rt.args, n_prompt, n - n_prompt)
-    ours = attach_caches(rt, specs, n)
     n_prefill = prefill_length(n_prompt, n_prompt, True, decode_first_token, prefill_limit(rt, specs))
-    prompt = torch.tensor([ids[:n_prefill]], device=device)
-    model.setup_caches(full)
-    model.reset_caches()
-    ref_logits = prefill(model, prompt)
-    model.setup_caches(ours)
+    reference = None if reference_is_run(rt.args) else ReferenceLogits(model, reference_hidden(model, ids))
+    ours, single = attach_row_caches(model, specs, n, rows, rt.tokenizer)
     model.reset_caches()
     t0 = time.perf_counter()
-    logits = prefill(model, prompt)
+    logits = prefill(model, ids[:, :n_prefill])
     sync(device)
-    timings.prefill_tokens += n_prefill
+    timings.prefill_tokens += rows * n_prefill
     timings.prefill_seconds += time.perf_counter() - t0
-    rt.kept = kept_positions(ours)
-    trace = FidelityTrace(n_prefill=n_prefill)
+    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(ours, r)) for r in range(rows)]
+    rt.kept = traces[-1].kept
+    lossy = [False] * rows  # once a row has lost a token, the one-pass reference stays its reference
     for pos in range(n_prefill, n):
         if pos >= n_prompt:  # the logits in hand predict token `pos`
-            kl, agree, nll_full, nll = step_fidelity(ref_logits[0], logits[0], ids[pos])
-            for values, v in ((trace.positions, pos), (trace.kl, kl), (trace.agree, agree),
-                              (trace.nll_full, nll_full), (trace.nll, nll)):
-                values.append(v)
+            compression, lossless = step_compression(ours)
+            lossy = [d or not ok for d, ok in zip(lossy, lossless, strict=True)]
+            ref = logits if reference is None else reference.at(pos - 1)
+            if reference is not None and not all(lossy):
+                ref = torch.where(torch.tensor(lossy, device=device)[:, None], ref, logits)
+            scores = rows_fidelity(ref, logits, ids[:, pos])
+            for r, trace in enumerate(traces):
+                kl, agree, nll_full, nll = (values[r] for values in scores)
+                for values, v in ((trace.positions, pos), (trace.kl, kl), (trace.agree, agree),
+                                  (trace.nll_full, nll_full), (trace.nll, nll), (trace.compression, compression[r])):
+                    values.append(v)
             if bar is not None:
-                bar.update()
+                bar.update(rows)
         if pos == n - 1:
             break
-        model.setup_caches(full)
-        ref_logits = rt.step(model, torch.tensor([[ids[pos]]], device=device), torch.tensor([pos], device=device))
-        model.setup_caches(ours)
-        logits = timed_step(rt, ids[pos], pos, timings)
-    stats = measure_caches(ours)
+        logits = timed_step(rt, ids[:, pos: pos + 1], pos, timings)
+    stats = [measure_caches(copy_row(ours, single, r)) for r in range(rows)]
     model.remove_caches()
-    return trace, stats
+    return list(zip(traces, stats, strict=True))

@@ -72,6 +72,19 @@ def step_fidelity(ref_logits: Tensor, logits: Tensor, target: int) -> tuple[floa
     return kl, agree, -float(ref_logp[target]), -float(logp[target])
 
 
+def rows_fidelity(ref_logits: Tensor, logits: Tensor, targets: Tensor) -> tuple[list[float], list[bool], list[float],
+                                                                           list[float]]:
+    """step_fidelity for B rows at once: ref_logits, logits [B, vocab], targets [B] -> its four values per
+    row, as lists. A row whose two logits are identical gets exactly 0 and agreement True."""
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
+    agree = ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
+    index = targets.view(-1, 1)
+    nll_ref, nll = -ref_logp.gather(1, index)[:, 0], -logp.gather(1, index)[:, 0]
+    return kl.tolist(), agree.tolist(), nll_ref.tolist(), nll.tolist()
+
+
 def summarize_fidelity(kl: list[float], agree: list[bool], nll_ref: list[float], nll: list[float]) -> dict:
     """Mean and p95 of the per-token KL, top-1 agreement, perplexity of both caches and its change."""
     kl_arr = np.asarray(kl, dtype=np.float64)

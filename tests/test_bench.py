@@ -171,3 +171,90 @@ def test_random_weights_and_a_checkpoint_exclude_each_other(tmp_path):
     with pytest.raises(UserError, match="exclude each other"):
         main(["--random_weights", "llama-3.1-8b", "--checkpoint_path", str(tmp_path), "--dry_run"])
     assert main(["--random_weights", "llama-3.1-8b", "--dry_run", "--no_hf"]) == []
+
+
+# ---- throughput under a memory cap (--batch_sizes, --kv_memory_gb) ---------------------------------------
+
+
+def test_batch_plan_takes_the_largest_batch_whose_measured_caches_fit_the_cap():
+    from cache_setup import cache_config, cache_specs
+    from cache_spec import build_caches
+    from eval.bench.batched import GB, batch_plan
+    from eval.bench.measure import random_weight_model
+
+    shapes = random_weight_model("smollm2-135m", "meta", torch.bfloat16).args
+    args = build_parser().parse_args(["--batch_sizes", "1", "4", "8", "32", "--kv_memory_gb", "0.2",
+                                      "--batch_context", "2048", "--budgets", "0.1"])
+    plan = batch_plan(args, ["recent_global", "heavy_hitter"], shapes, torch.bfloat16)
+    assert [(j.strategy, j.batch_size) for j in plan] == [("full", 4), ("recent_global", 32), ("heavy_hitter", 32)]
+
+    def real_bytes(strategy: str, budget: float, batch: int) -> int:  # the caches built for real, on the CPU
+        specs = cache_specs(cache_config(cache_strategy=[strategy], max_cache_length=[budget]), shapes, 2048, 64)
+        caches = build_caches(specs, batch, shapes.n_kv_head, shapes.head_dim, 2112, torch.bfloat16, "cpu",
+                              {n: torch.zeros(shapes.vocab_size, dtype=torch.bool) for n in ("special", "punct")})
+        return sum(b.numel() * b.element_size() for c in caches for b in c.buffers())
+
+    full = plan[0]
+    assert full.cache_bytes == real_bytes("full", 1.0, 4) <= 0.2 * GB < real_bytes("full", 1.0, 8)
+    assert plan[1].cache_bytes == real_bytes("recent_global", 0.1, 32) <= 0.2 * GB
+    no_cap = build_parser().parse_args(["--batch_sizes", "1", "8", "--batch_context", "256", "--budgets", "0.5"])
+    assert [(j.strategy, j.batch_size) for j in batch_plan(no_cap, ["l2"], shapes, torch.bfloat16)] == [
+        ("full", 1), ("full", 8), ("l2", 1), ("l2", 8)]
+
+
+def test_batched_comparisons_are_against_the_full_cache_under_the_same_cap():
+    from eval.bench.batched import ENGINE, fill_batch_comparisons
+    from eval.bench.report import summarize_batch_targets
+
+    def row(strategy, budget, batch, tok_s, bound):
+        r = dict.fromkeys(FIELDS)
+        r.update(engine=ENGINE, strategy=strategy, budget=budget, context=2048, new_tokens=16, batch_size=batch,
+                 kv_memory_cap_gb=0.2, decode_tokens_per_second=tok_s, bound_tokens_per_second=bound)
+        return r
+
+    rows = [row("full", 1.0, 4, 8.0, 40.0), row("recent_global", 0.1, 32, 36.0, 200.0),
+            row("heavy_hitter", 0.1, 32, 20.0, 190.0)]
+    fill_batch_comparisons(rows)
+    assert [r["speedup_vs_full"] for r in rows] == [None, 4.5, 2.5]
+    assert rows[1]["bound_speedup_vs_full"] == 5.0
+    target = summarize_batch_targets(rows, 0.1, ["recent_global"])["batched_over_full_at_cap"]
+    assert target["met"] is True and target["value"]["heavy_hitter@0.1"]["speedup"] == 2.5
+
+
+BAD_BATCH_INPUT = {
+    "cap too small for one row": (["--kv_memory_gb", "0.001"], "holds no batch of full"),
+    "batch size zero": (["--batch_sizes", "0"], "--batch_sizes: must be at least 1"),
+    "negative batch size": (["--batch_sizes", "4", "-1"], "--batch_sizes: must be at least 1"),
+    "negative cap": (["--kv_memory_gb", "-1"], "--kv_memory_gb must be a positive"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BATCH_INPUT, ids=list(BAD_BATCH_INPUT))
+def test_bad_batch_input_is_one_error_line_and_writes_nothing(tmp_path, case):
+    flags, message = BAD_BATCH_INPUT[case]
+    out = tmp_path / "bench"
+    argv = ["--batch_sizes", "1", "4", "--batch_context", "2048", "--strategies", "recent_global", "--no_hf",
+            "--random_weights", "smollm2-135m", *flags, "--out_dir", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "eval.bench", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error:")
+    assert message in proc.stderr and not out.exists()
+
+
+def test_batched_run_writes_rows_of_measured_batches(tmp_path, bundled):
+    from eval.bench.cli import main
+
+    out = tmp_path / "bench"
+    rows = main(["--batch_sizes", "1", "2", "4", "--kv_memory_gb", "0.002", "--batch_context", "32",
+                 "--new_tokens", "3", "--strategies", "recent_global", "--budgets", "0.25", "--dtype", "float32",
+                 "--out_dir", str(out)])
+    assert [(r["strategy"], r["batch_size"]) for r in rows] == [("full", 1), ("recent_global", 4)]
+    for r in rows:
+        assert set(r) == set(FIELDS) and r["cache_bytes"] <= 0.002e9 and r["decode_tokens_per_second"] > 0
+        assert r["bound_tokens_per_second"] > 0 and r["peak_rss_mb"] > 0
+    assert rows[1]["speedup_vs_full"] > 0 and rows[1]["bound_speedup_vs_full"] > 1
+    report = json.loads((out / "bench.json").read_text())
+    assert report["rows"] == rows and report["meta"]["kv_memory_cap_gb"] == 0.002
+    with open(out / "bench.csv") as f:
+        assert [int(r["batch_size"]) for r in csv.DictReader(f)] == [1, 4]

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from errors import UserError
-from eval import cli
+from eval import cli, results
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
@@ -110,3 +110,37 @@ def test_bad_input_from_the_command_line_is_one_line():
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: unknown task")
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_batch_size_below_one_is_one_error_line_and_writes_nothing(tmp_path, value):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "eval", "--batch_size", value, "--out_dir", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error:")
+    assert "--batch_size" in proc.stderr and not out.exists()
+
+
+def test_batched_fidelity_run_writes_the_batch_1_records(tiny_dir, tmp_path):
+    """End to end: --batch_size 3 over 3 windows gives the per-item metrics of a batch-1 run, and a run
+    finished at one batch size is reused at another (batch_size is not in the run's identity)."""
+    def flags(out_dir) -> list[str]:
+        return fidelity_flags(tiny_dir, out_dir) + ["--limit", "3", "--cache_strategy", "heavy_hitter",
+                                                    "--max_cache_length", "40"]
+
+    cli.main(flags(tmp_path / "batched") + ["--batch_size", "3"])
+    cli.main(flags(tmp_path / "alone"))
+    batched = {d.name: results.read_items(d) for d in run_dirs(tmp_path / "batched")}
+    alone = {d.name: results.read_items(d) for d in run_dirs(tmp_path / "alone")}
+    assert batched.keys() == alone.keys() and len(batched) == 2  # the full cache and heavy_hitter
+    for d in run_dirs(tmp_path / "batched"):
+        assert json.loads((d / "config.json").read_text())["batch_size"] == 3
+    for name, items in alone.items():
+        for a, b in zip(items, batched[name], strict=True):
+            assert a["context_ids"] == b["context_ids"]
+            for key, value in a["metrics"].items():
+                assert b["metrics"][key] == pytest.approx(value, abs=1e-5), (name, key)
+    before = {d: (d / "metrics.json").read_bytes() for d in run_dirs(tmp_path / "batched")}
+    cli.main(flags(tmp_path / "batched") + ["--batch_size", "2"])  # finished: skipped, not rerun
+    assert {d: (d / "metrics.json").read_bytes() for d in run_dirs(tmp_path / "batched")} == before

@@ -36,7 +36,7 @@ def test_scored_positions_match_one_full_forward_pass(tiny_dir):
     rt = tiny_runtime(tiny_dir)
     ids = [int(b) for b in PYDOC_EXCERPT.read_bytes()[:120]]
     with torch.inference_mode():
-        trace, _ = teacher_force(rt, ids, 30, decode_first_token=False, timings=Timings())
+        [(trace, _)] = teacher_force(rt, [ids], 30, decode_first_token=False, timings=Timings())
         logp = torch.log_softmax(rt.model(torch.tensor([ids]), torch.arange(len(ids)))[0].float(), dim=-1)
     assert trace.positions == list(range(30, 120))
     want = [-float(logp[p - 1, ids[p]]) for p in trace.positions]  # the logits at p-1 predict token p

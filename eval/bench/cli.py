@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -15,8 +16,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from atomic_files import atomic_write, write_json_atomic
-from checkpoint import add_model_arguments, parse_dtype, resolve_device
+from cache import finite_float
+from checkpoint import add_model_arguments, parse_dtype, positive_int, resolve_device
 from errors import CliParser, UserError
+from eval.bench.batched import (
+    ENGINE,
+    batch_plan,
+    bench_batch,
+    check_batch_flags,
+    fill_batch_comparisons,
+    format_batch_table,
+)
 from eval.bench.measure import (
     FIELDS,
     RANDOM_SHAPES,
@@ -27,7 +37,13 @@ from eval.bench.measure import (
     weight_bytes,
 )
 from eval.bench.plan import build_plan, plan_summary
-from eval.bench.report import fill_comparisons, format_table, format_targets, summarize_targets
+from eval.bench.report import (
+    fill_comparisons,
+    format_table,
+    format_targets,
+    summarize_batch_targets,
+    summarize_targets,
+)
 from eval.data import pydoc_corpus
 from strategies import CACHE_STRATEGIES
 
@@ -66,6 +82,14 @@ def build_parser() -> CliParser:
     p.add_argument("--inductor_freezing", action="store_true",
                    help="experiment: compile with torch._inductor.config.freezing (weights folded and prepacked for "
                         "oneDNN; faster decode here, but each compile is cold and keeps ~250 MB in the process)")
+    p.add_argument("--batch_sizes", nargs="+", type=positive_int, default=None,
+                   help="throughput under a memory cap instead of the plan above: the full cache and each of "
+                        "--strategies at each of --budgets, at a --batch_context prompt, decoded as one batch: the "
+                        "largest of these batch sizes whose caches fit --kv_memory_gb (without it, each size)")
+    p.add_argument("--kv_memory_gb", type=finite_float, default=None,
+                   help="the cap for --batch_sizes: bytes of every cache buffer of the batch (K/V and bookkeeping), "
+                        "in 10^9 bytes")
+    p.add_argument("--batch_context", type=int, default=2048, help="prompt tokens of every row of --batch_sizes")
     p.add_argument("--no_compile", action="store_true", help="eager rows only")
     p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face rows")
     p.add_argument("--hf_static", action="store_true",
@@ -103,6 +127,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     out_dir = Path(args.out_dir)
+    if args.batch_sizes:
+        return run_batched(args, argv, strategies, device, dtype, out_dir)
     if args.dry_run:
         model, _ = load_model(args, "meta" if args.random_weights else "cpu", dtype)
         plan = build_plan(args, strategies, model.args.n_layer, model.args.context_length)
@@ -195,14 +221,70 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "weight_bytes": total_weight_bytes, "argv": argv, "wall_seconds": round(time.perf_counter() - started),
             "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
             "inductor_freezing": bool(torch._inductor.config.freezing)}
-    write_json_atomic(out_dir / "bench.json", {"meta": meta, "targets": targets, "rows": rows}, overwrite=True)
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(out_dir / "bench.csv", buffer.getvalue(), overwrite=True)
-    atomic_write(out_dir / "bench.md", table + "\n", overwrite=True)
+    write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     partial.unlink()
     return rows
 
 
+
+
+def write_outputs(out_dir: Path, report: dict, table: str) -> None:
+    """bench.json (meta, targets, rows), bench.csv (the rows) and bench.md (the tables), each atomically."""
+    write_json_atomic(out_dir / "bench.json", report, overwrite=True)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
+    writer.writeheader()
+    writer.writerows(report["rows"])
+    atomic_write(out_dir / "bench.csv", buffer.getvalue(), overwrite=True)
+    atomic_write(out_dir / "bench.md", table + "\n", overwrite=True)
+
+
+def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: list[str], device: str,
+                dtype: torch.dtype, out_dir: Path) -> list[dict]:
+    """--batch_sizes: the batched rows (eval/bench/batched.py), planned (and a cap that holds no row refused)
+    before anything is written."""
+    check_batch_flags(args)
+    if (out_dir / "bench.json").exists() and not args.overwrite and not args.dry_run:
+        raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
+    torch.set_grad_enabled(False)
+    shapes = load_model(args, "meta", dtype)[0] if args.random_weights else None
+    model, tokenizer = (None, None) if shapes else load_model(args, device, dtype)
+    model_args = (shapes or model).args
+    plan = batch_plan(args, strategies, model_args, dtype)
+    for job in plan:
+        print(f"{job.strategy:<20} budget {job.budget:<5g} batch {job.batch_size:<5} caches "
+              f"{job.cache_bytes / 1e9:.4g} GB, context {job.context}, new {job.new_tokens}", flush=True)
+    if args.dry_run:
+        return []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out_dir}: {e.strerror}") from None
+    bandwidth = measure_read_bandwidth(device)
+    print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
+    if model is None:
+        model, _ = load_model(args, device, dtype)
+    context = plan[0].context
+    if tokenizer is None:
+        ids = torch.randint(0, model_args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    else:
+        ids = tokenizer.encode(pydoc_corpus()[: 40 * context])[:context]
+    classes = None if tokenizer is not None else {
+        name: torch.zeros(model_args.vocab_size, dtype=torch.bool) for name in ("special", "punct")}
+    started, rows = time.perf_counter(), []
+    for job in plan:
+        rows.append(bench_batch(model, tokenizer, ids, job, bandwidth, args.kv_memory_gb, classes))
+        print(json.dumps(rows[-1]), flush=True)
+    fill_batch_comparisons(rows)
+    targets = summarize_batch_targets(rows, args.speedup_budget, args.speedup_strategies)
+    table = format_batch_table(rows) + "\n\n" + format_targets(targets)
+    print(table)
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+            "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": args.dtype,
+            "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes(model),
+            "kv_memory_cap_gb": args.kv_memory_gb, "engine": ENGINE, "argv": argv,
+            "wall_seconds": round(time.perf_counter() - started)}
+    write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
+    return rows

@@ -27,7 +27,8 @@ from generate import (
 )
 from model import Transformer
 
-FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "cache_slots", "prefill_tokens_per_second",
+FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "batch_size", "kv_memory_cap_gb", "cache_slots",
+          "prefill_tokens_per_second",
           "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
           "kv_bytes_read_per_step", "bound_tokens_per_second", "fraction_of_bound", "same_size_full_median_ms",
           "overhead_vs_same_size_full", "speedup_vs_full", "bound_speedup_vs_full", "recompilations",
@@ -111,6 +112,12 @@ def kv_bytes_read(caches: list) -> int:
     """Bytes of K/V storage attention reads per step, all layers (kv_storage: codes, scales, the KIVI residual;
     a debug_ cache's attention reads its full cache, not the shadow)."""
     return sum(c.storage.attention_bytes() for c in caches)
+
+
+def bandwidth_bound(bandwidth: float, weights: int, kv_read: int, batch_size: int = 1) -> float:
+    """Tokens per second (summed over the rows) if a step took only its reads: the weights once for the
+    whole batch and every row's K/V (`kv_read`: all rows' bytes), at `bandwidth` bytes per second."""
+    return batch_size * bandwidth / (weights + kv_read)
 
 
 def peak_rss_mb() -> float:
@@ -213,10 +220,11 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
             recompilations += graphs
     elif keep_as_reference and full_caches is not None:
         full_caches[(compiled, slots)] = model.caches()
-    bound = bandwidth / (weight_bytes(model) + kv)
+    bound = bandwidth_bound(bandwidth, weight_bytes(model), kv)
     tok_s = result.decode_steps / result.decode_seconds
     return {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
-            "budget": budget, "context": len(ids), "new_tokens": new, "cache_slots": slots,
+            "budget": budget, "context": len(ids), "new_tokens": new, "batch_size": 1, "kv_memory_cap_gb": None,
+            "cache_slots": slots,
             "prefill_tokens_per_second": round(len(ids) / result.prefill_seconds, 1),
             "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 3),
             "median_ms_per_step": round(1000 / tok_s, 3),
@@ -298,7 +306,7 @@ def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device:
     head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
     kv = 2 * a.num_hidden_layers * a.num_key_value_heads * head_dim * (
         len(ids) + new // 2) * torch.empty((), dtype=dtype).element_size()  # K/V read per step, on average
-    bound = bandwidth / (weight_bytes(model) + kv)
+    bound = bandwidth_bound(bandwidth, weight_bytes(model), kv)
     peak = peak_device_memory_mb(dev)
     del model
     torch._dynamo.reset()
@@ -307,7 +315,8 @@ def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device:
     row = dict.fromkeys(FIELDS)
     row.update({"engine": "hf generate, static cache compiled" if static_compiled else "hf generate",
                 "strategy": "full (StaticCache)" if static_compiled else "full (DynamicCache)", "budget": 1.0,
-                "context": len(ids), "new_tokens": new, "prefill_tokens_per_second": round(len(ids) / prefill_s, 1),
+                "context": len(ids), "new_tokens": new, "batch_size": 1,
+                "prefill_tokens_per_second": round(len(ids) / prefill_s, 1),
                 "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 3),
                 "median_ms_per_step": round(1000 * statistics.median(steps), 3), "compression_ratio": 0.0,
                 "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),

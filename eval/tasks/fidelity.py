@@ -1,8 +1,9 @@
 """fidelity: teacher forcing over a long real text (docs/DESIGN.md §6).
 
-Each window of `--seq_len` tokens is fed twice in one process, step-interleaved on the same model:
-with the configured cache and with the full cache. The first `--prefill_tokens` go through prefill,
-the rest one token at a time through the decode path, where the caches evict. Every later position is
+Each window of `--seq_len` tokens is fed through the configured cache: the first `--prefill_tokens`
+through prefill, the rest one token at a time through the decode path, where the caches evict; the
+full cache's logits come from one causal forward pass over the window (exact attention). Windows have
+one length, so `--batch_size` of them decode together as rows sharing positions. Every later position is
 scored: KL(full ‖ compressed) of the next-token distributions, top-1 agreement, perplexity of both.
 It needs no labels and works for any model size.
 
@@ -12,18 +13,52 @@ or the `--text_column` of a `--dataset`; `--limit` consecutive windows from `--t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from tqdm import tqdm
 
 from errors import UserError
+from eval.batching import rows_per_batch
 from eval.data import check_columns, load_rows, pydoc_corpus, read_text_file, text_sha256
-from eval.harness import Runtime, Timings, average_stats, cache_specs, teacher_force
+from eval.harness import FidelityTrace, Runtime, Timings, average_stats, cache_specs, teacher_force
 from eval.metrics import summarize_fidelity
 from eval.tasks.base import Task, TaskResult, item_record, register_task
 from eval.uncertainty import bootstrap_function
 
 # Characters per token is about 4 for English; 16 leaves room when joining dataset rows.
 _CHARS_PER_TOKEN_BOUND = 16
+
+
+@dataclass
+class Collected:
+    """What a run has gathered so far: per window its item and statistics, per scored position a prediction."""
+
+    predictions: list[dict] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    items: list[dict] = field(default_factory=list)
+    trace: dict[str, list] = field(default_factory=lambda: {"kl": [], "agree": [], "nll_full": [], "nll": []})
+
+    def add(self, w: int, window: list[int], n_prompt: int, trace: FidelityTrace, cache_stats: dict) -> None:
+        # A matched budget (eval.reproduce) needs the mean over the scored steps, not the final state.
+        cache_stats["compression_ratio_scored_mean"] = sum(trace.compression) / len(trace.compression)
+        self.stats.append(cache_stats)
+        # A window is the item: its positions share one text and one cache, so they are not
+        # independent draws. Every window scores the same number of positions, so the means of
+        # the windows' means are the pooled kl_mean and top1_agreement.
+        window_metrics = {"kl_mean": sum(trace.kl) / len(trace.kl),
+                          "top1_agreement": sum(trace.agree) / len(trace.agree),
+                          "nll_mean": sum(trace.nll) / len(trace.nll),
+                          "nll_full_mean": sum(trace.nll_full) / len(trace.nll_full),
+                          "compression_ratio": cache_stats.get("compression_ratio"),
+                          "compression_ratio_scored_mean": cache_stats["compression_ratio_scored_mean"]}
+        self.items.append(item_record(w, window, n_prompt, trace.n_prefill, window_metrics, trace.kept))
+        for key, values in self.trace.items():
+            values += getattr(trace, key)
+        for i, pos in enumerate(trace.positions):
+            self.predictions.append({"window": w, "position": pos, "token": window[pos], "kl": trace.kl[i],
+                                     "top1_agree": trace.agree[i], "nll_full": trace.nll_full[i],
+                                     "nll": trace.nll[i]})
 
 
 @register_task
@@ -80,31 +115,20 @@ class Fidelity(Task):
         if not windows:
             raise UserError(f"the text ({source}) has {max(len(ids) - offset, 0)} tokens after --text_offset "
                             f"{offset}; fidelity needs --seq_len {seq_len}")
-        timings, predictions, stats, items = Timings(), [], [], []
-        trace_all = {"kl": [], "agree": [], "nll_full": [], "nll": []}
+        timings, got = Timings(), Collected()
+        specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolves them
+        batch = rows_per_batch(specs, getattr(rt.args, "batch_size", 1))
         with tqdm(total=len(windows) * (seq_len - n_prompt), desc="fidelity", unit="tok", leave=False,
                   disable=rt.progress) as bar:
-            for w, window in enumerate(windows):
-                trace, cache_stats = teacher_force(rt, window, n_prompt, o["decode_first_token"], timings, bar)
-                stats.append(cache_stats)
-                # A window is the item: its positions share one text and one cache, so they are not
-                # independent draws. Every window scores the same number of positions, so the means of
-                # the windows' means are the pooled kl_mean and top1_agreement.
-                window_metrics = {"kl_mean": sum(trace.kl) / len(trace.kl),
-                                  "top1_agreement": sum(trace.agree) / len(trace.agree),
-                                  "nll_mean": sum(trace.nll) / len(trace.nll),
-                                  "nll_full_mean": sum(trace.nll_full) / len(trace.nll_full),
-                                  "compression_ratio": cache_stats.get("compression_ratio")}
-                items.append(item_record(w, window, n_prompt, trace.n_prefill,
-                                         window_metrics, rt.kept))
-                for key in trace_all:
-                    trace_all[key] += getattr(trace, key)
-                for i, pos in enumerate(trace.positions):
-                    predictions.append({"window": w, "position": pos, "token": window[pos], "kl": trace.kl[i],
-                                        "top1_agree": trace.agree[i], "nll_full": trace.nll_full[i],
-                                        "nll": trace.nll[i]})
-        metrics = summarize_fidelity(trace_all["kl"], trace_all["agree"], trace_all["nll_full"], trace_all["nll"])
-        specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolved them
+            for start in range(0, len(windows), batch):
+                group = windows[start: start + batch]
+                # Windows of one length share positions: they decode together as rows of one batch.
+                done = teacher_force(rt, group, n_prompt, o["decode_first_token"], timings, bar)
+                for w, (window, (trace, cache_stats)) in enumerate(zip(group, done, strict=True), start):
+                    got.add(w, window, n_prompt, trace, cache_stats)
+        t = got.trace
+        metrics = summarize_fidelity(t["kl"], t["agree"], t["nll_full"], t["nll"])
         config = {"text_source": source, "text_sha256": text_sha256(text), "text_tokens": len(ids),
-                  "windows": len(windows), "cache_spec": [s.to_dict() for s in specs]}
-        return TaskResult(predictions, metrics, average_stats(stats), timings, config, items)
+                  "windows": len(windows), "batch_size": batch,
+                  "cache_spec": [s.to_dict() for s in specs]}
+        return TaskResult(got.predictions, metrics, average_stats(got.stats), timings, config, got.items)

@@ -1,0 +1,175 @@
+"""Throughput under a memory cap (`--batch_sizes`, `--kv_memory_gb`): for each strategy and budget, the
+largest of the batch sizes whose caches fit the cap, decoded as one batch of rows sharing positions.
+
+A compressed cache holds fewer bytes per row, so more rows fit the same memory; decode reads the weights
+once per step for the whole batch, so tokens per second summed over the rows grow with the batch until
+the step stops being bound by reading the weights. The bound: B x bandwidth / (weight bytes + the B rows'
+K/V bytes read per step).
+
+A batch's size in bytes is measured, never extrapolated: its caches are built at that batch size on the
+`meta` device (the same modules and buffers, without memory) and their buffers counted, bookkeeping
+included (positions, masks, scores: cache_bytes, docs/DESIGN.md §6); the caches then decoded are built for
+real and counted again. Every row holds the same prefilled prompt: one prompt is prefilled at batch 1
+and copied into every row (decode speed does not depend on the tokens, and prefilling B prompts would
+cost B times as long as the decode being measured); each row then evicts on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cache import cache_statistics
+from cache_setup import cache_specs
+from cache_spec import LayerCacheSpec, build_caches
+from errors import UserError
+from eval.batching import attach_row_caches, fill_rows
+from eval.bench.measure import (
+    FIELDS,
+    bandwidth_bound,
+    kv_bytes_read,
+    peak_device_memory_mb,
+    peak_rss_mb,
+    synchronize,
+    weight_bytes,
+)
+from eval.bench.plan import cache_args
+from generate import decode_one_token, prefill
+from model import ModelArgs, Transformer
+
+ENGINE = "ours eager, batched"
+GB = 1e9  # --kv_memory_gb is in 10^9 bytes
+
+
+@dataclass
+class BatchJob:
+    strategy: str
+    budget: float
+    batch_size: int
+    cache_bytes: int  # of the caches at this batch size, measured on the meta device
+    context: int
+    new_tokens: int
+
+
+def caches_bytes(specs: list[LayerCacheSpec], model_args: ModelArgs, batch_size: int, capacity: int,
+                 dtype: torch.dtype) -> int:
+    """Bytes of every buffer of the caches built at `batch_size`, on the meta device (no memory used)."""
+    classes = {name: torch.zeros(model_args.vocab_size, dtype=torch.bool) for name in ("special", "punct")}
+    caches = build_caches(specs, batch_size, model_args.n_kv_head, model_args.head_dim, capacity, dtype, "meta",
+                          classes)
+    return sum(c.nbytes() for c in caches)
+
+
+def check_batch_flags(args: argparse.Namespace) -> None:
+    if args.kv_memory_gb is not None and not args.kv_memory_gb > 0:  # NaN and inf fail too
+        raise UserError(f"--kv_memory_gb must be a positive number of GB, got {args.kv_memory_gb:g}")
+    if args.batch_context < 1:
+        raise UserError(f"--batch_context must be ≥ 1, got {args.batch_context}")
+
+
+def batch_plan(args: argparse.Namespace, strategies: list[str], model_args: ModelArgs,
+               dtype: torch.dtype) -> list[BatchJob]:
+    """The full cache first, then every strategy at every budget: the largest of --batch_sizes whose caches
+    fit --kv_memory_gb, or (no cap) a row per batch size. A configuration with no batch size that fits
+    is a UserError, before anything runs."""
+    new = args.new_tokens
+    context = min(args.batch_context, model_args.context_length - new)
+    cap = None if args.kv_memory_gb is None else args.kv_memory_gb * GB
+    configs = [("full", 1.0)] + [(s, b) for s in strategies for b in sorted(set(args.budgets))]
+    jobs = []
+    for strategy, budget in configs:
+        specs = cache_specs(cache_args(strategy, budget), model_args, context, new)
+        sizes = {b: caches_bytes(specs, model_args, b, context + new, dtype) for b in sorted(set(args.batch_sizes))}
+        fitting = [b for b, n in sizes.items() if cap is None or n <= cap]
+        if not fitting:
+            smallest = min(sizes)
+            raise UserError(f"--kv_memory_gb {args.kv_memory_gb:g} holds no batch of {strategy} at budget {budget:g}: "
+                            f"its caches take {sizes[smallest] / GB:.4g} GB at batch {smallest} (context {context} + "
+                            f"{new} new tokens); a cap must hold at least one row")
+        for b in fitting if cap is None else [max(fitting)]:
+            jobs.append(BatchJob(strategy, budget, b, sizes[b], context, new))
+    return jobs
+
+
+def bench_batch(model: Transformer, tokenizer: object, ids: list[int], job: BatchJob, bandwidth: float,
+                cap_gb: float | None, classes: dict | None = None) -> dict:
+    """One row: the job's caches at its batch size, one prompt prefilled and copied into every row, then
+    `new_tokens` greedy steps of all rows at shared positions; the first step is a warm-up, the rest timed
+    with one synchronisation at the end."""
+    device = model.tok_embeddings.weight.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    specs = cache_specs(cache_args(job.strategy, job.budget), model.args, len(ids), job.new_tokens)
+    caches, single = attach_row_caches(model, specs, len(ids) + job.new_tokens, job.batch_size, tokenizer, classes)
+    model.setup_caches(single)
+    model.reset_caches()
+    with torch.inference_mode():
+        synchronize(device)
+        t0 = time.perf_counter()
+        logits = prefill(model, torch.tensor([ids], device=device))
+        synchronize(device)
+        prefill_s = time.perf_counter() - t0
+        model.setup_caches(caches)
+        fill_rows(caches, single)
+        del single
+        token = logits.argmax(dim=-1, keepdim=True).expand(job.batch_size, 1).contiguous()
+        pos = torch.tensor([len(ids)], device=device)
+        token = decode_one_token(model, token, pos).argmax(dim=-1, keepdim=True)  # warm-up
+        steps = job.new_tokens - 1
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            pos = pos + 1
+            token = decode_one_token(model, token, pos).argmax(dim=-1, keepdim=True)
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+    stats = cache_statistics(caches)
+    if stats["cache_bytes"] != job.cache_bytes:  # the meta build and the real one are the same modules
+        raise RuntimeError(f"{job.strategy}: {stats['cache_bytes']} cache bytes built, {job.cache_bytes} planned")
+    kv = kv_bytes_read(caches)
+    bound = bandwidth_bound(bandwidth, weight_bytes(model), kv, job.batch_size)
+    tok_s = job.batch_size * steps / seconds
+    row = dict.fromkeys(FIELDS)
+    row.update({"engine": ENGINE, "strategy": job.strategy, "budget": job.budget, "context": len(ids),
+                "new_tokens": job.new_tokens, "batch_size": job.batch_size, "kv_memory_cap_gb": cap_gb,
+                "cache_slots": max(s.max_cache_length for s in specs),
+                "prefill_tokens_per_second": round(len(ids) / prefill_s, 1),
+                "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 * seconds / steps, 3),
+                "median_ms_per_step": round(1000 * seconds / steps, 3),
+                "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
+                "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
+                "fraction_of_bound": round(tok_s / bound, 3), "peak_rss_mb": peak_rss_mb(),
+                "peak_device_memory_mb": peak_device_memory_mb(device)})
+    model.remove_caches()
+    return row
+
+
+def fill_batch_comparisons(rows: list[dict]) -> None:
+    """Each batched row's throughput over the full cache's under the same cap (with no cap: at the same
+    batch size), measured and as the bound predicts it."""
+    for r in rows:
+        if r["engine"] != ENGINE or r["strategy"] == "full":
+            continue
+        full = next((f for f in rows if f["engine"] == ENGINE and f["strategy"] == "full"
+                     and f["context"] == r["context"] and f["new_tokens"] == r["new_tokens"]
+                     and (r["kv_memory_cap_gb"] is not None or f["batch_size"] == r["batch_size"])), None)
+        if full is not None:
+            r["speedup_vs_full"] = round(r["decode_tokens_per_second"] / full["decode_tokens_per_second"], 3)
+            r["bound_speedup_vs_full"] = round(r["bound_tokens_per_second"] / full["bound_tokens_per_second"], 3)
+
+
+def format_batch_table(rows: list[dict]) -> str:
+    cols = ["strategy", "budget", "context", "batch_size", "cache_bytes", "decode_tokens_per_second",
+            "bound_tokens_per_second", "fraction_of_bound", "speedup_vs_full", "bound_speedup_vs_full",
+            "median_ms_per_step", "peak_rss_mb", "peak_device_memory_mb"]
+    short = {"batch_size": "batch", "decode_tokens_per_second": "decode tok/s (all rows)",
+             "bound_tokens_per_second": "bound tok/s", "fraction_of_bound": "of bound",
+             "speedup_vs_full": "× full at cap", "bound_speedup_vs_full": "bound × full",
+             "median_ms_per_step": "ms/step", "peak_rss_mb": "peak RSS MB", "peak_device_memory_mb": "peak GPU MB"}
+    lines = ["| " + " | ".join(short.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
