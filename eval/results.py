@@ -210,10 +210,15 @@ def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
             data[key] = input_fingerprint(value, f"--{key} file")
         elif value and Path(value).exists():  # a directory: the task refuses it; otherwise a name
             data[key] = path_fingerprint(value)
-    if "gates_path" in {hp for name in args.cache_strategy for hp in get_strategy(name).hyperparameters}:
+    read = {hp for name in args.cache_strategy for hp in get_strategy(name).hyperparameters}
+    if "gates_path" in read:
         from gates import GATES_DIR
 
         data["gates"] = path_fingerprint(args.gates_path or GATES_DIR)
+    if "duo_heads_path" in read:  # DuoAttention's calibrated head roles compute its numbers too
+        from strategies.duo_attention import DUO_DIR
+
+        data["duo_heads"] = path_fingerprint(getattr(args, "duo_heads_path", None) or DUO_DIR)
     return {"model": path_fingerprint(model), "data": data, "code": code_version()}
 
 
