@@ -29,6 +29,9 @@ from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
 PYRAMID_SLOPE = 0.5
+# Seeds the generators and random eviction accept whole: random eviction folds seed × 1_000_003 + layer into
+# an int64 buffer, and torch.manual_seed refuses values past 64 bits.
+SEED_LIMIT = 1 << 32
 
 
 def strategy_settings() -> list[tuple[str, Setting]]:
@@ -259,6 +262,8 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         # 1.5 would silently become 1 token: a count must be whole, a fraction of the budget below 1
         raise UserError(f"--recent_window is a token count (an integer) or a fraction below 1, "
                         f"got {args.recent_window:g}")
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise UserError(f"--seed must be in [0, 2^32), got {args.seed}")
     for value in args.max_cache_length:
         if value <= 0:
             raise UserError(f"--max_cache_length must be positive, got {value:g}")

@@ -80,7 +80,9 @@ def sample(logits: Tensor, temperature: float, top_k: int | None, generator: tor
     """Next token [B, 1]: greedy when temperature is 0, else softmax(logits / T) restricted to the top k."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # The max subtracted first: (l - max) / T is ≤ 0, so a tiny T gives -inf (probability 0) or 0, never
+    # inf - inf; the softmax is unchanged for every other T.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -380,6 +382,8 @@ def check_sampling(temperature: float, top_k: int | None) -> None:
         raise UserError(f"--temperature must be a finite number ≥ 0 (0 = greedy), got {temperature:g}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top_k must be ≥ 1, got {top_k}")
+    if top_k is not None and temperature == 0:
+        raise UserError("--top_k restricts sampling, but --temperature 0 decodes greedily; give a temperature > 0")
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool | None) -> list[int]:
@@ -421,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
     prompt_texts = [read_prompt(p) for p in args.prompt]
-    if args.stats_json:  # before the model loads: a failed write after the run would lose the statistics
+    if args.stats_json is not None:  # '' too; before the model loads: a failed write would lose the statistics
         check_writable(args.stats_json, args.overwrite, "--stats_json")
     torch.manual_seed(args.seed)
 

@@ -119,3 +119,30 @@ def test_generate_refuses_a_dangling_stats_json_before_loading_the_model(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --stats_json") and "symbolic link" in err[0]
     assert link.is_symlink() and not (tmp_path / "nowhere.json").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--stats_json", ""], "--stats_json: the path is empty"),
+    (["--seed", str(1 << 64)], "--seed must be in [0, 2^32)"),
+    (["--seed", "-1"], "--seed must be in [0, 2^32)"),
+    (["--top_k", "5"], "--top_k restricts sampling"),
+])
+def test_generate_refuses_values_that_pass_the_type_check_but_not_the_maths(flags, words, capsys):
+    import generate
+    from errors import run_cli
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(generate.main, ["--prompt", "hi", "--max_new_tokens", "2", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_nan():
+    import torch
+
+    from generate import sample
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1e4]])
+    token = sample(logits, 1e-40, None, torch.Generator().manual_seed(0))
+    assert token.item() == 1
