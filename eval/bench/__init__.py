@@ -24,7 +24,13 @@ A cold compile of the 30-layer decode step costs 40-60 s per distinct (strategy,
   the cache fill and then evict, counting new graphs.
 bench.json / bench.md end with the targets (TARGET_*) as measured ratios.
 
+`--batch_sizes` measures throughput under a memory cap instead (eval/bench/batched.py): the full cache and
+each strategy at each of --budgets, at the largest of those batch sizes whose measured caches fit
+--kv_memory_gb, decoded as one batch of rows of a --batch_context prompt; tokens/s summed over the rows,
+the ratio to the full cache under the same cap, and the bound B x bandwidth / (weights + B rows' K/V).
+
     python -m eval.bench                 # the default plan
     python -m eval.bench --dry_run       # the plan, the number of compiles, prefill tokens and steps
     python -m eval.bench --quick         # about a minute: one short context, eager rows
+    python -m eval.bench --batch_sizes 1 4 8 16 32 --kv_memory_gb 0.4 --dtype float32 --strategies recent_global
 """
