@@ -239,6 +239,7 @@ def write_outputs(out_dir: Path, report: dict, table: str) -> None:
     atomic_write(out_dir / "bench.md", table + "\n", overwrite=True)
 
 
+@torch.no_grad()  # not torch.set_grad_enabled(False): tests call the bench in process, and training tests follow
 def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: list[str], device: str,
                 dtype: torch.dtype, out_dir: Path) -> list[dict]:
     """--batch_sizes: the batched rows (eval/bench/batched.py), planned (and a cap that holds no row refused)
@@ -246,7 +247,6 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
     check_batch_flags(args)
     if (out_dir / "bench.json").exists() and not args.overwrite and not args.dry_run:
         raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
-    torch.set_grad_enabled(False)
     shapes = load_model(args, "meta", dtype)[0] if args.random_weights else None
     model, tokenizer = (None, None) if shapes else load_model(args, device, dtype)
     model_args = (shapes or model).args
