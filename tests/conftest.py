@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import load_checkpoint  # noqa: E402
+from checkpoint import bundled_checkpoint_path, load_checkpoint  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 TINY_ARGS = dict(n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128, vocab_size=256,
@@ -36,6 +36,24 @@ def bundled(bundled_session):
     """(model, tokenizer) for the bundled SmolLM2-135M-Instruct in float32, with no caches attached."""
     bundled_session[0].remove_caches()
     return bundled_session
+
+
+@pytest.fixture(scope="session")
+def hf_bundled_session():
+    """The bundled GGUF loaded by transformers itself (its own dequantizer and un-permutation), float32: the
+    independent reference of the parity and adapter tests. Loaded once (about a minute here)."""
+    import transformers  # a test dependency (requirements-dev.txt), never used by the tool
+
+    path = bundled_checkpoint_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def hf_bundled(hf_bundled_session):
+    """The transformers reference with its default attention back (the adapter tests switch it)."""
+    hf_bundled_session.set_attn_implementation("sdpa")
+    return hf_bundled_session
 
 
 def make_tiny_model(seed: int = 0, **overrides) -> Transformer:

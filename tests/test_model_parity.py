@@ -9,30 +9,16 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from checkpoint import bundled_checkpoint_path
 from model import ModelArgs, apply_rope, grouped_attention, rope_tables
 
 LOGIT_ATOL = 1e-3  # float32 on both sides; measured max |Δlogit| ≈ 1e-4
 
 
-@pytest.fixture(scope="module")
-def hf_reference():
-    import transformers  # a test dependency (requirements-dev.txt), never used by the tool
-
-    path = bundled_checkpoint_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tokenizer
-
-
-def test_logits_match_transformers_on_the_bundled_gguf(bundled, hf_reference):
+def test_logits_match_transformers_on_the_bundled_gguf(bundled, hf_bundled):
     model, tokenizer = bundled
-    hf_model, _ = hf_reference
+    hf_model = hf_bundled
     import pydoc_data.topics
 
     text = pydoc_data.topics.topics["with"][:1500]
