@@ -239,8 +239,9 @@ class EvictionLayer(CacheLayerMixin):
         """Nothing to allocate: the KVCache was built with its buffers."""
 
     def seen(self) -> Tensor:
-        """Tokens this layer has seen, a 0-dim tensor (no host sync, as StaticLayer's cumulative_length)."""
-        return self.cache.inserted[0, 0]
+        """Tokens this layer has seen, a 0-dim tensor (no host sync, as StaticLayer's cumulative_length). A copy:
+        a view of `inserted` would advance inside update_kv, and after_insert would read the next position."""
+        return self.cache.inserted[0, 0].clone()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: object,
                **kwargs: object) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from errors import UserError
 from generate import generate
 from strategies import CACHE_STRATEGIES
 from strategies.debug import attention_loss_curve
-from tests.strategy_matrix import ALL, STORAGES, VARIABLE, held_positions
+from tests.strategy_matrix import ALL, STORAGES, held_positions
 
 transformers = pytest.importorskip("transformers")
 ta = pytest.importorskip("transformers_adapter")
@@ -32,16 +32,14 @@ COMMON = ["--global_tokens", "2", "--recent_window", "4", "--snapkv_window", "8"
 LOGIT_ATOL = 1e-3
 # The registry's strategies and debug_ twins (tests/strategy_matrix.ALL), minus those that need learned gates
 # (refused: test_gated_caches_are_refused); a new strategy joins automatically. FAST: also on the bundled model.
-FAST = {"heavy_hitter", "hybrid", "debug_l2"}
+FAST = {"heavy_hitter", "hybrid", "debug_l2", "duo_attention", "threshold"}
 
 
 def _needs_gates(name: str) -> bool:
     return CACHE_STRATEGIES[name.removeprefix("debug_")].needs_gates
 
 
-# Variable-occupancy caches (threshold, duo_attention) do not match our loop through the adapter yet (kept
-# positions differ from layer 4 on, not diagnosed): left out, and said in docs/limitations.md.
-MATRIX = [s for s in ALL if not _needs_gates(s) and s not in VARIABLE]
+MATRIX = [s for s in ALL if not _needs_gates(s)]
 # Storages, budget patterns, prompt rules and Ada-KV allocation on top of a strategy (flags beyond COMMON).
 # Quantized storages run under debug_ twins: the two models' keys differ by ~1e-6 before quantization, which
 # flips one 4-bit code in a few layers (measured: layers 5, 8, 16 of 30 at prefill), a whole quantization step;
