@@ -3,6 +3,7 @@ for pure logic tests and compilation (compiling the 30-layer model takes about a
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,11 @@ TINY_ARGS = dict(n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One torch thread per worker process (and per process a test starts): two processes with two threads
+        # each on two cores spin-wait and run several times slower.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     config.addinivalue_line("markers", "slow: end-to-end tests and the compiled strategy matrix (run by default; "
                                        "make test-fast skips them)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one; run with -m cuda)")
