@@ -23,11 +23,9 @@ and rebuilds results.csv.
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -37,7 +35,7 @@ import yaml
 from atomic_files import atomic_write, replace_dir, temp_dir_beside
 from errors import CliParser, UserError, run_cli
 from eval import results, scorers
-from eval.tasks.kvpress_datasets import SCORE, SCORER_FLAVOR, score_key
+from eval.tasks.kvpress_datasets import SCORE, SCORER_FLAVOR, list_literal, score_key
 
 TASK = "kvpress_dataset"
 BENCHMARKS = ("ruler", "longbench")
@@ -244,19 +242,14 @@ def task_scores(path: Path, config: dict) -> dict[str, float]:
 
 
 def parse_answers(cell: object, where: str) -> list[str]:
-    """A references cell of predictions.csv: a list as pandas writes it (Python literal), as kvpress's
-    pandas writes a numpy array (`['a' 'b']`, no commas), or JSON."""
-    if isinstance(cell, str) and cell.startswith("["):
-        try:
-            value = ast.literal_eval(cell)
-        except (ValueError, SyntaxError):
-            value = re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", cell)
-            value = [a or b for a, b in value]
-        if isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value):
-            return list(value)
-    elif isinstance(cell, str):
-        return [cell]
-    raise UserError(f"{where}: not a list of reference strings: {cell!r:.60}")
+    """A references cell of predictions.csv: a list as pandas writes it, a numpy array's repr (kvpress's
+    files: `['a' 'b']`) or JSON (list_literal)."""
+    values = list_literal(cell) if isinstance(cell, str) else None
+    if isinstance(cell, str) and not cell.strip().startswith("["):
+        values = [cell]
+    if not values:
+        raise UserError(f"{where}: not a list of reference strings: {cell!r:.60}")
+    return values
 
 
 def rescored(path: Path, benchmark: str) -> tuple[list[dict], dict[str, float]] | None:

@@ -18,13 +18,15 @@ per item (the measured `compression_ratio` also counts the question and answer, 
 from __future__ import annotations
 
 import ast
-import json
+import io
 import math
+import tokenize
 from dataclasses import dataclass
+from pathlib import Path
 
 from errors import UserError
 from eval import scorers
-from eval.data import load_rows
+from eval.data import LOCAL_FORMATS, load_rows, local_rows
 from eval.harness import Runtime, Timings, average_stats
 from eval.tasks.base import Example, GenerationTask, TaskResult, register_task, use_chat
 
@@ -64,17 +66,36 @@ def _text(row: dict, column: str, source: str, index: int, required: bool) -> st
     return value
 
 
+def list_literal(text: str) -> list[str] | None:
+    """The strings of a list written as text: JSON, a Python list (what pandas writes for a list cell) or a
+    numpy array's repr (what pandas writes for one, as kvpress's predictions.csv holds: `['a' 'b']`, where
+    Python's literal_eval would join the two into 'ab'); None when it is none of them."""
+    text = text.strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    body = [t for t in tokens if t.type not in (tokenize.NEWLINE, tokenize.NL, tokenize.ENDMARKER)]
+    if body[0].string != "[" or body[-1].string != "]":
+        return None
+    values = []
+    for t in body[1:-1]:
+        if t.type == tokenize.STRING:
+            values.append(ast.literal_eval(t.string))
+        elif t.string != ",":
+            return None
+    return values
+
+
 def _string_list(value: object, where: str, what: str) -> list[str]:
-    """A string or a list of strings; a CSV cell holding a list written as JSON or a Python literal (what
-    pandas writes for a list) is parsed first."""
+    """A string or a list of strings; a cell holding a list written as text (list_literal) is parsed first."""
     if isinstance(value, str) and value.lstrip().startswith("["):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            try:
-                value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                raise UserError(f"{where}: {what} looks like a list but is not one: {value!r:.60}") from None
+        parsed = list_literal(value)
+        if parsed is None:
+            raise UserError(f"{where}: {what} looks like a list but is not one of strings: {value!r:.60}")
+        value = parsed
     if isinstance(value, tuple):
         value = list(value)
     values = [value] if isinstance(value, str) else value
@@ -164,6 +185,9 @@ class KvpressDataset(GenerationTask):
             raise UserError("kvpress_dataset runs under --protocol kvpress (each context compressed once to its "
                             "budget, as kvpress does); pass it, or use python -m eval.kvpress_runs run")
         self._group: list[Row] = []
+        source = Path(self.options["dataset"])
+        if source.suffix.lower() in LOCAL_FORMATS or source.exists():  # a local file: refused before any model loads
+            parse_rows(local_rows(source), str(source), self.options["max_new_tokens"])
 
     def examples(self, rt: Runtime) -> list[Example]:
         # kvpress without a chat template: `question + "\n" + answer_prefix` (pipeline.py preprocess).
