@@ -232,3 +232,32 @@ def test_export_refuses_a_run_of_another_task_and_a_token_budget(tiny_dir, tmp_p
     capsys.readouterr()
     fails(capsys, ["export", str(run), "--to", str(tmp_path / "kv")], "--max_cache_length [40.0]")
     assert not (tmp_path / "kv").exists()
+
+
+def test_longbench_rows_export_one_kvpress_directory_per_task(tiny_dir, tmp_path):
+    rows = [{"context": "Question: What is a dog? Type: animal\n" * 3, "question": "What is a cat?",
+             "answer_prefix": "Type:", "answers": ["animal"], "all_classes": ["animal", "plant"], "task": "trec",
+             "max_new_tokens": 3},
+            {"context": "Paragraph 1: cats. Paragraph 2: dogs. " * 4, "question": "How many paragraphs?",
+             "answer_prefix": "The final answer is: ", "answers": ["2"], "all_classes": None,
+             "task": "passage_count", "max_new_tokens": 2}]
+    data = write_jsonl(tmp_path / "longbench.jsonl", rows)
+    out = tmp_path / "out"
+    kvpress_runs.main(["run", "--compression_ratio", "0.75", "--dataset", str(data), "--checkpoint_path",
+                       str(tiny_dir), "--cache_strategy", "l2", "--out_dir", str(out), "--no-baseline"])
+    (run,) = [p.parent for p in out.glob("*/*/*/metrics.json")]
+    ours = json.loads((run / "metrics.json").read_text())
+    preds = {p["task"]: p for p in map(json.loads, (run / "predictions.jsonl").read_text().splitlines())}
+    # kvpress's count_score and classification_score, retyped, on kvpress's lstripped prediction.
+    numbers = re.findall(r"\d+", preds["passage_count"]["prediction"].lstrip())
+    count = sum(n == "2" for n in numbers) / len(numbers) if numbers else 0.0
+    first = preds["trec"]["prediction"].lstrip().split("\n")[0]
+    matched = [c for c in ("animal", "plant") if c in first]
+    trec = 1.0 / len(matched) if "animal" in matched else 0.0
+    assert ours["score_passage_count"] == round(count * 100, 2) and ours["score_trec"] == round(trec * 100, 2)
+    kvpress_runs.main(["export", str(run), "--to", str(tmp_path / "kv"), "--model", "org/tiny"])
+    names = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert names == ["longbench__passage_count__org--tiny__l2__0.75", "longbench__trec__org--tiny__l2__0.75"]
+    for name, task in zip(names, ("passage_count", "trec"), strict=True):
+        assert json.loads((tmp_path / "kv" / name / "metrics.json").read_text()) == ours[f"score_{task}"]
+        assert "answers" in pd.read_csv(tmp_path / "kv" / name / "predictions.csv")
