@@ -177,11 +177,15 @@ def test_import_of_a_kvpress_directory_sits_next_to_our_runs(tiny_dir, tmp_path)
     assert f"| {model} | recent_global | False | 0.5 | 6 |" in board and "| ours |" in board
 
 
-def fails(capsys, argv, *needles):
+def fails(capsys, argv, *needles, after_progress=False):
+    """Exit 2 with one `error:` line on stderr (after eval's `run: ...` progress lines, where it had begun)."""
     with pytest.raises(SystemExit) as exit_:
         run_cli(kvpress_runs.main, argv)
-    err = capsys.readouterr().err.strip()
-    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    lines = capsys.readouterr().err.strip().splitlines()
+    if after_progress:
+        lines = [line for line in lines if not line.startswith("run: ")]
+    err = "\n".join(lines)
+    assert exit_.value.code == 2 and len(lines) == 1 and err.startswith("error: "), err
     for needle in needles:
         assert needle in err, err
     return err
@@ -261,3 +265,14 @@ def test_longbench_rows_export_one_kvpress_directory_per_task(tiny_dir, tmp_path
     for name, task in zip(names, ("passage_count", "trec"), strict=True):
         assert json.loads((tmp_path / "kv" / name / "metrics.json").read_text()) == ours[f"score_{task}"]
         assert "answers" in pd.read_csv(tmp_path / "kv" / name / "predictions.csv")
+
+
+def test_a_hub_dataset_offline_fails_in_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))  # an empty cache: nothing to fall back on
+    out = tmp_path / "out"
+    fails(capsys, ["run", "--compression_ratio", "0.5", "--dataset", "simonjegou/ruler", "--dataset_config", "4096",
+                   "--checkpoint_path", str(tiny_dir), "--cache_strategy", "l2", "--out_dir", str(out),
+                   "--no-baseline"], "cannot load dataset 'simonjegou/ruler'", after_progress=True)
+    assert not list(out.glob("*/*/*/metrics.json"))
