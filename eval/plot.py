@@ -24,7 +24,7 @@ import pandas as pd
 
 from atomic_files import atomic_write
 from errors import CliParser, UserError, run_cli
-from eval import results
+from eval import kvpress_runs, results
 from eval.compare import format_interval, paired_vs, pooled
 from eval.tasks import TASKS
 from eval.uncertainty import Interval
@@ -61,6 +61,15 @@ def config_dirs(frame: pd.DataFrame, out_dir: Path, label: str, budget: str) -> 
     return [out_dir / d for d in frame.loc[match, "run_dir"]] if "run_dir" in frame else []
 
 
+def ratio_axis(table: pd.DataFrame) -> tuple[str, str]:
+    """The x axis of a quality plot: the measured compression ratio, or, where every run has one (the
+    kvpress_dataset task, runs imported from kvpress), kvpress's ratio of the context alone: the measured
+    ratio also counts the question and answer, never evicted there, and kvpress measures nothing."""
+    if "context_compression_ratio" in table and table["context_compression_ratio"].notna().all():
+        return "context_compression_ratio", "compression ratio of the context (kvpress's)"
+    return "compression_ratio", "measured compression ratio"
+
+
 def quality_plot(
     frame: pd.DataFrame, model: str, task: str, plots_dir: Path, out_dir: Path | None = None
 ) -> Path | None:
@@ -71,24 +80,25 @@ def quality_plot(
         return None
     table = averaged(frame)
     full = table[table["label"] == "full"]
+    x, x_label = ratio_axis(table)
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
         for label, group in table[table["label"] != "full"].groupby("label"):
-            group = group.sort_values("compression_ratio")
+            group = group.sort_values(x)
             # Error bars: the 95% bootstrap interval over the configuration's items (none for old runs).
             intervals = [pooled(config_dirs(frame, out_dir, label, b), metric) if out_dir else None
                          for b in group["budget"]]
             y = [iv.estimate if iv else v for iv, v in zip(intervals, group[metric], strict=True)]
             err = np.array([[iv.estimate - iv.low, iv.high - iv.estimate] if iv and iv.n > 1 else [0.0, 0.0]
                             for iv in intervals]).T
-            ax.errorbar(group["compression_ratio"], y, yerr=err, marker="o", capsize=3, label=label)
+            ax.errorbar(group[x], y, yerr=err, marker="o", capsize=3, label=label)
         if len(full):
             band = pooled(config_dirs(frame, out_dir, "full", full["budget"].iloc[0]), metric) if out_dir else None
             ax.axhline(band.estimate if band else full[metric].mean(), color="black", linestyle="--",
                        label="full cache")
             if band and band.n > 1:
                 ax.axhspan(band.low, band.high, color="black", alpha=0.08)
-        ax.set_xlabel("measured compression ratio")
+        ax.set_xlabel(x_label)
         ax.set_ylabel(f"{metric} (mean, 95% CI)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
@@ -231,7 +241,8 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
         head = metrics[0] if metrics else None
         full_rows = table[table["label"] == "full"]
         full_dirs = [d for b in full_rows["budget"] for d in config_dirs(group, out_dir, "full", b)]
-        full_speed = full_rows["decode_tokens_per_second"].mean() if len(full_rows) else float("nan")
+        full_speed = full_rows["decode_tokens_per_second"].mean() if len(full_rows) and \
+            "decode_tokens_per_second" in full_rows else float("nan")
         full_head = pooled(full_dirs, head) if head and full_dirs else None
         header = ["strategy", "budget", "compression [95% CI]", "cache MiB", *[f"{m} [95% CI]" for m in metrics],
                   "n"]
@@ -246,7 +257,7 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
             intervals = {m: iv if iv is not None else run_interval(group, out_dir, dirs, m) for m, iv in cells.items()}
             shown = {m: format_interval(iv) if iv is not None else r[m] for m, iv in intervals.items()}
 
-            row = [r["label"], r["budget"], shown["compression_ratio"], r["cache_bytes"] / 2**20,
+            row = [r["label"], r["budget"], shown["compression_ratio"], r.get("cache_bytes", float("nan")) / 2**20,
                    *[shown[m] for m in metrics], "" if n is None else n]
             diffs = {m: paired_vs(dirs, full_dirs, m) if r["label"] != "full" else None for m in metrics}
             if head:
@@ -260,6 +271,9 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
             if any(diffs.values()):
                 paired_rows.append((r["label"], r["budget"], diffs))
         parts += [f"## {task} ({model})", "", markdown_table(header, rows), ""]
+        if task == kvpress_runs.TASK:  # scores x100 per task, as kvpress's leaderboard shows them
+            parts += [f"Per task ({task}, kvpress's scorer; runs imported from kvpress measure nothing):", "",
+                      kvpress_runs.leaderboard_markdown(group), ""]
         # Every metric with item values (the main table shows the headline's only).
         paired_metrics = [m for m in metrics if any(d[m] for *_, d in paired_rows)]
         if len(paired_metrics) > 1:

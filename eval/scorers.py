@@ -42,9 +42,13 @@ _RULER_FNS: dict[str, Callable[[str, list[str]], float]] = {
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f]")
 
 
-def ruler_prediction(text: str) -> str:
-    """evaluate.py's postprocess_pred: strip, every control character (\\x00-\\x1f) to a newline, strip."""
-    return _CONTROL_CHARS.sub("\n", text.strip()).strip()
+SCORER_FLAVORS = ("original", "kvpress")
+
+
+def ruler_prediction(text: str, flavor: str = "original") -> str:
+    """evaluate.py's postprocess_pred: strip, every control character (\\x00-\\x1f) to a newline, strip.
+    kvpress's calculate_metrics deletes them instead (`np_pattern.sub("", x.strip()).strip()`)."""
+    return _CONTROL_CHARS.sub("" if _flavor(flavor) == "kvpress" else "\n", text.strip()).strip()
 
 
 def ruler_metric(task: str) -> str:
@@ -53,16 +57,17 @@ def ruler_metric(task: str) -> str:
     return RULER_METRICS[task]
 
 
-def ruler_item_score(task: str, prediction: str, references: Sequence[str]) -> float:
+def ruler_item_score(task: str, prediction: str, references: Sequence[str], flavor: str = "original") -> float:
     """One item's score in [0, 1]: the task's string match on the post-processed prediction."""
     fn = _RULER_FNS[ruler_metric(task)]
-    return fn(ruler_prediction(prediction), list(_references(references, task)))
+    return fn(ruler_prediction(prediction, flavor), list(_references(references, task)))
 
 
-def ruler_score(task: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+def ruler_score(task: str, predictions: Sequence[str], references: Sequence[Sequence[str]],
+                flavor: str = "original") -> float:
     """A task's score as RULER reports it: the mean item score x100, rounded to 2 decimals."""
     items = _paired(predictions, references, task)
-    return round(100 * sum(ruler_item_score(task, p, r) for p, r in items) / len(items), 2)
+    return round(100 * sum(ruler_item_score(task, p, r, flavor) for p, r in items) / len(items), 2)
 
 
 # ---- LongBench: the per-dataset metrics (LongBench/metrics.py) ----------------------------------------
@@ -223,9 +228,12 @@ def longbench_metric(dataset: str) -> str:
 
 
 def longbench_item_score(dataset: str, prediction: str, references: Sequence[str],
-                         all_classes: Sequence[str] | None = None) -> float:
-    """eval.py scorer, one item: first line for the few-shot datasets, then the best score over references."""
+                         all_classes: Sequence[str] | None = None, flavor: str = "original") -> float:
+    """eval.py scorer, one item: first line for the few-shot datasets, then the best score over references.
+    kvpress's scorer strips all leading whitespace, of every prediction, before anything else."""
     metric = longbench_metric(dataset)
+    if _flavor(flavor) == "kvpress":
+        prediction = prediction.lstrip()
     if dataset.removesuffix("_e") in FIRST_LINE_DATASETS:
         prediction = prediction.lstrip("\n").split("\n")[0]
     refs = _references(references, dataset)
@@ -236,10 +244,11 @@ def longbench_item_score(dataset: str, prediction: str, references: Sequence[str
 
 
 def longbench_score(dataset: str, predictions: Sequence[str], references: Sequence[Sequence[str]],
-                    all_classes: Sequence[str] | None = None) -> float:
+                    all_classes: Sequence[str] | None = None, flavor: str = "original") -> float:
     """A dataset's score as LongBench reports it: the mean item score x100, rounded to 2 decimals."""
     items = _paired(predictions, references, dataset)
-    return round(100 * sum(longbench_item_score(dataset, p, r, all_classes) for p, r in items) / len(items), 2)
+    total = sum(longbench_item_score(dataset, p, r, all_classes, flavor) for p, r in items)
+    return round(100 * total / len(items), 2)
 
 
 def longbench_e_scores(dataset: str, predictions: Sequence[str], references: Sequence[Sequence[str]],
@@ -256,7 +265,53 @@ def longbench_e_scores(dataset: str, predictions: Sequence[str], references: Seq
     return {b: round(100 * float(np.mean(s)), 2) if s else None for b, s in buckets.items()}
 
 
+# ---- one entry point per benchmark task -------------------------------------------------------------------
+
+
+def benchmark_of(task: str) -> str | None:
+    """`ruler` or `longbench` for a task name either benchmark defines (LongBench-E's `_e` names
+    included), None for any other name."""
+    if task in RULER_METRICS:
+        return "ruler"
+    if task in LONGBENCH_METRICS or task.removesuffix("_e") in LONGBENCH_METRICS:
+        return "longbench"
+    return None
+
+
+def task_metric(task: str) -> str:
+    """The metric the original benchmark scores `task` with (string_match_all, qa_f1_score, ...)."""
+    benchmark = benchmark_of(task)
+    if benchmark is None:
+        raise UserError(f"unknown task {task!r}: neither RULER's ({', '.join(RULER_METRICS)}) nor LongBench's "
+                        f"({', '.join(LONGBENCH_METRICS)})")
+    return ruler_metric(task) if benchmark == "ruler" else longbench_metric(task)
+
+
+def item_score(task: str, prediction: str, references: Sequence[str], all_classes: Sequence[str] | None = None,
+               flavor: str = "original") -> float:
+    """One item's score in [0, 1] under its benchmark's scorer (task_metric)."""
+    task_metric(task)
+    if benchmark_of(task) == "ruler":
+        return ruler_item_score(task, prediction, references, flavor)
+    return longbench_item_score(task, prediction, references, all_classes, flavor)
+
+
+def task_score(item_scores: Sequence[float]) -> float:
+    """A task's reported score from its item scores in [0, 1], as both originals and kvpress compute it:
+    sum / count x 100, rounded to 2 decimals."""
+    if not item_scores:
+        raise UserError("no items to score")
+    return round(sum(item_scores) / len(item_scores) * 100, 2)
+
+
 # ---- shared checks --------------------------------------------------------------------------------------
+
+
+def _flavor(flavor: str) -> str:
+    if flavor not in SCORER_FLAVORS:
+        raise ValueError(f"scorer flavor {flavor!r} is not one of {SCORER_FLAVORS}")
+    return flavor
+
 
 
 def _references(references: Sequence[str] | str, task: str) -> list[str]:

@@ -179,3 +179,64 @@ def test_longbench_average_and_length_buckets():
         longbench_e_scores("hotpotqa", ["a"], [["a"]], [10, 20])
     with pytest.raises(UserError, match="reference strings"):
         longbench_score("hotpotqa", ["a"], [[]])
+
+
+# ---- kvpress's calculate_metrics (flavor "kvpress") --------------------------------------------------------
+# The references below are kvpress's own code (evaluation/benchmarks/{ruler,longbench}/calculate_metrics.py),
+# retyped: its postprocessing, its two string matches, and its LongBench scorer's whitespace handling.
+
+
+def _kvpress_ruler_task(task: str, preds: list[str], refs: list[list[str]]) -> float:
+    import re
+
+    preds = [re.sub(r"[\x00-\x1f]", "", p.strip()).strip() for p in preds]
+    if task.split("_")[0] == "qa":
+        score = sum(max(1.0 if r.lower() in p.lower() else 0.0 for r in ref)
+                    for p, ref in zip(preds, refs, strict=True)) / len(preds) * 100
+    else:
+        score = sum(sum(1.0 if r.lower() in p.lower() else 0.0 for r in ref) / len(ref)
+                    for p, ref in zip(preds, refs, strict=True)) / len(preds) * 100
+    return round(score, 2)
+
+
+RULER_CASES = [  # predictions with control characters inside and around references, and case changes
+    ("niah_single_1", ["The number is 123\n4567.", " 7654321 ", "none"], [["1234567"], ["7654321"], ["1"]]),
+    ("vt", ["AB, C\tD and EF", "ab cd"], [["AB", "CD", "EF"], ["AB", "CD", "XY"]]),
+    ("qa_1", ["Will\x07iam Shakespeare", "paris"], [["William Shakespeare", "Shakespeare"], ["London", "Paris"]]),
+]
+
+
+@pytest.mark.parametrize("task, preds, refs", RULER_CASES)
+def test_ruler_kvpress_flavor_gives_kvpress_numbers(task, preds, refs):
+    assert ruler_score(task, preds, refs, flavor="kvpress") == _kvpress_ruler_task(task, preds, refs)
+
+
+def test_ruler_flavors_differ_where_a_control_character_splits_a_reference():
+    # RULER turns the newline into a newline (no match); kvpress deletes it (a match).
+    assert ruler_item_score("niah_single_1", "123\n4567", ["1234567"]) == 0.0
+    assert ruler_item_score("niah_single_1", "123\n4567", ["1234567"], flavor="kvpress") == 1.0
+    assert ruler_prediction(" a\tb ", flavor="kvpress") == "ab" and ruler_prediction(" a\tb ") == "a\nb"
+
+
+def test_longbench_kvpress_flavor_strips_leading_whitespace_first():
+    # kvpress: prediction.lstrip().split("\n")[0] for the few-shot sets, prediction.lstrip() for the rest.
+    # "  \nParis\nLondon" on triviaqa: LongBench takes the first line after newlines only: "  "; kvpress "Paris".
+    assert longbench_item_score("triviaqa", "  \nParis\nLondon", ["Paris"]) == 0.0
+    assert longbench_item_score("triviaqa", "  \nParis\nLondon", ["Paris"], flavor="kvpress") == 1.0
+    # lcc: the first code line after leading newlines; a leading space changes fuzz.ratio only under LongBench.
+    original = longbench_item_score("lcc", " x = 1", ["x = 1"])
+    assert original < 1.0 and longbench_item_score("lcc", " x = 1", ["x = 1"], flavor="kvpress") == 1.0
+
+
+def test_item_score_dispatches_on_the_task_name_and_refuses_unknown_ones():
+    from eval.scorers import benchmark_of, item_score, task_metric, task_score
+
+    assert benchmark_of("qa_2") == "ruler" and benchmark_of("hotpotqa") == "longbench"
+    assert benchmark_of("qasper_e") == "longbench" and benchmark_of("squad") is None
+    assert item_score("hotpotqa", "the Paris", ["Paris"]) == 1.0  # qa_f1 after normalisation
+    assert task_metric("lcc") == "code_sim_score"
+    assert task_score([1.0, 0.0, 0.5]) == 50.0 and task_score([1 / 3]) == 33.33
+    with pytest.raises(UserError, match="unknown task 'squad'"):
+        task_metric("squad")
+    with pytest.raises(ValueError, match="flavor"):
+        ruler_prediction("x", flavor="ruler")
