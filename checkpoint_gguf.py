@@ -150,8 +150,7 @@ def gguf_model_args(meta: dict, tensor_names: set[str], source: str = "GGUF file
     """ModelArgs from GGUF metadata; a missing, mistyped or inconsistent key is a UserError naming it."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        hint = "; use the Hugging Face directory" if arch == "gemma3" else ""
-        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)}){hint}")
+        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
     n_head = _int_key(meta, f"{arch}.attention.head_count", source)
     n_kv_head = _int_key(meta, f"{arch}.attention.head_count_kv", source, n_head)
     if n_head % n_kv_head:
