@@ -123,8 +123,9 @@ def check_tokenizer_keys(meta: dict, source: str) -> None:
             _int_key(meta, key, source, minimum=0)
             if meta[key] >= vocab:
                 raise UserError(f"{source}: GGUF key {key} is {meta[key]}, outside the vocabulary of {vocab} tokens")
-    if not isinstance(meta.get("tokenizer.ggml.add_bos_token", False), bool):
-        raise UserError(f"{source}: GGUF key tokenizer.ggml.add_bos_token must be true or false")
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"):
+        if not isinstance(meta.get(key, False), bool):
+            raise UserError(f"{source}: GGUF key {key} must be true or false")
 
 
 def _head_dims(meta: dict, arch: str, source: str, dim: int, n_head: int) -> tuple[int, int]:

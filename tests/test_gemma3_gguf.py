@@ -293,6 +293,21 @@ def test_the_gemma3_gguf_tokenizer_matches_transformers(tmp_path):
         "th", "e", f"{SP}the", "m", "e"]  # merges in vocabulary order: "th" before "he"
 
 
+def test_a_sentencepiece_vocabulary_with_a_prefix_space_is_refused(tmp_path):
+    """add_space_prefix (Llama 2-style vocabularies) would encode every text differently; not implemented."""
+    from checkpoint_gguf import check_tokenizer_keys
+
+    path = tmp_path / "tok.gguf"
+    write_sentencepiece_gguf(path)
+    meta = read_gguf_metadata(path)[1]
+    with pytest.raises(UserError, match="add_space_prefix are not supported"):
+        tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.add_space_prefix": True})
+    with pytest.raises(UserError, match="tokenizer.ggml.add_space_prefix must be true or false"):
+        check_tokenizer_keys({**meta, "tokenizer.ggml.add_space_prefix": "no"}, "f.gguf")
+    with pytest.raises(UserError, match="unsupported GGUF tokenizer model 'llama' for architecture 'llama'"):
+        tokenizer_from_gguf_metadata({**meta, "general.architecture": "llama"})
+
+
 def test_a_base_gemma3_gguf_has_no_chat_template_and_chat_says_so(tmp_path):
     import generate
 
