@@ -1,24 +1,24 @@
 """GGUF files (llama.cpp): metadata -> ModelArgs, tensors dequantized one at a time.
 
-Architectures (`general.architecture`): llama (Llama, Mistral and SmolLM GGUFs), qwen2, qwen3, phi3.
-llama.cpp stores llama-architecture q/k projections with interleaved RoPE pairs; they are permuted back
-to the rotate-half layout here, so one RoPE implementation serves every checkpoint format. Gemma 3 GGUFs
-are refused: llama.cpp folds Gemma's norm offset into the weights and picks the attention scale by model
-size, which this loader has not been verified against; use the Hugging Face directory.
+Architectures (`general.architecture`): llama (Llama, Mistral and SmolLM GGUFs), qwen2, qwen3, phi3,
+gemma3 (text-only Gemma 3). llama.cpp stores llama-architecture q/k projections with interleaved RoPE
+pairs; they are permuted back to the rotate-half layout here, so one RoPE implementation serves every
+checkpoint format. Gemma 3 files leave out what llama.cpp hard-codes for the architecture: the local
+(sliding) layers' RoPE base, the local/global layer pattern and the attention scale (see
+`_gemma3_settings`); its converter stores every RMSNorm weight with Gemma's +1 folded in, which is taken
+out again here so the model runs the Hugging Face convention (norm_offset 1).
 
 Everything the loader reads is checked before it is used, with one line naming the file and the key: a
-file shorter than its header says is "truncated at byte N of M" (walked here: the `gguf` reader fails
-on it deep in numpy), every metadata key the config and the tokenizer need is present, of its type and
-consistent, and every tensor is finite as it streams in (a NaN weight changes the greedy answer without
-a word) unless the caller allows it.
+file shorter than its header says is "truncated at byte N of M" (gguf_reader.py walks the header), every
+metadata key the config and the tokenizer need is present, of its type and consistent, and every tensor
+is finite as it streams in (a NaN weight changes the greedy answer without a word) unless the caller
+allows it.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import numbers
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,102 +27,17 @@ import torch
 
 from checkpoint_hf import check_finite
 from errors import UserError
+from gguf_reader import GGUFHeader, read_gguf_header
 from model import ModelArgs
 from tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
-
-# ---- the file's extent, from its header --------------------------------------------------------------------
-
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 
 
-class _HeaderCursor:
-    """Reads GGUF header fields in order; a read past the end of the file is a truncation."""
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
-
-    def take(self, n: int) -> int:
-        start, self.pos = self.pos, self.pos + n
-        if self.pos > len(self.buf):
-            raise UserError(f"GGUF file {self.path} is truncated at byte {len(self.buf)} of at least {self.pos} "
-                            "(inside its header)")
-        return start
-
-    def uint(self, size: int) -> int:
-        return struct.unpack_from(self.order + {4: "I", 8: "Q"}[size], self.buf, self.take(size))[0]
-
-    def string(self) -> bytes:
-        n = self.uint(8)
-        start = self.take(n)
-        return self.buf[start:start + n]
-
-    def skip_value(self, kind: int) -> None:
-        if kind == _STRING:
-            self.take(self.uint(8))
-        elif kind == _ARRAY:
-            item, count = self.uint(4), self.uint(8)
-            if item in _SCALAR_SIZES:
-                self.take(_SCALAR_SIZES[item] * count)
-            else:
-                for _ in range(count):
-                    self.skip_value(item)
-        elif kind in _SCALAR_SIZES:
-            self.take(_SCALAR_SIZES[kind])
-        else:
-            raise UserError(f"{self.path} is not a valid GGUF file (unknown value type {kind} at byte {self.pos})")
-
-
-def gguf_extent(path: Path) -> int:
-    """The size in bytes the file's header says it has (the end of its last tensor's data)."""
-    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _HeaderCursor(buf, path)
-        if buf[:4] != b"GGUF":
-            raise UserError(f"{path} is not a GGUF file (it does not start with GGUF)")
-        cur.take(4)
-        if cur.uint(4) & 0xFFFF == 0:  # a version number read with the wrong byte order
-            cur.order = ">"
-        n_tensors, n_kv = cur.uint(8), cur.uint(8)
-        alignment = GGUF_DEFAULT_ALIGNMENT
-        for _ in range(n_kv):
-            key, kind = cur.string(), cur.uint(4)
-            if key == b"general.alignment" and kind == _UINT32:
-                alignment = cur.uint(4)
-            else:
-                cur.skip_value(kind)
-        end = 0
-        for _ in range(n_tensors):
-            name = cur.string().decode("utf-8", "replace")
-            dims = [cur.uint(8) for _ in range(cur.uint(4))]
-            kind, offset = cur.uint(4), cur.uint(8)
-            try:
-                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-            except (ValueError, KeyError):
-                raise UserError(f"{path}: tensor {name} has an unknown GGUF tensor type {kind}") from None
-            end = max(end, offset + math.prod(dims) // block * block_bytes)
-        if alignment <= 0:
-            raise UserError(f"{path}: GGUF key general.alignment must be positive, got {alignment}")
-        return -(-cur.pos // alignment) * alignment + end
-
-
-def read_gguf_metadata(path: Path) -> tuple[object, dict]:
-    from gguf import GGUFReader
-
-    size = path.stat().st_size
-    if size == 0:
-        raise UserError(f"GGUF file {path} is empty")
-    extent = gguf_extent(path)
-    if size < extent:
-        raise UserError(f"GGUF file {path} is truncated at byte {size} of {extent}")
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError, struct.error) as e:  # what the reader raises on bad data
-        raise UserError(f"cannot read GGUF file {path}: {str(e).splitlines()[0]}") from None
-    return reader, {name: f.contents() for name, f in reader.fields.items()}
+def read_gguf_metadata(path: Path) -> tuple[GGUFHeader, dict]:
+    """(the header, with its tensors; its metadata as a dict of Python values)."""
+    header = read_gguf_header(path)
+    return header, header.meta
 
 
 def unpermute_rope_pairs(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -148,6 +63,8 @@ _LAYER_NAMES = {
     "attn_norm": "attention_norm",
     "ffn_norm": "ffn_norm",
 }
+# Gemma 3's norms on the sublayer outputs (its ffn_norm is the pre-feed-forward norm, as elsewhere).
+_SANDWICH_NAMES = {"post_attention_norm": "post_attention_norm", "post_ffw_norm": "post_ffn_norm"}
 _TOP_NAMES = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
 
 
@@ -206,8 +123,9 @@ def check_tokenizer_keys(meta: dict, source: str) -> None:
             _int_key(meta, key, source, minimum=0)
             if meta[key] >= vocab:
                 raise UserError(f"{source}: GGUF key {key} is {meta[key]}, outside the vocabulary of {vocab} tokens")
-    if not isinstance(meta.get("tokenizer.ggml.add_bos_token", False), bool):
-        raise UserError(f"{source}: GGUF key tokenizer.ggml.add_bos_token must be true or false")
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"):
+        if not isinstance(meta.get(key, False), bool):
+            raise UserError(f"{source}: GGUF key {key} must be true or false")
 
 
 def _head_dims(meta: dict, arch: str, source: str, dim: int, n_head: int) -> tuple[int, int]:
@@ -233,8 +151,7 @@ def gguf_model_args(meta: dict, tensor_names: set[str], source: str = "GGUF file
     """ModelArgs from GGUF metadata; a missing, mistyped or inconsistent key is a UserError naming it."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        hint = "; use the Hugging Face directory" if arch == "gemma3" else ""
-        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)}){hint}")
+        raise UserError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
     n_head = _int_key(meta, f"{arch}.attention.head_count", source)
     n_kv_head = _int_key(meta, f"{arch}.attention.head_count_kv", source, n_head)
     if n_head % n_kv_head:
@@ -259,6 +176,8 @@ def gguf_model_args(meta: dict, tensor_names: set[str], source: str = "GGUF file
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=_int_key(meta, f"{arch}.attention.sliding_window", source, 0, minimum=0),
     )
+    if arch == "gemma3":
+        _gemma3_settings(meta, args, source)
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind not in ("none", "linear"):
         raise UserError(f"{source}: unsupported GGUF rope scaling {_show(kind)}")
@@ -266,6 +185,35 @@ def gguf_model_args(meta: dict, tensor_names: set[str], source: str = "GGUF file
         args.rope_scaling = {"rope_type": "linear",
                              "factor": _float_key(meta, f"{arch}.rope.scaling.factor", source)}
     return args
+
+
+# llama.cpp's Gemma 3 hyper-parameters that its GGUF files do not carry (llama-model.cpp, LLM_ARCH_GEMMA3):
+# every sixth layer global, local layers at RoPE base 10000 unscaled, and an attention scale of
+# head_dim ** -0.5 except for the 27B (62 layers), whose query_pre_attn_scalar is dim / n_head.
+GEMMA3_LAYER_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_settings(meta: dict, args: ModelArgs, source: str) -> None:
+    """Gemma 3's architecture on top of the common keys: GeGLU, sandwich norms, embeddings × sqrt(dim),
+    its query scale, the local/global layer pattern (with the sliding layers' own RoPE base) and an
+    optional final logit soft-cap; the same ModelArgs the Hugging Face gemma3_text config gives."""
+    if "gemma3.attn_logit_softcapping" in meta:
+        raise UserError(f"{source}: attention logit soft-capping (gemma3.attn_logit_softcapping) is not supported")
+    args.hidden_act = "gelu_tanh"
+    args.norm_offset = 1.0  # the +1 llama.cpp folded into the norm weights is taken out as they stream in
+    args.sandwich_norms = True
+    args.embedding_scale = math.sqrt(args.dim)
+    scalar = args.dim // args.n_head if args.n_layer == GEMMA3_27B_LAYERS else args.head_dim
+    args.query_scale = scalar ** -0.5
+    cap_key = "gemma3.final_logit_softcapping"
+    args.final_logit_softcap = _float_key(meta, cap_key, source) if cap_key in meta else 0.0
+    if not args.sliding_window:
+        return  # llama.cpp: no sliding window key, every layer global
+    every = _int_key(meta, "gemma3.attention.sliding_window_pattern", source, GEMMA3_LAYER_PATTERN)
+    args.layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(args.n_layer)]
+    args.local_rope_base = _float_key(meta, "gemma3.rope.freq_base_swa", source, GEMMA3_LOCAL_ROPE_BASE)
 
 
 def _our_names(arch: str, gguf_name: str, args: ModelArgs) -> list[tuple[str, slice | None]]:
@@ -289,9 +237,10 @@ def _our_names(arch: str, gguf_name: str, args: ModelArgs) -> list[tuple[str, sl
         n = args.intermediate_size
         return [(f"layers.{layer}.feed_forward.w1.{leaf}", slice(0, n)),
                 (f"layers.{layer}.feed_forward.w3.{leaf}", slice(n, 2 * n))]
-    if kind not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if arch == "gemma3" else _LAYER_NAMES
+    if kind not in names:
         raise UserError(f"unexpected GGUF tensor {gguf_name}")
-    return [(f"layers.{layer}.{_LAYER_NAMES[kind]}.{leaf}", None)]
+    return [(f"layers.{layer}.{names[kind]}.{leaf}", None)]
 
 
 def read_gguf(path: Path, *, allow_non_finite: bool = False
@@ -301,18 +250,18 @@ def read_gguf(path: Path, *, allow_non_finite: bool = False
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader, meta = read_gguf_metadata(path)
-    args = gguf_model_args(meta, {t.name for t in reader.tensors}, str(path))
+    header, meta = read_gguf_metadata(path)
+    args = gguf_model_args(meta, {t.name for t in header.tensors}, str(path))
     check_tokenizer_keys(meta, str(path))
     arch = meta["general.architecture"]
     supported = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                  GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
                  GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                  GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.tensor_type not in supported:
             raise UserError(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name}")
-    plan = [(t, _our_names(arch, t.name, args)) for t in reader.tensors]
+    plan = [(t, _our_names(arch, t.name, args)) for t in header.tensors]
 
     def stream() -> Iterator[tuple[str, torch.Tensor, int]]:
         for t, targets in plan:
@@ -321,6 +270,8 @@ def read_gguf(path: Path, *, allow_non_finite: bool = False
             kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
             if arch == "llama" and kind in ("attn_q", "attn_k"):
                 w = unpermute_rope_pairs(w, args.n_head if kind == "attn_q" else args.n_kv_head)
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                w = w - args.norm_offset  # stored as 1 + weight (llama.cpp's Gemma converter)
             for i, (name, rows) in enumerate(targets):
                 part = w if rows is None else w[rows]
                 # A copy: GGUF F32 data is a read-only memmap.
@@ -329,4 +280,4 @@ def read_gguf(path: Path, *, allow_non_finite: bool = False
                     check_finite(tensor, t.name, str(path))
                 yield name, tensor, int(t.n_bytes) if i == 0 else 0
 
-    return args, stream(), sum(int(t.n_bytes) for t in reader.tensors), tokenizer_from_gguf_metadata(meta)
+    return args, stream(), sum(int(t.n_bytes) for t in header.tensors), tokenizer_from_gguf_metadata(meta)

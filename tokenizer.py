@@ -1,5 +1,6 @@
-"""Tokenizers built offline from what a checkpoint carries: the GGUF vocab and merges, or a Hugging Face
-`tokenizer.json`. Chat templates (Jinja, as shipped with the checkpoint: tokenizer_config.json,
+"""Tokenizers built offline from what a checkpoint carries: the GGUF vocab and merges (byte-level BPE, or
+Gemma's SentencePiece vocabulary), or a Hugging Face `tokenizer.json`.
+Chat templates (Jinja, as shipped with the checkpoint: tokenizer_config.json,
 chat_template.jinja or GGUF metadata) are rendered in a sandbox set up as transformers sets up its own
 (loop controls, raise_exception, strftime_now, a non-escaping tojson, every special token by name), so
 a template renders the same string here as with `apply_chat_template` there."""
@@ -14,7 +15,7 @@ from pathlib import Path
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from errors import UserError
@@ -34,6 +35,9 @@ _SPLIT_REGEX_PRE = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-
                     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 _GGUF_TOKEN_TYPE_CONTROL = 3
 _GGUF_TOKEN_TYPE_USER_DEFINED = 4
+_SPACE = "\u2581"  # SentencePiece's visible space
+# SentencePiece ("llama") vocabularies this module reads, by architecture.
+GGUF_SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
 
 
 class Tokenizer:
@@ -141,25 +145,71 @@ def byte_level_bpe(
     return backend
 
 
-def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
-    kind = meta.get("tokenizer.ggml.model")
+def sentencepiece_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, best first: every split of a token into two
+    tokens, ranked by the token's position in the vocabulary (SentencePiece BPE assigns ids in merge
+    order; Gemma's scores are that order too, -id, except for special and byte tokens), then by the
+    longer left piece. These are the merges transformers derives from the same GGUF (its
+    `generate_merges`), so both tokenizers split text alike."""
+    vocab = set(tokens)
+    merges = []
+    for token in tokens:
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def sentencepiece_bpe(tokens: list[str], token_types: list[int]) -> HFTokenizer:
+    """Gemma's SentencePiece BPE: spaces as U+2581 with no dummy prefix, byte fallback (<0xNN> tokens)
+    for what the vocabulary lacks, control tokens matched whole as special tokens and user-defined ones
+    (newline runs, HTML tags) matched whole as ordinary tokens, as llama.cpp and transformers do."""
+    # A run of spaces is stored as real spaces; the text it matches has been normalised to U+2581.
+    spaces = {_SPACE * len(t) for t in tokens if t and not t.strip(" ")}
+    tokens = [_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=sentencepiece_merges(tokens),
+                                     unk_token="<unk>" if "<unk>" in tokens else None, fuse_unk=True,
+                                     byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    types = token_types or [0] * len(tokens)  # check_tokenizer_keys: one type per token, or none
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types, strict=True) if kind == _GGUF_TOKEN_TYPE_CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types, strict=True)
+                        if kind == _GGUF_TOKEN_TYPE_USER_DEFINED and t not in spaces])
+    return backend
+
+
+def _gguf_backend(meta: dict) -> HFTokenizer:
+    kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types = meta.get("tokenizer.ggml.token_type", [])
+    if kind == "llama" and arch in GGUF_SENTENCEPIECE_ARCHITECTURES:
+        if meta.get("tokenizer.ggml.add_space_prefix", False):
+            raise UserError("GGUF SentencePiece tokenizers with add_space_prefix are not supported")
+        return sentencepiece_bpe(tokens, token_types)
     if kind != "gpt2":
-        raise UserError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2-style byte-level BPE)")
+        raise UserError(f"unsupported GGUF tokenizer model {kind!r} for architecture {arch!r} (supported: gpt2-style "
+                        f"byte-level BPE; SentencePiece for {', '.join(GGUF_SENTENCEPIECE_ARCHITECTURES)})")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE):
         names = ", ".join(sorted(_GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE)))
         raise UserError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {names})")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: a byte vocabulary
     backend = byte_level_bpe({t: i for i, t in enumerate(tokens)}, merges, split_digits=pre in _DIGIT_SPLITTING_PRE,
                              split_regex=_SPLIT_REGEX_PRE.get(pre))
-    token_types = meta.get("tokenizer.ggml.token_type", [])
     special = [
         tokens[i]
         for i, t in enumerate(token_types)
         if t in (_GGUF_TOKEN_TYPE_CONTROL, _GGUF_TOKEN_TYPE_USER_DEFINED)
     ]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return backend
+
+
+def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
+    backend = _gguf_backend(meta)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     eot = meta.get("tokenizer.ggml.eot_token_id")

@@ -85,20 +85,22 @@ def test_gguf_matches_transformers_gguf_loader(tmp_path, arch, gguf_arch):
     assert (ours - hf).abs().max().item() <= LOGIT_ATOL  # and the directory it was converted from
 
 
-def test_gemma3_gguf_is_refused_with_a_pointer_to_the_directory(tmp_path):
+def test_an_unsupported_gguf_architecture_is_refused_naming_the_supported_ones(tmp_path):
+    """Gemma 2 (not Gemma 3, which loads: tests/test_gemma3_gguf.py) is one line listing what loads."""
     import gguf
 
     from errors import UserError
 
-    path = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    path = tmp_path / "gemma2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UserError, match="unsupported GGUF architecture 'gemma3'.*Hugging Face directory"):
+    with pytest.raises(UserError, match=r"unsupported GGUF architecture 'gemma2' \(supported: llama, qwen2, qwen3, "
+                                        r"phi3, gemma3\)$"):
         load_checkpoint(path, "cpu", torch.float32)
 
 
