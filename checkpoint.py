@@ -28,6 +28,7 @@ from checkpoint_hf import (
     weight_files,
 )
 from errors import UserError
+from flag_types import count
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer, tokenizer_from_hf_dir
 
@@ -78,15 +79,8 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser | argparse._Argument
                         help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+# argparse type: an integer ≥ 1 (a number of rows, sizes, items).
+positive_int = count()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = True, batch_flag: bool = True) -> None:

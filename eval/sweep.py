@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cache_spec import finite_float, mapping_to_argv, read_yaml
+from cache_spec import mapping_to_argv, read_yaml
 from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
+from flag_types import NON_NEGATIVE, POSITIVE, SEED, count
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
 
@@ -42,12 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="python -m eval.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--grid", default=None, help="YAML file with the grid (flags typed here win)")
     parser.add_argument("--strategies", nargs="+", default=["full"])
-    parser.add_argument("--budgets", nargs="+", type=finite_float, default=[0.5, 0.25, 0.1],
+    parser.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.5, 0.25, 0.1],
                         help="fractions of |prompt|+new tokens (≤ 1) or tokens (> 1)")
     parser.add_argument("--cache_configs", nargs="+", default=[], help="presets, one configuration each")
     parser.add_argument("--tasks", nargs="+", default=["fidelity"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--workers", type=int, default=1, help="parallel processes")
+    parser.add_argument("--seeds", nargs="+", type=SEED, default=[0])
+    parser.add_argument("--workers", type=count(), default=1, help="parallel processes")
     parser.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1")
     parser.add_argument("--out_dir", default="results")
     parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")
@@ -56,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local processes (--workers, --devices) or a Ray cluster (needs requirements-ray.txt)")
     g.add_argument("--ray_address", default=None,
                    help="ray: auto or HOST:PORT of a running cluster (default: start Ray on this machine)")
-    g.add_argument("--gpus_per_run", type=float, default=None,
+    g.add_argument("--gpus_per_run", type=NON_NEGATIVE, default=None,
                    help="ray: GPUs each worker reserves (default 0: one CPU core each)")
-    g.add_argument("--max_retries", type=int, default=None,
+    g.add_argument("--max_retries", type=count(0), default=None,
                    help=f"ray: re-sends of a run whose worker died (default {sweep_ray.DEFAULT_MAX_RETRIES})")
     return parser
 
