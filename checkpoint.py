@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -102,6 +103,21 @@ def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = Tr
         g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
 
 
+def check_converted(original: torch.Tensor, converted: torch.Tensor, name: str, source: str) -> None:
+    """A UserError when the conversion made a finite tensor non-finite (values past the dtype's range).
+    One float32 sum on the device: finite float16/bfloat16 entries cannot overflow a float32 sum of any
+    size a model holds, so a non-finite sum means a non-finite entry."""
+    if not converted.is_floating_point() or math.isfinite(converted.sum(dtype=torch.float32).item()):
+        return
+    if not bool(torch.isfinite(original).all()):
+        return  # already non-finite in the file: the loaders' check (or allow_non_finite) decided
+    dtype = str(converted.dtype).removeprefix("torch.")
+    largest = float(original.abs().max())
+    raise UserError(f"{source}: tensor {name} holds values up to {largest:g}, beyond {dtype}'s range (largest "
+                    f"{torch.finfo(converted.dtype).max:g}): they would load as inf; use --dtype float32 or "
+                    "bfloat16")
+
+
 def resolve_device(name: str) -> str:
     """The device a --device value names, or a UserError (CUDA asked for where there is none)."""
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -129,10 +145,11 @@ def load_checkpoint(
         stream = iter_safetensors(files, allow_non_finite=allow_non_finite)
         tensors = ((name, t, n if i == 0 else 0) for key, tensor, n in stream
                    for i, (name, t) in enumerate(map_tensor(key, tensor, args)))
-        model = build_model(args, tensors, total_bytes(files), device, dtype, str(path))
+        model = build_model(args, tensors, total_bytes(files), device, dtype, str(path),
+                            allow_non_finite=allow_non_finite)
     elif path.suffix == ".gguf":
         args, tensors, size, tokenizer = read_gguf(path, allow_non_finite=allow_non_finite)
-        model = build_model(args, tensors, size, device, dtype, str(path))
+        model = build_model(args, tensors, size, device, dtype, str(path), allow_non_finite=allow_non_finite)
     else:
         raise UserError(f"unsupported checkpoint {path}: expected a .gguf file or a Hugging Face directory")
     return model, tokenizer
@@ -145,9 +162,13 @@ def build_model(
     device: str | torch.device,
     dtype: torch.dtype,
     source: str = "checkpoint",
+    *,
+    allow_non_finite: bool = False,
 ) -> Transformer:
     """The model from a stream of (name, CPU tensor, bytes read), each moved to `device` and `dtype` as it
-    arrives: at most one tensor is held twice, never the model, so the peak stays near the model's size."""
+    arrives: at most one tensor is held twice, never the model, so the peak stays near the model's size.
+    A weight that was finite but overflows `dtype` (1e5 in float16, whose largest is 65504) is refused
+    unless `allow_non_finite`: the loaders' finite check ran before the conversion."""
     with torch.device("meta"):
         model = Transformer(args)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -160,6 +181,8 @@ def build_model(
         if tuple(tensor.shape) != shapes[name]:
             raise UserError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}")
         state[name] = tensor.to(device=device, dtype=dtype)
+        if not allow_non_finite and state[name].dtype != tensor.dtype:
+            check_converted(tensor, state[name], name, source)
         bar.update(nbytes)
     bar.close()
     missing = expected - set(state)

@@ -146,3 +146,19 @@ def test_the_command_line_refuses_in_one_line(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == ["error: argument --steps: must be at least 1, got 0"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_weights_that_overflow_the_dtype_are_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A float32 checkpoint with a 1e5 weight passes the finite check, then overflows --dtype float16."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = shutil.copytree(tiny_dir, tmp_path / "model")
+    weights = directory / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.layers.0.self_attn.q_proj.weight"][0, 0] = 1e5
+    save_file(state, str(weights))
+    argv = [*ENTRY_POINTS["generate.py"].prefix(tmp_path), "--checkpoint_path", str(directory), "--dtype", "float16"]
+    line = refused("generate.py", argv, tmp_path, capsys, monkeypatch, early=False)
+    assert "beyond float16's range" in line and "--dtype float32" in line, line
