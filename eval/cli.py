@@ -193,6 +193,9 @@ def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dic
     metrics = results.read_metrics(path)
     if metrics is None:
         return None, "run"
+    problem = results.damage(path, metrics)
+    if problem is not None:  # never counted as finished: run again, replacing it
+        return None, f"rerun (damaged run: {problem})"
     dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
     inputs = results.input_fingerprints(args, task.options)
     identity = results.run_identity(args, task.name, task.options, dtype)
@@ -201,10 +204,16 @@ def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dic
     return None, f"rerun (changed since the finished run: {', '.join(results.changed_inputs(path, inputs))})"
 
 
-def job_is_current(job: list[str]) -> bool:
-    """Whether the eval run of `job` (one task, one configuration) is finished with today's inputs."""
+def job_state(job: list[str]) -> tuple[bool, str]:
+    """(whether the eval run of `job`, one task and one configuration, is finished with today's inputs and
+    complete; the state line: skip, run, rerun and why)."""
     ((task, config, path),) = plan(parse_args(job))
-    return current_state(task, config, path)[0] is not None
+    metrics, state = current_state(task, config, path)
+    return metrics is not None, state
+
+
+def job_is_current(job: list[str]) -> bool:
+    return job_state(job)[0]
 
 
 def headline(task: Task, metrics: dict) -> str:

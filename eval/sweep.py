@@ -37,6 +37,9 @@ from eval import cli, results, sweep_ray
 from flag_types import NON_NEGATIVE, POSITIVE, SEED, count
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
+# Runs a sweep starts without --yes: past this a mistyped grid (one more seed list, a budget too many) is
+# hours of compute, and the product is easy to misjudge.
+CONFIRM_ABOVE = 200
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1")
     parser.add_argument("--out_dir", default="results")
     parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")
+    parser.add_argument("--yes", action="store_true",
+                        help=f"start more than {CONFIRM_ABOVE} runs (a grid that large is refused without it)")
     g = parser.add_argument_group("backend")
     g.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="local processes (--workers, --devices) or a Ray cluster (needs requirements-ray.txt)")
@@ -223,15 +228,32 @@ def run_parallel(pending: list[tuple[list[str], Path]], sweep: argparse.Namespac
     return failures
 
 
+def pending_jobs(planned: list[tuple[list[str], Path]], overwrite: bool) -> list[tuple[list[str], Path]]:
+    """The runs to start: all with --overwrite, else those not finished with today's inputs (model, data,
+    code) or damaged, each of the latter said in one line."""
+    if overwrite:
+        return list(planned)
+    pending = []
+    for job, path in planned:
+        current, state = cli.job_state(job)
+        if not current:
+            pending.append((job, path))
+            if state.startswith("rerun"):
+                print(f"{state}: {path}", file=sys.stderr)
+    return pending
+
+
 def main(argv: list[str] | None = None) -> Path:
     sweep, rest = parse_sweep(argv)
-    out_dir = results.check_out_dir(sweep.out_dir)
     devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
         else [None]
     planned = plan_jobs(grid_jobs(sweep, rest))
-    # Finished means finished with today's inputs (model, data, code): a stale run is run again.
-    pending = [(job, path) for job, path in planned if sweep.overwrite or not cli.job_is_current(job)]
+    pending = pending_jobs(planned, sweep.overwrite)
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
+    if len(pending) > CONFIRM_ABOVE and not sweep.yes:
+        raise UserError(f"the grid would start {len(pending)} runs (more than {CONFIRM_ABOVE}); check it and pass "
+                        "--yes to start them")
+    out_dir = results.check_out_dir(sweep.out_dir)
     bar = tqdm(total=len(planned), initial=len(planned) - len(pending), desc="sweep", unit="run")
     failures: dict[int, str] = {}
     if sweep.backend == "ray":
