@@ -453,8 +453,8 @@ def git_commit(root: Path = ROOT) -> str | None:
 
 
 def load_runs(out_dir: Path) -> list[dict]:
-    """Every finished run's metrics (with its `run_dir`); a damaged one (see damage) is skipped with a
-    warning."""
+    """Every finished run's metrics (with its `run_dir`); an unreadable metrics.json is skipped with a warning,
+    and a run whose other files are damaged (see damage) is listed with one."""
     runs = []
     for path in sorted(out_dir.glob("*/*/*/metrics.json")):
         run = path.parent
@@ -464,9 +464,9 @@ def load_runs(out_dir: Path) -> list[dict]:
         if metrics is None:
             continue
         problem = damage(run, metrics)
-        if problem is not None:
-            print(f"warning: skipping damaged run {run}: {problem}", file=sys.stderr)
-            continue
+        if problem is not None:  # its metrics.json is whole: the table keeps its numbers, eval reruns it
+            print(f"warning: damaged run {run}: {problem}; listed from its metrics.json, not counted as finished "
+                  "(eval and the sweep run it again)", file=sys.stderr)
         metrics["run_dir"] = str(run.relative_to(out_dir))
         runs.append(metrics)
     return runs
