@@ -115,6 +115,21 @@ def test_the_sweep_reruns_a_damaged_run_saying_why(out, tiny_dir, capsys):
     assert results.is_finished(path) and len(results.load_runs(out)) == 1
 
 
+def test_the_ray_backend_is_handed_the_damaged_run(out, tiny_dir, capsys, monkeypatch):
+    """Ray's driver gets the same pending list as the local backend (no cluster started here)."""
+    from eval import sweep_ray
+
+    path = run_dir(out)
+    cut_last_line(path / "items.jsonl")
+    handed = []
+    monkeypatch.setattr(sweep_ray, "import_ray", lambda: None)
+    monkeypatch.setattr(sweep_ray, "run_ray", lambda pending, sweep_args, bar: handed.extend(pending) or {})
+    sweep.main([*sweep_flags(tiny_dir, out), "--backend", "ray"])
+    assert [p for _, p in handed] == [path]
+    assert f"rerun (damaged run: items.jsonl holds 1 items, metrics.json counts 2): {path}" in \
+        capsys.readouterr().err.splitlines()
+
+
 def test_a_grid_above_the_threshold_needs_yes(tmp_path, tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(sweep, "CONFIRM_ABOVE", 2)
     out = tmp_path / "out"
