@@ -50,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.windows < 1 or args.global_tokens < 0 or args.recent_window < 1:
-        raise UserError("--windows and --recent_window must be ≥ 1 and --global_tokens ≥ 0")
+    """What the flags' own ranges (flag_types) cannot say: how they relate."""
     if args.seq_len <= args.global_tokens + args.recent_window:
         raise UserError(f"--seq_len {args.seq_len} must exceed --global_tokens + --recent_window: the pattern "
                         "must evict for a loss to show")

@@ -101,18 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.steps < 1:
-        raise UserError(f"--steps must be ≥ 1, got {args.steps}")
-    if args.seq_len < 2:
-        raise UserError(f"--seq_len must be ≥ 2, got {args.seq_len}")
-    if args.capacity <= 0 or args.capacity_weight < 0:
-        raise UserError("--capacity must be positive and --capacity_weight ≥ 0")
-    if args.global_tokens < 0 or args.recent_window < 0:
-        raise UserError("--global_tokens and --recent_window must be ≥ 0")
-    if args.lr <= 0 or args.bias_lr <= 0:
-        raise UserError("--lr and --bias_lr must be positive")
-    if args.threads < 0:
-        raise UserError(f"--threads must be ≥ 0, got {args.threads}")
+    """What the flags' own ranges (flag_types) cannot say: how they relate."""
     if args.max_train_tokens is not None and args.max_train_tokens < args.seq_len:
         raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
 

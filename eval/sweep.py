@@ -122,8 +122,6 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("--cache_strategy", "--max_cache_length", "--seed", "--baseline", "--no-baseline"):
         if flag in rest:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
-    if sweep.workers < 1:
-        raise UserError(f"--workers must be ≥ 1, got {sweep.workers}")
     sweep_ray.check_flags(sweep)
     return sweep, sweep_ray.worker_flags(sweep, rest) if sweep.backend == "ray" else local_flags(sweep, rest)
 

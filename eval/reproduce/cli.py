@@ -65,8 +65,6 @@ def selected(names: list[str]) -> list[str]:
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """Eval flags that replace the profile's for every arm."""
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be ≥ 1, got {args.limit}")
     out = ["--limit", str(args.limit)] if args.limit is not None else []
     return out + (["--checkpoint_path", args.checkpoint_path] if args.checkpoint_path else [])
 
