@@ -19,7 +19,14 @@ import pytest
 
 from errors import run_cli
 from eval import cli
-from tests.bad_input_matrix import ENTRY_POINTS, probes, unranged_flags
+from tests.bad_input_matrix import (
+    ENTRY_POINTS,
+    NOT_PROBED,
+    probes,
+    registered_files,
+    script_files,
+    unranged_flags,
+)
 from tests.eval_helpers import PYDOC_EXCERPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,6 +143,12 @@ def test_every_entry_point_is_probed():
     probed = {p.entry for p in PROBES}
     assert probed == set(ENTRY_POINTS), set(ENTRY_POINTS) - probed
     assert len(PROBES) >= 200
+
+
+def test_every_command_line_script_is_in_the_matrix():
+    """A new entry point joins the matrix (one EntryPoint line) or says here why not."""
+    missing = script_files(ROOT) - registered_files(ROOT) - set(NOT_PROBED)
+    assert missing == set(), f"add these to tests/bad_input_matrix.py ENTRY_POINTS: {sorted(missing)}"
 
 
 def test_the_command_line_refuses_in_one_line(tmp_path):
