@@ -30,6 +30,7 @@ from cache import cache_statistics
 from cache_setup import attach_caches, cache_config
 from checkpoint import add_checkpoint_argument, load_checkpoint
 from errors import CliParser, UserError, run_cli
+from flag_types import THREADS, count
 from generate import decode_one_token, prefill
 from strategies.duo_attention import DUO_DIR
 from train_gates import model_name, training_windows
@@ -40,17 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_argument(p)
     p.add_argument("--out", default=None, help="output file (default: duo/<checkpoint name>.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--windows", type=int, default=4, help="text windows measured")
-    p.add_argument("--seq_len", type=int, default=512, help="tokens per window")
-    p.add_argument("--global_tokens", type=int, default=4, help="sinks of the streaming pattern measured")
-    p.add_argument("--recent_window", type=int, default=64, help="window of the streaming pattern measured")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible; 0: torch's choice)")
+    p.add_argument("--windows", type=count(), default=4, help="text windows measured")
+    p.add_argument("--seq_len", type=count(2), default=512, help="tokens per window")
+    p.add_argument("--global_tokens", type=count(0), default=4, help="sinks of the streaming pattern measured")
+    p.add_argument("--recent_window", type=count(1), default=64, help="window of the streaming pattern measured")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch threads (1: reproducible; 0: torch's choice)")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.windows < 1 or args.global_tokens < 0 or args.recent_window < 1:
-        raise UserError("--windows and --recent_window must be ≥ 1 and --global_tokens ≥ 0")
+    """What the flags' own ranges (flag_types) cannot say: how they relate."""
     if args.seq_len <= args.global_tokens + args.recent_window:
         raise UserError(f"--seq_len {args.seq_len} must exceed --global_tokens + --recent_window: the pattern "
                         "must evict for a loss to show")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from checkpoint_hf import (
     weight_files,
 )
 from errors import UserError
+from flag_types import count
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer, tokenizer_from_hf_dir
 
@@ -78,15 +80,8 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser | argparse._Argument
                         help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+# argparse type: an integer ≥ 1 (a number of rows, sizes, items).
+positive_int = count()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = True, batch_flag: bool = True) -> None:
@@ -106,6 +101,21 @@ def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = Tr
                        help="sequences decoded together, each with its own cache and eviction decisions")
     if compile_flag:
         g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+
+
+def check_converted(original: torch.Tensor, converted: torch.Tensor, name: str, source: str) -> None:
+    """A UserError when the conversion made a finite tensor non-finite (values past the dtype's range).
+    One float32 sum on the device: finite float16/bfloat16 entries cannot overflow a float32 sum of any
+    size a model holds, so a non-finite sum means a non-finite entry."""
+    if not converted.is_floating_point() or math.isfinite(converted.sum(dtype=torch.float32).item()):
+        return
+    if not bool(torch.isfinite(original).all()):
+        return  # already non-finite in the file: the loaders' check (or allow_non_finite) decided
+    dtype = str(converted.dtype).removeprefix("torch.")
+    largest = float(original.abs().max())
+    raise UserError(f"{source}: tensor {name} holds values up to {largest:g}, beyond {dtype}'s range (largest "
+                    f"{torch.finfo(converted.dtype).max:g}): they would load as inf; use --dtype float32 or "
+                    "bfloat16")
 
 
 def resolve_device(name: str) -> str:
@@ -135,10 +145,11 @@ def load_checkpoint(
         stream = iter_safetensors(files, allow_non_finite=allow_non_finite)
         tensors = ((name, t, n if i == 0 else 0) for key, tensor, n in stream
                    for i, (name, t) in enumerate(map_tensor(key, tensor, args)))
-        model = build_model(args, tensors, total_bytes(files), device, dtype, str(path))
+        model = build_model(args, tensors, total_bytes(files), device, dtype, str(path),
+                            allow_non_finite=allow_non_finite)
     elif path.suffix == ".gguf":
         args, tensors, size, tokenizer = read_gguf(path, allow_non_finite=allow_non_finite)
-        model = build_model(args, tensors, size, device, dtype, str(path))
+        model = build_model(args, tensors, size, device, dtype, str(path), allow_non_finite=allow_non_finite)
     else:
         raise UserError(f"unsupported checkpoint {path}: expected a .gguf file or a Hugging Face directory")
     return model, tokenizer
@@ -151,9 +162,13 @@ def build_model(
     device: str | torch.device,
     dtype: torch.dtype,
     source: str = "checkpoint",
+    *,
+    allow_non_finite: bool = False,
 ) -> Transformer:
     """The model from a stream of (name, CPU tensor, bytes read), each moved to `device` and `dtype` as it
-    arrives: at most one tensor is held twice, never the model, so the peak stays near the model's size."""
+    arrives: at most one tensor is held twice, never the model, so the peak stays near the model's size.
+    A weight that was finite but overflows `dtype` (1e5 in float16, whose largest is 65504) is refused
+    unless `allow_non_finite`: the loaders' finite check ran before the conversion."""
     with torch.device("meta"):
         model = Transformer(args)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -166,6 +181,8 @@ def build_model(
         if tuple(tensor.shape) != shapes[name]:
             raise UserError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}")
         state[name] = tensor.to(device=device, dtype=dtype)
+        if not allow_non_finite and state[name].dtype != tensor.dtype:
+            check_converted(tensor, state[name], name, source)
         bar.update(nbytes)
     bar.close()
     missing = expected - set(state)

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from atomic_files import check_writable
-from cache_spec import finite_float
 from checkpoint import add_checkpoint_argument, bundled_checkpoint_path, load_checkpoint, read_gguf_metadata
 from errors import CliParser, UserError, run_cli
+from flag_types import NON_NEGATIVE, POSITIVE, SEED, THREADS, count
 from gates import GATES_DIR, attach_gates, new_gates, save_gates
 from model import Transformer
 
@@ -81,37 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_argument(p)
     p.add_argument("--out", default=None, help="output file (default: gates/<checkpoint name>.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--steps", type=int, default=240, help="optimizer steps, one sequence each")
-    p.add_argument("--seq_len", type=int, default=256, help="tokens per training sequence")
-    p.add_argument("--lr", type=finite_float, default=0.01, help="Adam learning rate of the gate weights")
-    p.add_argument("--bias_lr", type=finite_float, default=0.05,
+    p.add_argument("--steps", type=count(), default=240, help="optimizer steps, one sequence each")
+    p.add_argument("--seq_len", type=count(2), default=256, help="tokens per training sequence")
+    p.add_argument("--lr", type=POSITIVE, default=0.01, help="Adam learning rate of the gate weights")
+    p.add_argument("--bias_lr", type=POSITIVE, default=0.05,
                    help="Adam learning rate of the gate biases (they start far out at +6, where the gates ≈ 1)")
-    p.add_argument("--capacity", type=finite_float, default=32,
+    p.add_argument("--capacity", type=POSITIVE, default=32,
                    help="M: soft number of decayable tokens a query may still see before the capacity term acts")
-    p.add_argument("--capacity_weight", type=finite_float, default=0.5, help="λ, the weight of the capacity term")
-    p.add_argument("--global_tokens", type=int, default=4, help="keys never decayed (attention sinks), as in the cache")
-    p.add_argument("--recent_window", type=int, default=10, help="newest keys never decayed, as in the cache")
-    p.add_argument("--max_train_tokens", type=int, default=None, help="use only the first N training tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capacity_weight", type=NON_NEGATIVE, default=0.5, help="λ, the weight of the capacity term")
+    p.add_argument("--global_tokens", type=count(0), default=4,
+                   help="keys never decayed (attention sinks), as in the cache")
+    p.add_argument("--recent_window", type=count(0), default=10, help="newest keys never decayed, as in the cache")
+    p.add_argument("--max_train_tokens", type=count(), default=None, help="use only the first N training tokens")
+    p.add_argument("--seed", type=SEED, default=0)
     # One thread by default: the result then does not depend on the machine's core count, and on these 2
     # shared cores 2 threads measured 3-5x slower per step than 1 (they spin against other jobs).
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible; 0: torch's choice)")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch threads (1: reproducible; 0: torch's choice)")
     return p
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.steps < 1:
-        raise UserError(f"--steps must be ≥ 1, got {args.steps}")
-    if args.seq_len < 2:
-        raise UserError(f"--seq_len must be ≥ 2, got {args.seq_len}")
-    if args.capacity <= 0 or args.capacity_weight < 0:
-        raise UserError("--capacity must be positive and --capacity_weight ≥ 0")
-    if args.global_tokens < 0 or args.recent_window < 0:
-        raise UserError("--global_tokens and --recent_window must be ≥ 0")
-    if args.lr <= 0 or args.bias_lr <= 0:
-        raise UserError("--lr and --bias_lr must be positive")
-    if args.threads < 0:
-        raise UserError(f"--threads must be ≥ 0, got {args.threads}")
+    """What the flags' own ranges (flag_types) cannot say: how they relate."""
     if args.max_train_tokens is not None and args.max_train_tokens < args.seq_len:
         raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
 

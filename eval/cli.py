@@ -28,6 +28,7 @@ from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
+from flag_types import count
 from generate import compile_decode_step, decode_one_token
 from model import Transformer
 from tokenizer import Tokenizer
@@ -36,11 +37,11 @@ from tokenizer import Tokenizer
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     """Task flags; a task reads only some of them (Task.reads), and unset ones take the task's default."""
     g = parser.add_argument_group("tasks")
-    g.add_argument("--limit", type=int, default=None,
+    g.add_argument("--limit", type=count(), default=None,
                    help="items per task: examples (RULER: 50), dataset rows (all), fidelity windows (1)")
-    g.add_argument("--seq_len", type=int, default=None,
+    g.add_argument("--seq_len", type=count(), default=None,
                    help="prompt length in tokens: RULER target (1024), fidelity window (2048)")
-    g.add_argument("--max_new_tokens", type=int, default=None, help="answer length (task default)")
+    g.add_argument("--max_new_tokens", type=count(), default=None, help="answer length (task default)")
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template to prompts (default: when the checkpoint has one)")
     g.add_argument("--query_aware", action=argparse.BooleanOptionalAction, default=False,
@@ -58,9 +59,9 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
                    help="feed the last prompt token through the decode path, so the first answer token "
                         "is computed over the compressed cache")
     g.add_argument("--haystack", default=None, help="RULER filler: pydoc (default), noise, or a text file")
-    g.add_argument("--prefill_tokens", type=int, default=None, help="fidelity: tokens prefilled (128)")
+    g.add_argument("--prefill_tokens", type=count(), default=None, help="fidelity: tokens prefilled (128)")
     g.add_argument("--text_file", default=None, help="fidelity: a text file instead of pydoc_data.topics")
-    g.add_argument("--text_offset", type=int, default=None, help="fidelity: tokens skipped at the start (0)")
+    g.add_argument("--text_offset", type=count(0), default=None, help="fidelity: tokens skipped at the start (0)")
     g.add_argument("--dataset", default=None, help="a .json/.jsonl/.csv/.parquet file, or a hub name (online)")
     g.add_argument("--dataset_config", default=None, help="hub dataset configuration")
     g.add_argument("--split", default=None, help="hub dataset split (train)")
@@ -192,6 +193,9 @@ def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dic
     metrics = results.read_metrics(path)
     if metrics is None:
         return None, "run"
+    problem = results.damage(path, metrics)
+    if problem is not None:  # never counted as finished: run again, replacing it
+        return None, f"rerun (damaged run: {problem})"
     dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
     inputs = results.input_fingerprints(args, task.options)
     identity = results.run_identity(args, task.name, task.options, dtype)
@@ -200,10 +204,16 @@ def current_state(task: Task, args: argparse.Namespace, path: Path) -> tuple[dic
     return None, f"rerun (changed since the finished run: {', '.join(results.changed_inputs(path, inputs))})"
 
 
-def job_is_current(job: list[str]) -> bool:
-    """Whether the eval run of `job` (one task, one configuration) is finished with today's inputs."""
+def job_state(job: list[str]) -> tuple[bool, str]:
+    """(whether the eval run of `job`, one task and one configuration, is finished with today's inputs and
+    complete; the state line: skip, run, rerun and why)."""
     ((task, config, path),) = plan(parse_args(job))
-    return current_state(task, config, path)[0] is not None
+    metrics, state = current_state(task, config, path)
+    return metrics is not None, state
+
+
+def job_is_current(job: list[str]) -> bool:
+    return job_state(job)[0]
 
 
 def headline(task: Task, metrics: dict) -> str:

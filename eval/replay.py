@@ -21,6 +21,7 @@ from eval import results
 from eval.harness import Runtime, Timings, attach_caches, cache_specs, greedy_answer
 from eval.tasks import get_task
 from eval.tasks.base import Example, GenerationTask, kvpress_budgets, kvpress_prompt_budget
+from flag_types import count
 
 
 def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
@@ -80,11 +81,15 @@ def same_kept(a: list, b: list) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> CliParser:
     parser = CliParser(prog="python -m eval.replay", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("run_dir", help="a finished run directory (with items.jsonl)")
-    parser.add_argument("--item", type=int, default=0, help="the item's index")
-    args = parser.parse_args(argv)
+    parser.add_argument("--item", type=count(0), default=0, help="the item's index")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     from checkpoint import parse_dtype
     from eval.cli import load_model
 

@@ -126,7 +126,9 @@ def run_dir(out_dir: Path, args: argparse.Namespace, identity: dict) -> Path:
 
 
 def is_finished(path: Path) -> bool:
-    return (path / "metrics.json").is_file()
+    """Whether `path` holds a complete, readable run (see damage)."""
+    metrics = read_metrics(path)
+    return metrics is not None and damage(path, metrics) is None
 
 
 def check_out_dir(path: str | Path) -> Path:
@@ -247,6 +249,69 @@ def read_metrics(path: Path) -> dict | None:
     return metrics
 
 
+# Every file a finished run has (finish_run writes metrics.json last, then swaps the directory in whole).
+FINISHED_FILES = ("config.json", "predictions.jsonl", "items.jsonl", "kept_positions.npz", "metrics.json")
+_SOUND: set[tuple] = set()  # runs found complete, by their files' (name, inode, size, mtime, ctime)
+
+
+def damage(path: Path, metrics: dict) -> str | None:
+    """Why a run directory with a readable metrics.json is not a finished run (a file missing, truncated or
+    unparseable, items.jsonl holding another number of items than metrics.json counts), or None when it is
+    one. Runs written before identities existed are not checked: eval runs them again anyway. A directory
+    found sound is not read again while its files are unchanged (results.csv is rebuilt after every run)."""
+    if "identity" not in metrics:
+        return None
+    try:
+        key = tuple((name, *_stat_key(path / name)) for name in FINISHED_FILES)
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except OSError as e:
+        return f"cannot read it: {e.strerror or e}"
+    if key in _SOUND:
+        return None
+    problem = _read_problem(path, metrics)
+    if problem is None:
+        _SOUND.add(key)
+    return problem
+
+
+def _stat_key(file: Path) -> tuple[int, int, int, int]:
+    st = file.stat()
+    if not file.is_file():
+        raise OSError(f"{file.name} is not a file")
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _read_problem(path: Path, metrics: dict) -> str | None:
+    try:
+        if not isinstance(json.loads((path / "config.json").read_bytes().decode("utf-8")), dict):
+            return "config.json is not a JSON object"
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"config.json: {str(e).splitlines()[0][:100]}"
+    try:
+        lines = (path / "predictions.jsonl").read_bytes().decode("utf-8").splitlines()
+    except (OSError, ValueError) as e:
+        return f"predictions.jsonl: {str(e).splitlines()[0][:100]}"
+    for number, line in enumerate(lines, 1):
+        try:
+            if not isinstance(json.loads(line), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            return f"predictions.jsonl line {number}: {str(e).splitlines()[0][:100]}"
+    try:
+        items = read_items(path, with_kept=False) or []
+        with zipfile.ZipFile(path / KEPT_FILE) as kept:
+            bad = kept.testzip()  # reads every member: a truncated archive fails here or on opening
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        return str(e).splitlines()[0][:120]
+    if bad is not None:
+        return f"{KEPT_FILE}: {bad} is damaged"
+    n_items = metrics.get("n_items")
+    if isinstance(n_items, int) and len(items) != n_items:
+        return f"{ITEMS_FILE} holds {len(items)} items, metrics.json counts {n_items}"
+    return None
+
+
 def changed_inputs(path: Path, inputs: dict) -> list[str]:
     """Which recorded inputs of a finished run differ from `inputs` (for the message)."""
     try:
@@ -312,9 +377,15 @@ def read_items(run: Path, with_kept: bool = True) -> list[dict] | None:
         lines = (run / ITEMS_FILE).read_text().splitlines()
     except FileNotFoundError:
         return None
-    items = [json.loads(line) for line in lines]
-    if not all(isinstance(it, dict) and isinstance(it.get("index"), int) for it in items):
-        raise ValueError(f"{ITEMS_FILE}: a line is not an item")
+    items = []
+    for number, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise ValueError(f"{ITEMS_FILE} line {number} is not JSON (truncated?)") from None
+        if not isinstance(item, dict) or not isinstance(item.get("index"), int):
+            raise ValueError(f"{ITEMS_FILE} line {number} is not an item")
+        items.append(item)
     if with_kept and (run / KEPT_FILE).is_file():
         try:
             with np.load(run / KEPT_FILE) as kept:
@@ -382,7 +453,8 @@ def git_commit(root: Path = ROOT) -> str | None:
 
 
 def load_runs(out_dir: Path) -> list[dict]:
-    """Every finished run's metrics (with its `run_dir`); a damaged one is skipped with a warning."""
+    """Every finished run's metrics (with its `run_dir`); an unreadable metrics.json is skipped with a warning,
+    and a run whose other files are damaged (see damage) is listed with one."""
     runs = []
     for path in sorted(out_dir.glob("*/*/*/metrics.json")):
         run = path.parent
@@ -391,6 +463,10 @@ def load_runs(out_dir: Path) -> list[dict]:
         metrics = read_metrics(run)
         if metrics is None:
             continue
+        problem = damage(run, metrics)
+        if problem is not None:  # its metrics.json is whole: the table keeps its numbers, eval reruns it
+            print(f"warning: damaged run {run}: {problem}; listed from its metrics.json, not counted as finished "
+                  "(eval and the sweep run it again)", file=sys.stderr)
         metrics["run_dir"] = str(run.relative_to(out_dir))
         runs.append(metrics)
     return runs

@@ -30,35 +30,41 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cache_spec import finite_float, mapping_to_argv, read_yaml
+from cache_spec import mapping_to_argv, read_yaml
 from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
+from flag_types import NON_NEGATIVE, POSITIVE, SEED, count
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
+# Runs a sweep starts without --yes: past this a mistyped grid (one more seed list, a budget too many) is
+# hours of compute, and the product is easy to misjudge.
+CONFIRM_ABOVE = 200
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="python -m eval.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--grid", default=None, help="YAML file with the grid (flags typed here win)")
     parser.add_argument("--strategies", nargs="+", default=["full"])
-    parser.add_argument("--budgets", nargs="+", type=finite_float, default=[0.5, 0.25, 0.1],
+    parser.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.5, 0.25, 0.1],
                         help="fractions of |prompt|+new tokens (≤ 1) or tokens (> 1)")
     parser.add_argument("--cache_configs", nargs="+", default=[], help="presets, one configuration each")
     parser.add_argument("--tasks", nargs="+", default=["fidelity"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--workers", type=int, default=1, help="parallel processes")
+    parser.add_argument("--seeds", nargs="+", type=SEED, default=[0])
+    parser.add_argument("--workers", type=count(), default=1, help="parallel processes")
     parser.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1")
     parser.add_argument("--out_dir", default="results")
     parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")
+    parser.add_argument("--yes", action="store_true",
+                        help=f"start more than {CONFIRM_ABOVE} runs (a grid that large is refused without it)")
     g = parser.add_argument_group("backend")
     g.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="local processes (--workers, --devices) or a Ray cluster (needs requirements-ray.txt)")
     g.add_argument("--ray_address", default=None,
                    help="ray: auto or HOST:PORT of a running cluster (default: start Ray on this machine)")
-    g.add_argument("--gpus_per_run", type=float, default=None,
+    g.add_argument("--gpus_per_run", type=NON_NEGATIVE, default=None,
                    help="ray: GPUs each worker reserves (default 0: one CPU core each)")
-    g.add_argument("--max_retries", type=int, default=None,
+    g.add_argument("--max_retries", type=count(0), default=None,
                    help=f"ray: re-sends of a run whose worker died (default {sweep_ray.DEFAULT_MAX_RETRIES})")
     return parser
 
@@ -116,8 +122,6 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("--cache_strategy", "--max_cache_length", "--seed", "--baseline", "--no-baseline"):
         if flag in rest:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
-    if sweep.workers < 1:
-        raise UserError(f"--workers must be ≥ 1, got {sweep.workers}")
     sweep_ray.check_flags(sweep)
     return sweep, sweep_ray.worker_flags(sweep, rest) if sweep.backend == "ray" else local_flags(sweep, rest)
 
@@ -222,15 +226,32 @@ def run_parallel(pending: list[tuple[list[str], Path]], sweep: argparse.Namespac
     return failures
 
 
+def pending_jobs(planned: list[tuple[list[str], Path]], overwrite: bool) -> list[tuple[list[str], Path]]:
+    """The runs to start: all with --overwrite, else those not finished with today's inputs (model, data,
+    code) or damaged, each of the latter said in one line."""
+    if overwrite:
+        return list(planned)
+    pending = []
+    for job, path in planned:
+        current, state = cli.job_state(job)
+        if not current:
+            pending.append((job, path))
+            if state.startswith("rerun"):
+                print(f"{state}: {path}", file=sys.stderr)
+    return pending
+
+
 def main(argv: list[str] | None = None) -> Path:
     sweep, rest = parse_sweep(argv)
-    out_dir = results.check_out_dir(sweep.out_dir)
     devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
         else [None]
     planned = plan_jobs(grid_jobs(sweep, rest))
-    # Finished means finished with today's inputs (model, data, code): a stale run is run again.
-    pending = [(job, path) for job, path in planned if sweep.overwrite or not cli.job_is_current(job)]
+    pending = pending_jobs(planned, sweep.overwrite)
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
+    if len(pending) > CONFIRM_ABOVE and not sweep.yes:
+        raise UserError(f"the grid would start {len(pending)} runs (more than {CONFIRM_ABOVE}); check it and pass "
+                        "--yes to start them")
+    out_dir = results.check_out_dir(sweep.out_dir)
     bar = tqdm(total=len(planned), initial=len(planned) - len(pending), desc="sweep", unit="run")
     failures: dict[int, str] = {}
     if sweep.backend == "ray":

@@ -71,10 +71,6 @@ def check_flags(sweep: argparse.Namespace) -> None:
                         "cluster (--gpus_per_run of a GPU each, or one CPU core each when it is 0)")
     sweep.gpus_per_run = 0.0 if sweep.gpus_per_run is None else sweep.gpus_per_run
     sweep.max_retries = DEFAULT_MAX_RETRIES if sweep.max_retries is None else sweep.max_retries
-    if sweep.gpus_per_run < 0:
-        raise UserError(f"--gpus_per_run must be ≥ 0, got {sweep.gpus_per_run:g}")
-    if sweep.max_retries < 0:
-        raise UserError(f"--max_retries must be ≥ 0, got {sweep.max_retries}")
     import_ray()
     if sweep.ray_address and sweep.ray_address != "auto":
         check_reachable(sweep.ray_address)

@@ -10,6 +10,7 @@ itself is covered by subprocess tests in test_generate_cli.py and test_eval_cli.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import shutil
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import cache_spec
 import generate
 import train_gates
 from errors import run_cli
@@ -185,6 +187,10 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
     "preset fractional int": (GEN, lambda w: w.gen(*preset(w, "global_tokens: 1.5\n")), "integer", True),
     "preset mapping value": (GEN, lambda w: w.gen(*preset(w, "cache_strategy: {l2: 1}\n")), "string", True),
     "preset bool as number": (GEN, lambda w: w.gen(*preset(w, "snapkv_window: true\n")), "integer", True),
+    "preset duplicate key": (GEN, lambda w: w.gen(*preset(w, "max_cache_length: 0.5\nmax_cache_length: 0.25\n")),
+                             "preset.yaml line 2: key 'max_cache_length' is given twice", True),
+    "preset 1e-1": (GEN, lambda w: w.gen(*preset(w, "max_cache_length: 1e-1\n")), "text in YAML 1.1, not a number "
+                    "(its floats need a dot and a signed exponent): write 1.0e-1", True),
     # ---- model and gates files (the model loads: these are found while reading the files) ----------------
     "garbage safetensors": (GEN, lambda w: ["--prompt", "Hi", "--checkpoint_path", w.broken_checkpoint(BINARY)],
                             "not a safetensors file", False),
@@ -234,6 +240,11 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
     "grid unknown key": (SWEEP, lambda w: grid(w, "strategy: [l2]\n"), "unknown key 'strategy'", True),
     "grid seeds text": (SWEEP, lambda w: grid(w, "seeds: [zero]\n"), "seeds takes an integer", True),
     "grid empty": (SWEEP, lambda w: grid(w, ""), "is empty", True),
+    "grid duplicate key": (SWEEP, lambda w: grid(w, "budgets: [0.5]\nseeds: [0]\nbudgets: [0.25]\n"),
+                           "grid.yaml line 3: key 'budgets' is given twice (first on line 1)", True),
+    "grid args duplicate key": (SWEEP, lambda w: grid(w, "args: {seq_len: 64, seq_len: 32}\n"),
+                                "key 'seq_len' is given twice", True),
+    "grid budget 1e-1": (SWEEP, lambda w: grid(w, "budgets: [0.5, 1e-1]\n"), "write 1.0e-1", True),
     "grid binary": (SWEEP, lambda w: grid(w, BINARY), "not UTF-8", True),
     # ---- python -m eval.plot -----------------------------------------------------------------------------
     "plot missing dir": (PLOT, lambda w: ["--out_dir", str(w.root / "nothing")], "not found", True),
@@ -250,6 +261,18 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
 }
 
 
+# Refused by strict_yaml once cache_spec.read_yaml loads through it; until then strict xfails.
+STRICT_YAML_CASES = {"preset duplicate key", "preset 1e-1", "grid duplicate key", "grid args duplicate key",
+                     "grid budget 1e-1"}
+STRICT_YAML = "strict_load" in inspect.getsource(cache_spec.read_yaml)
+
+
+def _case(name: str):
+    pending = name in STRICT_YAML_CASES and not STRICT_YAML
+    return pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason="cache_spec patch pending")]
+                        if pending else [])
+
+
 def snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
@@ -259,7 +282,7 @@ def tripwire(*args: object, **kwargs: object) -> None:
     raise AssertionError("a model was loaded before the input was validated")
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("case", [_case(name) for name in CASES], ids=list(CASES))
 def test_bad_input(case, ws, capsys, monkeypatch):
     main, build, fragment, early = CASES[case]
     argv = build(ws)

@@ -291,6 +291,25 @@ def test_finite_weights_whose_sum_overflows_are_not_refused():
         check_finite(torch.cat([big, torch.tensor([float("inf")])]), "big", "test")
 
 
+def test_finite_float32_weights_that_overflow_float16_are_refused(tiny_dir, tmp_path):
+    """The finite check reads the file's float32; 1e5 becomes inf only in the float16 copy."""
+    directory = shutil.copytree(tiny_dir, tmp_path / "m")
+    weights = directory / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.layers.1.mlp.down_proj.weight"][2, 3] = 1e5
+    save_file(state, str(weights))
+    with pytest.raises(UserError) as info:
+        load_checkpoint(directory, "cpu", torch.float16)
+    assert str(info.value) == (f"{directory}: tensor layers.1.feed_forward.w2.weight holds values up to 100000, "
+                               "beyond float16's range (largest 65504): they would load as inf; use --dtype "
+                               "float32 or bfloat16")
+    for dtype in (torch.float32, torch.bfloat16):  # both hold 1e5
+        model, _ = load_checkpoint(directory, "cpu", dtype)
+        assert float(model.layers[1].feed_forward.w2.weight[2, 3]) == pytest.approx(1e5, rel=1e-2)
+    model, _ = load_checkpoint(directory, "cpu", torch.float16, allow_non_finite=True)
+    assert torch.isinf(model.layers[1].feed_forward.w2.weight[2, 3])
+
+
 def test_load_checkpoint_allows_non_finite_when_asked(tmp_path):
     tensors = gguf_tensors()
     tensors["blk.1.ffn_down.weight"][3, 5] = float("nan")

@@ -26,6 +26,7 @@ from eval import results
 from eval.reproduce import report
 from eval.reproduce.experiments import EXPERIMENTS, PROFILES
 from eval.reproduce.runner import Outcome, arm_argv, check_experiment, eval_command, run_experiment
+from flag_types import count
 
 DEFAULT_ROOT = Path("results/reproduce")
 DEFAULT_RUNS = DEFAULT_ROOT / "runs"
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry_run", action="store_true", help="print each arm's eval command, run nothing")
     parser.add_argument("--summarize", action="store_true",
                         help="only rebuild summary.md / .csv under --out_dir from the experiments' result.json")
-    parser.add_argument("--limit", type=int, default=None, help="items per arm instead of the profile's")
+    parser.add_argument("--limit", type=count(), default=None, help="items per arm instead of the profile's")
     parser.add_argument("--checkpoint_path", default=None, help="another model (default: the bundled one)")
     return parser
 
@@ -64,8 +65,6 @@ def selected(names: list[str]) -> list[str]:
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """Eval flags that replace the profile's for every arm."""
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be ≥ 1, got {args.limit}")
     out = ["--limit", str(args.limit)] if args.limit is not None else []
     return out + (["--checkpoint_path", args.checkpoint_path] if args.checkpoint_path else [])
 
