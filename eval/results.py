@@ -66,6 +66,7 @@ REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 # (a trailing "/": a whole folder). Every other Python file below the root counts, wherever it sits, so a
 # module moved into a package keeps changing the identity.
 NOT_COMPUTE = ("eval/plot.py", "eval/compare.py", "eval/replay.py", "eval/sweep.py", "eval/sweep_ray.py",
+               "eval/kvpress_runs.py",
                "eval/bench/", "eval/reproduce/", "train_gates.py", "tests/", "benchmarks/")
 
 

@@ -82,7 +82,7 @@ BAD_INPUTS = {
     "budget larger than the sequence": (["--cache_strategy", "keep_it_odd", "--max_cache_length", "500"],
                                         "larger than the sequence"),
     "prefill longer than the window": (["--prefill_tokens", "120"], "--prefill_tokens"),
-    "zero limit": (["--limit", "0"], "--limit must be"),
+    "zero limit": (["--limit", "0"], "--limit: must be at least 1"),
     "unknown flag": (["--no_such_flag"], "unrecognized"),
 }
 

@@ -249,7 +249,7 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, tmp_pat
 @pytest.mark.parametrize("argv, message", [
     ([], "name an experiment"),
     (["--list", "h2o"], "--list takes no experiment names"),
-    (["h2o", "--limit", "0"], "--limit must be ≥ 1"),
+    (["h2o", "--limit", "0"], "--limit: must be at least 1"),
     (["all", "nope"], "unknown experiment 'nope'"),
 ])
 def test_bad_input_raises_user_error(argv: list[str], message: str, tmp_path: Path) -> None:
