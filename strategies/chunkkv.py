@@ -65,8 +65,8 @@ class ChunkedScores(KVCache):
         scores = super().prompt_scores(cache, k, q)
         chunk = int(cache.setting(CHUNK))
         T = k.shape[2]
-        pos = torch.arange(T, device=k.device).view(1, 1, T)
-        return chunk_scores(scores, pos, chunk, -(-T // chunk))
+        pos = cache.scored_positions(k)  # true positions: a chunked prefill scores held tokens + a chunk
+        return chunk_scores(scores, pos, chunk, -(-cache.scored_length(k) // chunk))
 
 
 @register_strategy
