@@ -294,16 +294,18 @@ class KVCache(nn.Module):
         held_pos = self.pos[:, :, :n]
         stored_k, held_v = self.keys()[:, :, :n], self.values()[:, :, :n]
         scored_k = stored_k if rope is None or k_store is None else rope(stored_k, held_pos)
+        # The virtual prompt, copied out of the buffers before the reset clears them.
         positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, P, T)], dim=2)
         queries = torch.cat([self.chunk_queries, q], dim=2)
+        keys, values = torch.cat([scored_k, k], 2), torch.cat([held_v, v], 2)
+        stored = None if k_store is None else torch.cat([stored_k, k_store], 2)
         seen = self.inserted + T
         carried = self.carry_over(n)
         self.reset()
         self.take_over(carried)
         self.scored_pos = positions
         try:
-            self.prefill(positions, torch.cat([scored_k, k], 2), torch.cat([held_v, v], 2), queries,
-                         None if k_store is None else torch.cat([stored_k, k_store], 2))
+            self.prefill(positions, keys, values, queries, stored)
         finally:
             self.scored_pos = None
         self.inserted.copy_(seen)
