@@ -250,7 +250,8 @@ class KVCache(nn.Module):
         slots = torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n)
         self.storage.write(slots, (k if k_store is None else k_store).gather(2, gather), v.gather(2, gather))
         # input_pos [T], or a chunked prefill's held tokens + chunk at their true positions [B, pos_heads, T]
-        self.pos[:, :, :n] = input_pos[keep] if input_pos.dim() == 1 else input_pos.expand(B, keep.shape[1], T).gather(2, keep)
+        positions = input_pos.view(1, 1, T) if input_pos.dim() == 1 else input_pos
+        self.pos[:, :, :n] = positions.expand(B, keep.shape[1], T).gather(2, keep)
         self.mask[:, :, 0, :n] = True
         self.inserted.fill_(T)
         self.filled.fill_(n)

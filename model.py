@@ -515,7 +515,10 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
         for layer in self.layers:
             rope = local if layer.attention.sliding_window else (cos, sin)
-            x = layer(x, *rope, input_pos, append, chunk) if run_block is None else run_block(layer, x, *rope, input_pos)
+            if run_block is None:
+                x = layer(x, *rope, input_pos, append, chunk)
+            else:
+                x = run_block(layer, x, *rope, input_pos)
         if last_logits_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x)).float()

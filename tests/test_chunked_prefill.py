@@ -19,7 +19,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import generate
 from cache_setup import attach_caches, attach_row_caches, cache_config
