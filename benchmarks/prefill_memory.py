@@ -61,8 +61,9 @@ def measure(strategy: str, length: int, budget: int, chunk: int | None, dtype_na
     return {"strategy": strategy, "prompt_tokens": length, "budget": budget, "prefill_chunk": chunk,
             "rss_before_bytes": before, "peak_rss_bytes": peak, "prefill_added_bytes": peak - before,
             "prefill_seconds": round(seconds, 3), "prefill_tokens_per_second": round(length / seconds, 1),
-            # CPU time of this process: on a shared machine, less disturbed by the other processes than wall time
-            "prefill_cpu_seconds": round(cpu_seconds, 3), "prefill_tokens_per_cpu_second": round(length / cpu_seconds, 1)}
+            # CPU time of this process: on a shared machine less disturbed by other processes than wall time
+            "prefill_cpu_seconds": round(cpu_seconds, 3),
+            "prefill_tokens_per_cpu_second": round(length / cpu_seconds, 1)}
 
 
 def run_fresh(strategy: str, length: int, budget: int, chunk: int | None, dtype: str) -> dict:
@@ -74,8 +75,8 @@ def run_fresh(strategy: str, length: int, budget: int, chunk: int | None, dtype:
 
 def table(rows: list[dict]) -> str:
     mib = 1 << 20
-    lines = ["| strategy | prompt tokens | × budget | prefill | peak RSS MiB | added by prefill MiB | prefill tok/s (wall) "
-             "| prefill tok/CPU-s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| strategy | prompt tokens | × budget | prefill | peak RSS MiB | added by prefill MiB "
+             "| prefill tok/s (wall) | prefill tok/CPU-s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one shot"
         lines.append(f"| {r['strategy']} | {r['prompt_tokens']} | {r['prompt_tokens'] / r['budget']:g} | {how} | "
