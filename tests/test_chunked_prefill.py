@@ -25,10 +25,10 @@ from cache_setup import attach_caches, attach_row_caches, cache_config
 from errors import UserError, run_cli
 from generate import chunked_prefill, compile_decode_step, decode_one_token, prefill, prefill_rows
 from model import apply_rope
-from strategies import CACHE_STRATEGIES
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
-    ALL,
+    CHUNK_REFUSED,
+    CHUNKABLE,
     GLOBAL,
     NEW,
     PROMPT,
@@ -42,8 +42,6 @@ from tests.strategy_matrix import (
 )
 
 ATOL = 1e-5
-REFUSED = {s for s in ALL if CACHE_STRATEGIES[s.removeprefix("debug_")].chunked_prefill_refusal}
-CHUNKABLE = [s for s in ALL if s not in REFUSED]
 # Every chunkable strategy and twin on dense storage; the strategies (a twin's shadow is the same cache) on
 # 4-bit per-token and KIVI storage, whose held K/V are read back dequantized into the next chunk's prompt.
 STORAGE_CASES = [(s, "dense") for s in CHUNKABLE] + [(s, st) for st in ("4bit", "kivi4") for s in CHUNKABLE
@@ -332,8 +330,10 @@ def test_compiled_decoding_after_a_chunked_prefill_equals_eager(strategy):
     (["--prefill_chunk", "0"], "--prefill_chunk must be ≥ 1"),
     (["--prefill_chunk", "-3"], "--prefill_chunk must be ≥ 1"),
     (["--prefill_chunk", "8", "--feed_long_prompts"], "give one"),
-    (["--prefill_chunk", "8", "--cache_strategy", "hybrid"], "cannot compress a prompt chunk by chunk"),
-    (["--prefill_chunk", "8", "--cache_strategy", "debug_hybrid"], "cannot compress a prompt chunk by chunk"),
+    *[(["--prefill_chunk", "8", "--cache_strategy", s], "cannot compress a prompt chunk by chunk")
+      for s in CHUNK_REFUSED],
+    (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
+     "cannot compress a prompt chunk by chunk"),
     (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"], "adakv"),
 ])
 def test_bad_chunk_flags_are_refused(flags, message):
