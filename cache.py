@@ -29,6 +29,16 @@ the shared top-k and protection). It names the shared settings it reads (global_
 seed: cache_spec.py) and declares its own (`settings`, each a `Setting`: flag, default, help, range).
 Slots are chosen with tensor ops only (the next empty slot, else the argmin score), so the decode step
 has no host syncs or data-dependent shapes.
+
+Chunked prefill (`--prefill_chunk N`, `prefill_chunk_tokens`): the prompt goes through the model N tokens
+at a time. The first chunk is a prefill; for each later one the chunk's queries attend over the held tokens
+and the chunk (causally, at true positions), then the layer is re-prefilled with a virtual prompt, the held
+tokens (K, V, their queries, true positions) followed by the chunk, so its own prompt rule keeps at most the
+budget and its `after_prefill` recomputes its per-slot state over that virtual prompt (attention statistics
+come from the held tokens' and the chunk's queries: those of evicted tokens are gone). The prompt rule, not
+the decode rule, because it is the rule each strategy defines for choosing among many new tokens at once;
+a chunk of one token is a decode step. Strategies whose prefill cannot take a virtual prompt declare
+`chunked_prefill_refusal` (FastGen's hybrid).
 """
 
 from __future__ import annotations

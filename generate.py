@@ -35,7 +35,9 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
     """Run the prompt [B, T] through the model, filling the caches; logits of the last position [B, vocab].
 
     With `prefill_length` < T (--feed_long_prompts), only that many tokens are prefilled and the rest of
-    the prompt goes through `decode_step` one token at a time, so every cache sees it as decoding.
+    the prompt goes through `decode_step` one token at a time, so every cache sees it as decoding. Caches
+    configured with --prefill_chunk N get the prompt N tokens at a time (chunked_prefill); N = 1 is the
+    token-by-token feed after a one-token prefill.
     """
     T = prompt.shape[1]
     n = T if prefill_length is None else min(prefill_length, T)

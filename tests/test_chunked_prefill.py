@@ -15,6 +15,7 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -355,3 +356,19 @@ def test_generate_answers_bad_chunks_with_one_error_line_and_exit_2(flags, messa
     assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
     assert not stats.exists()
 
+
+
+def test_generate_records_the_chunk_and_one_chunk_is_the_one_shot_run(tiny_dir, tmp_path, capsys):
+    """The flag end to end: generate.py with the tiny checkpoint, a 27-byte prompt under a budget of 8."""
+    base = ["--checkpoint_path", str(tiny_dir), "--prompt", "a prompt of twenty-seven by", "--max_new_tokens", "4",
+            "--cache_strategy", "heavy_hitter", "--max_cache_length", "8", "--recent_window", "2", "--no-chat"]
+    runs = {}
+    chunks = {"one_shot": [], "one_chunk": ["--prefill_chunk", "64"], "chunks": ["--prefill_chunk", "5"]}
+    for name, extra in chunks.items():
+        path = tmp_path / f"{name}.json"
+        generate.main([*base, *extra, "--stats_json", str(path)])
+        runs[name] = json.loads(path.read_text())
+    assert runs["one_chunk"]["tokens"] == runs["one_shot"]["tokens"]
+    assert [s["prefill_chunk"] for s in runs["chunks"]["cache_spec"]] == [5, 5]
+    assert runs["chunks"]["config"]["prefill_chunk"] == 5
+    assert max(max(h) for h in runs["chunks"]["tokens_held_per_head"]) <= 8
