@@ -83,6 +83,10 @@ def cache_specs(config: argparse.Namespace, model_args: ModelArgs, prompt_length
     """One spec per layer of the model: the flags resolved, the model's layer policies applied (a sliding
     layer gets its window cache; unless `quiet`, a note says so) and the budgets checked."""
     specs = resolve_cache_spec(config, model_args.n_layer, prompt_length, max_new_tokens)
+    chunk = getattr(config, "prefill_chunk", None)
+    if chunk and chunk > model_args.context_length:
+        raise UserError(f"--prefill_chunk {chunk} is larger than the model's context of {model_args.context_length} "
+                        "tokens (a chunk goes through the model at once)")
     specs = apply_model_layer_policies(specs, model_args, prompt_length, max_new_tokens, quiet=quiet)
     check_budgets(specs, model_args.context_length, prompt_length + max_new_tokens)
     return specs

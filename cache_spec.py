@@ -65,6 +65,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         f"choices: {', '.join(prompt_rules())})")
     g.add_argument("--feed_long_prompts", action="store_true",
                    help="prefill what fits the smallest budget, feed the rest of the prompt token by token")
+    g.add_argument("--prefill_chunk", type=int, default=None,
+                   help="feed the prompt N tokens at a time, each layer compressing to its budget after every "
+                        "chunk by its strategy's prompt rule over what it holds plus the chunk: memory holds the "
+                        "budget plus one chunk, whatever the prompt's length (1: token by token, as decoding)")
     g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
     g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
                    help="store keys/values as 2/4/8-bit integers (16 = unquantized)")
@@ -107,6 +111,7 @@ class LayerCacheSpec:
     rerotate_positions: bool = False  # keys stored before RoPE, rotated by rank each step (rerotation.py)
     # The prompt rule's own settings (Setting.prompt_rule: SnapKV's window and kernel for heavy_hitter's).
     prompt_settings: dict = field(default_factory=dict)
+    prefill_chunk: int = 0  # --prefill_chunk: the prompt fed this many tokens at a time (0: at once)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -275,6 +280,28 @@ def check_cache_flags(args: argparse.Namespace) -> None:
         setting.check(getattr(args, setting.name))
     storage_spec(args)
     check_budget_allocation(args)
+    check_prefill_chunk(args)
+
+
+def check_prefill_chunk(args: argparse.Namespace) -> None:
+    """--prefill_chunk against the other flags (the model's context is checked with the model)."""
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is None:
+        return
+    if chunk < 1:
+        raise UserError(f"--prefill_chunk must be ≥ 1 token, got {chunk}")
+    if args.feed_long_prompts:
+        raise UserError("--prefill_chunk and --feed_long_prompts both choose how the prompt is fed; give one")
+    if getattr(args, "budget_allocation", "uniform") != "uniform":
+        raise UserError("--prefill_chunk with --budget_allocation adakv: the pool's heads hold different numbers of "
+                        "tokens after a chunk, which the next chunk's prompt rule cannot score together; use uniform")
+    for name in dict.fromkeys([*args.cache_strategy, *args.prompt_compression_strategy]):
+        if name == "auto":
+            continue
+        cls = get_strategy(name)
+        refusal = getattr(cls, "shadow_class", cls).chunked_prefill_refusal
+        if refusal:
+            raise UserError(f"--prefill_chunk: the {name} cache cannot compress a prompt chunk by chunk ({refusal})")
 
 
 def storage_spec(args: argparse.Namespace) -> StorageSpec:
@@ -375,7 +402,8 @@ def resolve_cache_spec(
                 "or pass --feed_long_prompts"
             )
         rule_settings = {st.name: getattr(args, st.name) for st in get_strategy(compressor).settings if st.prompt_rule}
-        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation, rerotate, rule_settings))
+        specs.append(LayerCacheSpec(layer, name, budget, hp, compressor, storage, allocation, rerotate, rule_settings,
+                                    int(getattr(args, "prefill_chunk", None) or 0)))
     return specs
 
 
@@ -421,7 +449,8 @@ def build_caches(
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
         settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
-                        prompt_settings=dict(spec.prompt_settings), rerotate_positions=spec.rerotate_positions)
+                        prompt_settings=dict(spec.prompt_settings), rerotate_positions=spec.rerotate_positions,
+                        prefill_chunk=spec.prefill_chunk)
         if getattr(cls, "needs_token_classes", False):
             if token_classes is None:
                 raise UserError(f"the {spec.strategy} cache needs the tokenizer's special and punctuation tokens")
@@ -440,6 +469,9 @@ def format_cache_spec(specs: list[LayerCacheSpec]) -> str:
         hp = ", ".join(f"{k}={v}" for k, v in (s.hyperparameters | s.prompt_settings).items())
         lines.append(f"{s.layer:>5}  {s.strategy:<22} {s.max_cache_length:>7}  {s.budget_allocation:<10} "
                      f"{s.prompt_compression:<18} {s.storage.describe():<18}  {hp}")
+    if any(s.prefill_chunk for s in specs):
+        lines.append(f"prefill: {max(s.prefill_chunk for s in specs)} tokens at a time (--prefill_chunk), each layer "
+                     "compressed to its budget after every chunk")
     if any(s.rerotate_positions for s in specs):
         lines.append("positions: re-rotated (--rerotate_positions): RoPE at each token's rank in its head's cache")
     return "\n".join(lines)

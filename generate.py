@@ -35,15 +35,47 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
     """Run the prompt [B, T] through the model, filling the caches; logits of the last position [B, vocab].
 
     With `prefill_length` < T (--feed_long_prompts), only that many tokens are prefilled and the rest of
-    the prompt goes through `decode_step` one token at a time, so every cache sees it as decoding.
+    the prompt goes through `decode_step` one token at a time, so every cache sees it as decoding. Caches
+    configured with --prefill_chunk N get the prompt N tokens at a time (chunked_prefill); N = 1 is the
+    token-by-token feed after a one-token prefill.
     """
     T = prompt.shape[1]
     n = T if prefill_length is None else min(prefill_length, T)
-    input_pos = torch.arange(n, device=prompt.device)
-    logits = model(prompt[:, :n], input_pos, last_logits_only=True)[:, -1]
     step = decode_step or decode_one_token
+    chunk = prefill_chunk_of(model)
+    if chunk == 1:  # a one-token chunk is a decode step: the whole prompt is fed (--feed_long_prompts' path)
+        n = 1
+    if chunk and n > chunk:
+        logits = chunked_prefill(model, prompt[:, :n], chunk, step)
+    else:
+        logits = model(prompt[:, :n], torch.arange(n, device=prompt.device), last_logits_only=True)[:, -1]
     for p in range(n, T):
         logits = step(model, prompt[:, p : p + 1], torch.tensor([p], device=prompt.device))
+    return logits
+
+
+def prefill_chunk_of(model: Transformer) -> int:
+    """The --prefill_chunk the attached caches were configured with (0: the prompt at once). Layers whose
+    cache a model policy replaced (a sliding window's) carry none, so the largest is the run's."""
+    return max((cache.prefill_chunk for cache in model.caches()), default=0)
+
+
+def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Tensor:
+    """The prompt [B, T] through the model `chunk` tokens at a time; after each chunk every layer's cache
+    holds at most its budget (KVCache.prefill_chunk_tokens). A last chunk of one token is a decode step.
+    Logits of the last position [B, vocab]."""
+    T = prompt.shape[1]
+    try:
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)
+            if end - start == 1:
+                logits = step(model, prompt[:, start:end], torch.tensor([start], device=prompt.device))
+                continue
+            input_pos = torch.arange(start, end, device=prompt.device)
+            logits = model(prompt[:, start:end], input_pos, last_logits_only=True, chunk=True)[:, -1]
+    finally:
+        for cache in model.caches():
+            cache.end_chunked_prefill()
     return logits
 
 

@@ -253,8 +253,11 @@ class Attention(nn.Module):
         self.soft_gating: tuple[int, int] | None = None
         self.retained: Tensor | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
+                chunk: bool = False) -> Tensor:
         B, T, _ = x.shape
+        if chunk:  # a chunk of a chunked prefill: cos/sin are the whole tables (held keys may need them)
+            return self.forward_chunk(x, cos, sin, input_pos)
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -319,6 +322,49 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
+    def forward_chunk(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, input_pos: Tensor) -> Tensor:
+        """A prompt chunk (--prefill_chunk, KVCache.prefill_chunk_tokens): the first is a prefill; the queries
+        of a later one attend over the held tokens and the chunk itself, causally, at true positions (as a
+        one-shot prefill's would, minus what was evicted), then the cache compresses held + chunk."""
+        B, T, _ = x.shape
+        cache = self.kv_cache
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k_plain = k
+        q, k = (apply_rope(t, cos_table[input_pos], sin_table[input_pos]) for t in (q, k))
+        if self.q_rescale != 1.0:
+            q = q * self.q_rescale
+        if cache.needs_gates:
+            cache.observe_gates(self.gate(x))
+        rerotate = cache.rerotate_positions
+
+        def rope_at(keys: Tensor, pos: Tensor) -> Tensor:  # stored (pre-RoPE) keys at their true positions
+            at = pos.clamp(min=0)
+            return apply_rope(keys, F.embedding(at, cos_table), F.embedding(at, sin_table))
+
+        if cache.chunk_queries is None:  # the first chunk: a prefill
+            window = self.sliding_window and T > self.sliding_window
+            mask = sliding_causal_mask(T, self.sliding_window, x.device) if window else None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window, enable_gqa=True)
+        else:
+            held = cache.keys()
+            if rerotate:
+                held = rope_at(held, cache.pos)
+            pos = torch.cat([cache.pos.expand(B, self.n_kv_head, -1), input_pos.expand(B, self.n_kv_head, T)], -1)
+            valid = torch.cat([cache.mask[:, :, 0], pos.new_ones(B, self.n_kv_head, T, dtype=torch.bool)], -1)
+            query_pos = input_pos.view(1, 1, T, 1)
+            visible = valid[:, :, None, :] & (pos[:, :, None, :] <= query_pos)  # [B, n_kv, T, L + T]
+            if self.sliding_window:
+                visible &= query_pos - pos[:, :, None, :] < self.sliding_window
+            visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
+            y, _ = grouped_attention(q, torch.cat([held, k], 2), torch.cat([cache.values(), v], 2), visible)
+        cache.prefill_chunk_tokens(input_pos, k, v, q, k_plain if rerotate else None, rope_at if rerotate else None)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -343,11 +389,12 @@ class TransformerBlock(nn.Module):
             self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.sandwich = args.sandwich_norms
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
+                chunk: bool = False) -> Tensor:
         if self.sandwich:
-            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, input_pos, append))
+            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, input_pos, append, chunk))
             return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, append)
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, append, chunk)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -433,7 +480,7 @@ class Transformer(nn.Module):
             cache.reset()
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
-                run_block: Callable[..., Tensor] | None = None, append: bool = False) -> Tensor:
+                run_block: Callable[..., Tensor] | None = None, append: bool = False, chunk: bool = False) -> Tensor:
         """idx: [B, T] token ids; input_pos: [T] absolute positions shared by the rows (a device tensor), or
         at a decode step (T = 1) [B], each row at its own position.
 
@@ -443,6 +490,7 @@ class Transformer(nn.Module):
         passes one compiled function that every layer shares (generate.CompiledDecodeStep). `append`: the T
         tokens follow what the caches already hold (KVCache.append) instead of being a prompt. With caches that
         re-rotate positions, input_pos may exceed the context after the prompt (RoPE then sees ranks only).
+        `chunk`: the T > 1 tokens are a chunk of a prompt fed in pieces (generate.prefill, --prefill_chunk).
         """
         caches = self.caches()
         for cache in caches:
@@ -451,7 +499,7 @@ class Transformer(nn.Module):
         # Re-rotating caches after the prompt: the layers index the tables by rank (rotate_by_rank), and
         # input_pos, which may lie past the context then, indexes nothing.
         by_rank = bool(caches) and caches[0].rerotate_positions and (append or idx.shape[1] == 1)
-        index = slice(None) if by_rank else input_pos
+        index = slice(None) if by_rank or chunk else input_pos
         tables = [self.rope_cos[index], self.rope_sin[index]]
         if self.args.local_rope_base:
             tables += [self.rope_local_cos[index], self.rope_local_sin[index]]
@@ -467,7 +515,10 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
         for layer in self.layers:
             rope = local if layer.attention.sliding_window else (cos, sin)
-            x = layer(x, *rope, input_pos, append) if run_block is None else run_block(layer, x, *rope, input_pos)
+            if run_block is None:
+                x = layer(x, *rope, input_pos, append, chunk)
+            else:
+                x = run_block(layer, x, *rope, input_pos)
         if last_logits_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x)).float()

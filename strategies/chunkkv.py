@@ -24,7 +24,6 @@ kept chunks reused by the next) needs layers to share indices, which per-layer c
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy
@@ -64,9 +63,8 @@ class ChunkedScores(KVCache):
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         scores = super().prompt_scores(cache, k, q)
         chunk = int(cache.setting(CHUNK))
-        T = k.shape[2]
-        pos = torch.arange(T, device=k.device).view(1, 1, T)
-        return chunk_scores(scores, pos, chunk, -(-T // chunk))
+        pos = cache.scored_positions(k)  # true positions: a chunked prefill scores held tokens + a chunk
+        return chunk_scores(scores, pos, chunk, -(-cache.scored_length(k) // chunk))
 
 
 @register_strategy

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, register_strategy
 from errors import UserError
-from prompt_compression import prompt_attention, prompt_positions
+from prompt_compression import prompt_attention
 from strategies.variable_occupancy import VariableOccupancy
 
 DUO_DIR = Path(__file__).resolve().parent.parent / "duo"
@@ -138,7 +138,7 @@ class DuoAttentionCache(VariableOccupancy, KVCache):
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         # One row per KV head (the same in each), so Ada-KV's allocation can read it as head-specific.
-        return prompt_positions(k).float().expand(-1, k.shape[1], -1)
+        return cache.scored_positions(k).float().expand(-1, k.shape[1], -1)
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         if not self.roles_from_file:

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy, row_positions
 from errors import UserError
-from prompt_compression import prompt_positions
 
 
 @register_strategy
@@ -61,7 +60,7 @@ class GatedCache(KVCache):
             raise UserError(f"prompt compression 'gated' needs the learned gates, which only the gated cache "
                             f"receives (got a {cache.name} cache); use --cache_strategy gated or another compressor")
         # Ages as the next decode step sees them (the token at position T arriving): the same rule.
-        return cls.log_retention(log_gate, k.shape[2] - prompt_positions(k))
+        return cls.log_retention(log_gate, cache.scored_length(k) - cache.scored_positions(k))
 
     @staticmethod
     def log_retention(log_gate: Tensor, age: Tensor) -> Tensor:
@@ -75,6 +74,13 @@ class GatedCache(KVCache):
         n = keep.shape[-1]
         self.log_gate[:, :, :n] = self.prompt_log_gates.gather(2, keep)
         self.prompt_log_gates = None
+
+    def carry_over(self, n: int) -> object:
+        # A chunked prefill's virtual prompt: the held tokens' gates, then the chunk's (just observed).
+        return torch.cat([self.log_gate[:, :, :n], self.prompt_log_gates], dim=-1)
+
+    def take_over(self, carried: object) -> None:
+        self.prompt_log_gates = carried
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         self.log_gate.scatter_(2, slot[..., None], self.incoming_log_gate)

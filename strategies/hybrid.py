@@ -90,6 +90,8 @@ class HybridCache(KVCache):
     needs_token_ids = True
     needs_token_classes = True
     profiles_prompt = True
+    chunked_prefill_refusal = ("its prefill profiles the whole prompt's attention per head and may hold fewer "
+                               "tokens than its budget, so held + chunk is no prompt it can profile")
     token_classes: dict[str, Tensor] | None = None  # set through configure(); moved to the cache's device
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,

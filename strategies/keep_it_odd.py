@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import Tensor
 
 from cache import KVCache, register_strategy
-from prompt_compression import prompt_positions
 
 
 @register_strategy
@@ -20,7 +19,7 @@ class KeepItOddCache(KVCache):
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return cls.odd_first(prompt_positions(k), k.shape[2])
+        return cls.odd_first(cache.scored_positions(k), cache.scored_length(k))
 
     @staticmethod
     def odd_first(pos: Tensor, span: int) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, register_strategy, row_positions
-from prompt_compression import hashed_scores, prompt_positions, random_seed
+from prompt_compression import hashed_scores, random_seed
 
 
 @register_strategy
@@ -39,4 +39,6 @@ class RandomCache(KVCache):
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return hashed_scores(prompt_positions(k), torch.tensor(k.shape[2], device=k.device), random_seed(cache))
+        # The true positions and length (a chunked prefill scores held tokens + a chunk: cache.scored_positions).
+        return hashed_scores(cache.scored_positions(k), torch.tensor(cache.scored_length(k), device=k.device),
+                             random_seed(cache))

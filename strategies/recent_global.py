@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import Tensor
 
 from cache import KVCache, register_strategy
-from prompt_compression import prompt_positions
 
 
 @register_strategy
@@ -20,4 +19,4 @@ class RecentGlobalCache(KVCache):
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return prompt_positions(k).float()
+        return cache.scored_positions(k).float()

@@ -43,6 +43,10 @@ ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items())
 ADAKV = ADAKV_STRATEGIES + [f"debug_{s}" for s in ADAKV_STRATEGIES]
 ADAKV_STORAGES = ["dense", "4bit"]
 ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapkv_window", "4"]}
+# --prefill_chunk (KVCache.prefill_chunk_tokens): every strategy and twin but those that declare why they
+# cannot compress a prompt chunk by chunk (cache_spec refuses the flag for them).
+CHUNK_REFUSED = [s for s in ALL if CACHE_STRATEGIES[s.removeprefix("debug_")].chunked_prefill_refusal]
+CHUNKABLE = [s for s in ALL if s not in CHUNK_REFUSED]
 
 
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
