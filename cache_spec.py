@@ -220,8 +220,10 @@ def read_yaml(path: Path, what: str) -> object:
         raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise UserError(f"{what} {path} is not UTF-8 text") from None
+    from strict_yaml import strict_load  # duplicate keys and YAML 1.1's text-not-number exponents refused
+
     try:
-        data = yaml.safe_load(text)
+        data = strict_load(text, f"{what} {path}")
     except yaml.YAMLError as e:
         raise UserError(f"malformed YAML in {what} {path}: {str(e).splitlines()[0]}") from None
     if data is None:

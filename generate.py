@@ -3,6 +3,7 @@
     python generate.py --prompt "What is a KV cache?" --max_new_tokens 64
     python generate.py --cache_strategy full --compile --stats_json stats.json --prompt prompt.txt
     python generate.py --prompt "Hi" --prompt notes.txt --prompt "Why?" --batch_size 3
+    python generate.py --prompts_file questions.jsonl --batch_size 4   # one {"prompt": ...} per line
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, f
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from model import Transformer
+from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
 from tokenizer import Tokenizer
 
@@ -365,9 +366,11 @@ def prefill_rows_one(model: Transformer, b: int, ids: list[int], prefill_length:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="generate.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt", required=True, action="append",
+    parser.add_argument("--prompt", action="append",
                         help="the prompt text, or the path of an existing text file; repeat it for several prompts, "
                              "decoded --batch_size at a time")
+    parser.add_argument("--prompts_file", default=None,
+                        help="more prompts, after any --prompt: one per line, or a .jsonl of {\"prompt\": ...} rows")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -378,34 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     add_cache_arguments(parser)
     return parser
-
-
-def read_prompt(prompt: str) -> str:
-    """The prompt text: the content of `prompt` when it names an existing file (any extension, read as
-    UTF-8), else `prompt` itself. A single word ending in .txt that is not a file is a missing file,
-    while text that merely mentions one ("summarize notes.txt") is a prompt."""
-    path = Path(prompt)
-    try:
-        is_file, is_dir = path.is_file(), path.is_dir()
-    except (OSError, ValueError):  # too long for a file name, or a NUL byte: it can only be text
-        is_file = is_dir = False
-    if is_dir:
-        raise UserError(f"--prompt {prompt} is a directory, not a prompt file")
-    if is_file:
-        try:
-            prompt = path.read_bytes().decode("utf-8")
-        except OSError as e:
-            raise UserError(f"cannot read prompt file {path}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise UserError(f"prompt file {path} is not UTF-8 text (byte {e.start})") from None
-        if not prompt.strip():
-            raise UserError(f"prompt file {path} is empty")
-        return prompt
-    if prompt.endswith(".txt") and not any(c.isspace() for c in prompt):
-        raise UserError(f"prompt file not found: {prompt}")
-    if not prompt.strip():
-        raise UserError("the prompt is empty")
-    return prompt
 
 
 def check_sampling(temperature: float, top_k: int | None) -> None:
@@ -456,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_sampling(args.temperature, args.top_k)
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
-    prompt_texts = [read_prompt(p) for p in args.prompt]
+    prompt_texts = collect_prompts(args.prompt, args.prompts_file)
     if args.stats_json is not None:  # '' too; before the model loads: a failed write would lose the statistics
         check_writable(args.stats_json, args.overwrite, "--stats_json")
     torch.manual_seed(args.seed)

@@ -84,6 +84,7 @@ RANGES_ELSEWHERE: dict[str, Number] = {
     "--q_group_size": count(),
     "--residual_length": count(),
     "--adakv_floor": real(0, 1),
+    "--prefill_chunk": count(),
     "--max_new_tokens": count(),
     "--top_k": count(),
     "--temperature": NON_NEGATIVE,

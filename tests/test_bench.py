@@ -225,7 +225,7 @@ BAD_BATCH_INPUT = {
     "cap too small for one row": (["--kv_memory_gb", "0.001"], "holds no batch of full"),
     "batch size zero": (["--batch_sizes", "0"], "--batch_sizes: must be at least 1"),
     "negative batch size": (["--batch_sizes", "4", "-1"], "--batch_sizes: must be at least 1"),
-    "negative cap": (["--kv_memory_gb", "-1"], "--kv_memory_gb must be a positive"),
+    "negative cap": (["--kv_memory_gb", "-1"], "--kv_memory_gb: must be greater than 0"),
 }
 
 

@@ -16,7 +16,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from atomic_files import atomic_write, write_json_atomic
-from cache import finite_float
 from checkpoint import add_model_arguments, parse_dtype, positive_int, resolve_device
 from errors import CliParser, UserError
 from eval.bench.batched import (
@@ -45,36 +44,37 @@ from eval.bench.report import (
     summarize_targets,
 )
 from eval.data import pydoc_corpus
+from flag_types import POSITIVE, count
 from strategies import CACHE_STRATEGIES
 
 
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--contexts", nargs="*", type=int, default=[512, 2048, 4096, 8192],
+    p.add_argument("--contexts", nargs="*", type=positive_int, default=[512, 2048, 4096, 8192],
                    help="HF, eager and compiled full-cache rows (a context is cut to the model's context "
                         "length minus --new_tokens)")
-    p.add_argument("--bound_contexts", nargs="*", type=int, default=[256],
+    p.add_argument("--bound_contexts", nargs="*", type=positive_int, default=[256],
                    help="compiled full-cache rows only (the fraction-of-bound target is at 256)")
-    p.add_argument("--strategy_contexts", nargs="*", type=int, default=[4096],
+    p.add_argument("--strategy_contexts", nargs="*", type=positive_int, default=[4096],
                    help="contexts where every strategy runs at --speedup_budget, and --budget_strategies at each "
                         "of --budgets too")
-    p.add_argument("--speedup_contexts", nargs="*", type=int, default=[8192],
+    p.add_argument("--speedup_contexts", nargs="*", type=positive_int, default=[8192],
                    help="further contexts where --speedup_strategies run at --speedup_budget only, without the "
                         "overhead measurement (none: pass the flag alone)")
     p.add_argument("--speedup_strategies", nargs="+", default=["recent_global"])
-    p.add_argument("--speedup_budget", type=float, default=0.1,
+    p.add_argument("--speedup_budget", type=POSITIVE, default=0.1,
                    help="the budget every strategy runs at (the speed-up target's budget)")
-    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--new_tokens", type=count(2), default=64)
     p.add_argument("--strategies", nargs="+", default=None, help="default: every registered strategy")
-    p.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.25, 0.5])
+    p.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.1, 0.25, 0.5])
     p.add_argument("--budget_strategies", nargs="+", default=["heavy_hitter"],
                    help="strategies run at every --budgets at --strategy_contexts (default: heavy_hitter, whose "
                         "per-step work grows with the cache: attention probabilities, an O(slots) state update; "
                         "all: every strategy, about 15 more minutes)")
-    p.add_argument("--recompile_steps", type=int, default=256,
+    p.add_argument("--recompile_steps", type=count(0), default=256,
                    help="per compiled strategy (once), decode this many more steps on its compiled graph, with a "
                         "prompt that lets the cache fill and then evict, and count new graphs (0: off)")
-    p.add_argument("--overhead_blocks", type=int, default=8,
+    p.add_argument("--overhead_blocks", type=positive_int, default=8,
                    help="strategy rows: decode --new_tokens more steps on the strategy's caches and as many on a "
                         "same-size full cache, alternating in this many blocks, for overhead_vs_same_size_full")
     p.add_argument("--no_same_size_ref", action="store_true",
@@ -86,10 +86,11 @@ def build_parser() -> CliParser:
                    help="throughput under a memory cap instead of the plan above: the full cache and each of "
                         "--strategies at each of --budgets, at a --batch_context prompt, decoded as one batch: the "
                         "largest of these batch sizes whose caches fit --kv_memory_gb (without it, each size)")
-    p.add_argument("--kv_memory_gb", type=finite_float, default=None,
+    p.add_argument("--kv_memory_gb", type=POSITIVE, default=None,
                    help="the cap for --batch_sizes: bytes of every cache buffer of the batch (K/V and bookkeeping), "
                         "in 10^9 bytes")
-    p.add_argument("--batch_context", type=int, default=2048, help="prompt tokens of every row of --batch_sizes")
+    p.add_argument("--batch_context", type=positive_int, default=2048,
+                   help="prompt tokens of every row of --batch_sizes")
     p.add_argument("--no_compile", action="store_true", help="eager rows only")
     p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face rows")
     p.add_argument("--hf_static", action="store_true",
