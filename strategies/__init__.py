@@ -22,6 +22,7 @@ from strategies import (
     hybrid,
     keep_it_odd,
     keydiff,
+    kvzip,
     l2,
     random,
     recent_global,
@@ -33,7 +34,7 @@ from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
-STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls
