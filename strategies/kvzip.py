@@ -136,22 +136,21 @@ def reconstruction_scores(model, context: Tensor, repeat_ids: list[int] | tuple[
     return scores
 
 
-def rule_users(model) -> list[tuple[int, KVCache]]:
-    """(layer, cache) of every cache in the model that scores its prompt by the kvzip rule, a debug cache's
-    shadow included."""
+def rule_users(caches: list[KVCache | None]) -> list[tuple[int, KVCache]]:
+    """(layer, cache) of every cache that scores its prompt by the kvzip rule, a debug cache's shadow
+    included; `caches` one per layer."""
     users = []
-    for i, layer in enumerate(model.layers):
-        top = layer.attention.kv_cache
+    for i, top in enumerate(caches):
         for m in top.modules() if top is not None else ():
             if isinstance(m, KVCache) and (isinstance(m, KvzipCache) or m.prompt_compressor is KvzipCache):
                 users.append((i, m))
     return users
 
 
-def set_repeat_prompt(model, tokenizer) -> None:
-    """Give the kvzip caches of `model` the token ids of REPEAT_PROMPT (after the caches are attached)."""
+def set_repeat_prompt(caches: list[KVCache], tokenizer) -> None:
+    """Give the kvzip caches (one per layer) the token ids of REPEAT_PROMPT, for the reconstruction pass."""
     ids = tuple(tokenizer.encode(REPEAT_PROMPT))
-    for _, cache in rule_users(model):
+    for _, cache in rule_users(caches):
         cache.kvzip_repeat_ids = ids
 
 
@@ -159,7 +158,7 @@ def supply_reconstruction_scores(model, prompt: Tensor) -> None:
     """Before prefilling `prompt` [B, T]: run KVzip's reconstruction pass and leave each layer's scores on the
     caches that use the kvzip rule (each prompt rule reads them once). Nothing when no cache uses the rule
     or the prompt fits every such cache (nothing would be compressed)."""
-    users = rule_users(model)
+    users = rule_users([layer.attention.kv_cache for layer in model.layers])
     if not users or all(prompt.shape[1] <= c.prompt_target() for _, c in users):
         return
     first = users[0][1]
