@@ -16,12 +16,14 @@ newest first, with score 1 + position / (seen + 1), above every scored token.
   is evicted. Tail tokens wait unscored, so the reference partition is whole when it is used.
 
 Where this differs from the paper: LagKV compresses a partition to a fixed ratio as soon as it is scored
-(its cache length follows the sequence); here one token is evicted when the budget is full, the lowest
-rank first, so the budget fixes the ratio and partitions thin out together (each holds one token of every
-rank). The prompt rule reads the prompt's values only in a lagkv cache's own prefill: another cache using
-`lagkv` as its --prompt_compression_strategy, and a pooled cache (--budget_allocation adakv), score the
-prompt's keys alone. A channel whose reference range is 0 is divided by 1e-6. The standard deviation is
-the sample one (n − 1), as the reference implementation's torch.std.
+(its cache length follows the sequence); here one token is evicted when the budget is full, the lowest rank
+first, so the budget fixes the ratio and partitions thin out together (each holds one token of every rank).
+Heads that share a pool (--budget_allocation adakv) need scores comparable across heads, which ranks are not
+(every head has the same ranks): they use the softmax scores unranked, as the reference implementation's
+`cross_scoring` option for Ada-KV does. The prompt rule reads the prompt's values only in a lagkv cache's
+own prefill: another cache using `lagkv` as its --prompt_compression_strategy, and a pooled cache
+(--budget_allocation adakv), score the prompt's keys alone. A channel whose reference range is 0 is divided
+by 1e-6. The standard deviation is the sample one (n − 1), as the reference implementation's torch.std.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ def relative_spread(x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     return ((x.float() - lo) / (hi - lo).clamp(min=RANGE_FLOOR)).std(dim=-1)
 
 
-def prompt_lag_scores(states: list[Tensor], sinks: int, lag: int) -> Tensor:
+def prompt_lag_scores(states: list[Tensor], sinks: int, lag: int, ranked: bool = True) -> Tensor:
     """LagKV's scores of a prompt's tokens from its keys (and values): states [B, H, T, D] each -> [B, H, T]:
-    rank / lag within the partition for scored tokens, 1 + position / (T + 1) for sinks and the tail."""
+    rank / lag within the partition for scored tokens (`ranked`; else the softmax score itself, comparable
+    across heads), 1 + position / (T + 1) for sinks and the tail."""
     B, H, T, _ = states[0].shape
     pos = torch.arange(T, device=states[0].device)
     scores = (1 + pos.float() / (T + 1)).expand(B, H, T).clone()
@@ -55,14 +58,17 @@ def prompt_lag_scores(states: list[Tensor], sinks: int, lag: int) -> Tensor:
         target, ref = parts[:, :, :-1], parts[:, :, 1:].float()
         spread = relative_spread(target, ref.amin(dim=3, keepdim=True), ref.amax(dim=3, keepdim=True))
         total = total + spread.softmax(dim=-1)
-    rank = (total / len(states)).argsort(dim=-1).argsort(dim=-1).float() / lag  # [B, H, n - 1, lag]
-    scores[:, :, sinks : sinks + (complete - 1) * lag] = rank.flatten(2)
+    score = total / len(states)  # [B, H, n - 1, lag]
+    if ranked:
+        score = score.argsort(dim=-1).argsort(dim=-1).float() / lag
+    scores[:, :, sinks : sinks + (complete - 1) * lag] = score.flatten(2)
     return scores
 
 
-def partition_lag_scores(states: list[Tensor], target: Tensor, ref: Tensor, lag: int) -> Tensor:
+def partition_lag_scores(states: list[Tensor], target: Tensor, ref: Tensor, lag: int, ranked: bool = True) -> Tensor:
     """Scores of the held slots `target` [B, H, L] bool against the held slots `ref` (the next partition),
-    from states [B, H, L, D] each: rank / lag among the targets, [B, H, L] (meaningless elsewhere)."""
+    from states [B, H, L, D] each: rank / lag among the targets (else the softmax score), [B, H, L]
+    (meaningless elsewhere)."""
     total = 0
     for x in states:
         xf = x.float()
@@ -70,6 +76,8 @@ def partition_lag_scores(states: list[Tensor], target: Tensor, ref: Tensor, lag:
         hi = xf.masked_fill(~ref[..., None], float("-inf")).amax(dim=2, keepdim=True)
         spread = relative_spread(xf, lo, hi).masked_fill(~target, float("-inf"))
         total = total + spread.softmax(dim=-1)
+    if not ranked:
+        return total / len(states)
     key = (total / len(states)).masked_fill(~target, float("inf"))
     return key.argsort(dim=-1).argsort(dim=-1).float() / lag  # targets sort first: their rank among themselves
 
@@ -101,7 +109,7 @@ class LagKVCache(KVCache):
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         values = getattr(cache, "prompt_values", None)
         states = [k] if values is None or values.shape != k.shape else [k, values]
-        return prompt_lag_scores(states, cache.global_tokens, int(cache.setting(LAG)))
+        return prompt_lag_scores(states, cache.global_tokens, int(cache.setting(LAG)), ranked=not cache.pooled)
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         tail = 1 + self.pos.float() / (row_positions(input_pos).float() + 1)
@@ -126,6 +134,6 @@ class LagKVCache(KVCache):
         keys, values = self.keys(), self.values()
         if keys.shape[1] != held.shape[1]:  # a pooled cache: one K/V head of pool slots, masked per head
             keys, values = keys.expand(-1, held.shape[1], -1, -1), values.expand(-1, held.shape[1], -1, -1)
-        ranks = partition_lag_scores([keys, values], target, ref, self.lag)
+        ranks = partition_lag_scores([keys, values], target, ref, self.lag, ranked=not self.pooled)
         update = completes & target & ref.any(dim=-1, keepdim=True)
         self.lag_score.copy_(torch.where(update, ranks, self.lag_score))
