@@ -156,10 +156,12 @@ def set_repeat_prompt(caches: list[KVCache], tokenizer) -> None:
 
 def supply_reconstruction_scores(model, prompt: Tensor) -> None:
     """Before prefilling `prompt` [B, T]: run KVzip's reconstruction pass and leave each layer's scores on the
-    caches that use the kvzip rule (each prompt rule reads them once). Nothing when no cache uses the rule
-    or the prompt fits every such cache (nothing would be compressed)."""
+    caches that use the kvzip rule, where they stay until the next prompt (or a kvzip cache's reset). No pass
+    when no cache uses the rule or the prompt fits every such cache (nothing would be compressed)."""
     users = rule_users([layer.attention.kv_cache for layer in model.layers])
     if not users or all(prompt.shape[1] <= c.prompt_target() for _, c in users):
+        for _, cache in users:  # no pass for this prompt: no scores of an earlier one either
+            cache.__dict__.pop("reconstruction_scores", None)
         return
     first = users[0][1]
     scores = reconstruction_scores(model, prompt, getattr(first, "kvzip_repeat_ids", ()), int(first.setting(CHUNK)))
@@ -194,9 +196,11 @@ class KvzipCache(KVCache):
         scores = cls.scores_for(cache, k, q)
         if isinstance(cache, KvzipCache):  # its after_prefill seeds the slots with the same scores
             cache.__dict__["prompt_token_scores"] = scores
-        else:  # another strategy's cache: the supplied scores are read once
-            cache.__dict__.pop("reconstruction_scores", None)
         return scores
+
+    def reset(self) -> None:
+        super().reset()
+        self.__dict__.pop("reconstruction_scores", None)  # the next prompt gets its own pass
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.max_attention
@@ -208,7 +212,6 @@ class KvzipCache(KVCache):
         scores = self.__dict__.pop("prompt_token_scores", None)
         if scores is None:  # the prompt fitted, or another rule chose it: score it here
             scores = self.scores_for(self, k, q)
-        self.__dict__.pop("reconstruction_scores", None)  # consumed: the next prompt gets its own pass
         n = keep.shape[-1]
         self.max_attention[:, :, :n] = scores.expand(-1, keep.shape[1], -1).gather(2, keep)
 
