@@ -91,25 +91,29 @@ class LagKVCache(KVCache):
     # Each slot's rank score once its partition is scored; −1 while it waits in the tail.
     slot_buffers = ("lag_score",)
 
-    # The last prompt's values, [B, n_kv, T, D] (eager; set by this cache's own prefill, cleared after it).
-    prompt_values: Tensor | None = None
+    # The scores of the last prompt this cache prefilled, from its keys and values, [B, n_kv, T] (eager; T
+    # floats per head, kept until the next prefill or reset): the prompt rule needs the values, which reach
+    # only this cache's own prefill.
+    prompt_lag: Tensor | None = None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.lag = int(self.setting(LAG))
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
-        self.prompt_values = v
-        try:
-            super().prefill(input_pos, k, v, q, k_store)
-        finally:
-            self.prompt_values = None
+        self.prompt_lag = prompt_lag_scores([k, v], self.global_tokens, self.lag, ranked=not self.pooled)
+        super().prefill(input_pos, k, v, q, k_store)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_lag = None
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        values = getattr(cache, "prompt_values", None)
-        states = [k] if values is None or values.shape != k.shape else [k, values]
-        return prompt_lag_scores(states, cache.global_tokens, int(cache.setting(LAG)), ranked=not cache.pooled)
+        own = getattr(cache, "prompt_lag", None)
+        if own is not None and own.shape == k.shape[:3]:
+            return own
+        return prompt_lag_scores([k], cache.global_tokens, int(cache.setting(LAG)), ranked=not cache.pooled)
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         tail = 1 + self.pos.float() / (row_positions(input_pos).float() + 1)
