@@ -182,6 +182,10 @@ class KvzipCache(KVCache):
     # The largest attention each slot has received: from the reconstruction (or the prompt's own queries)
     # at prefill, then from every decode query.
     slot_buffers = ("max_attention",)
+    # --prefill_chunk (where the contract has it): the scores come from one reconstruction pass over the
+    # whole context, which a chunk-by-chunk prefill, re-scoring virtual prompts of held tokens, never has.
+    chunked_prefill_refusal = ("its scores come from a reconstruction pass over the whole context, which a "
+                               "chunk-by-chunk prefill (virtual prompts of the held tokens) does not have")
 
     @staticmethod
     def scores_for(cache: KVCache, k: Tensor, q: Tensor) -> Tensor:

@@ -90,6 +90,10 @@ class LagKVCache(KVCache):
     head_specific = True
     # Each slot's rank score once its partition is scored; −1 while it waits in the tail.
     slot_buffers = ("lag_score",)
+    # --prefill_chunk (where the contract has it): partitions are cut by position from a contiguous prompt;
+    # a virtual prompt of held tokens (gaps) would be partitioned by index instead.
+    chunked_prefill_refusal = ("its prompt rule cuts a contiguous prompt into partitions by position; the held "
+                               "tokens of a chunked prefill have gaps")
 
     # The scores of the last prompt this cache prefilled, from its keys and values, [B, n_kv, T] (eager; T
     # floats per head, kept until the next prefill or reset): the prompt rule needs the values, which reach
