@@ -22,7 +22,10 @@ from strategies import (
     hybrid,
     keep_it_odd,
     keydiff,
+    kvzip,
     l2,
+    lagkv,
+    qfilters,
     random,
     recent_global,
     rkv,
@@ -33,7 +36,7 @@ from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
-STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -1,0 +1,147 @@
+"""`lagkv`: LagKV (Liang et al. 2025, "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are
+Important", arXiv 2504.04704). Attention-free: it reads keys and values only.
+
+After the sinks (the first `global_tokens`), the sequence is cut into partitions of `--lag_size` tokens. A
+partition is scored against the next one (its "lag" partition): each key is min-max normalised per channel
+by the next partition's keys, x̄ = (x − min_ref) / (max_ref − min_ref), and its score is the softmax, over
+its partition, of the standard deviation of x̄ across channels (a token unlike what follows it carries
+information); the same for values, and the token's score is the mean of the two. Tokens are then ranked
+within their partition (score = rank / lag_size), so every partition is compressed at the same ratio, as
+in the paper. A partition whose successor is not complete yet (the tail) is not scored: it is kept, the
+newest first, with score 1 + position / (seen + 1), above every scored token.
+
+- Prompt: every partition followed by a complete one is scored and ranked; the best `budget` tokens stay.
+- Decode: when a token completes a partition, the partition before it is scored against it, once, from
+  the held keys and values (the storage's, dequantized), and keeps those scores (slot state); the lowest
+  is evicted. Tail tokens wait unscored, so the reference partition is whole when it is used.
+
+Where this differs from the paper: LagKV compresses a partition to a fixed ratio as soon as it is scored
+(its cache length follows the sequence); here one token is evicted when the budget is full, the lowest rank
+first, so the budget fixes the ratio and partitions thin out together (each holds one token of every rank).
+Heads that share a pool (--budget_allocation adakv) need scores comparable across heads, which ranks are not
+(every head has the same ranks): they use the softmax scores unranked, as the reference implementation's
+`cross_scoring` option for Ada-KV does. The prompt rule reads the prompt's values only in a lagkv cache's
+own prefill: another cache using `lagkv` as its --prompt_compression_strategy, and a pooled cache
+(--budget_allocation adakv), score the prompt's keys alone. A channel whose reference range is 0 is divided
+by 1e-6. The standard deviation is the sample one (n − 1), as the reference implementation's torch.std.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cache import KVCache, Setting, register_strategy, row_positions
+
+LAG = Setting("lag_size", 128, low=2, help="tokens per partition; each is scored against the next one")
+RANGE_FLOOR = 1e-6
+
+
+def relative_spread(x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """Std across channels of x min-max normalised by the reference's [lo, hi] per channel: x [..., D]."""
+    return ((x.float() - lo) / (hi - lo).clamp(min=RANGE_FLOOR)).std(dim=-1)
+
+
+def prompt_lag_scores(states: list[Tensor], sinks: int, lag: int, ranked: bool = True) -> Tensor:
+    """LagKV's scores of a prompt's tokens from its keys (and values): states [B, H, T, D] each -> [B, H, T]:
+    rank / lag within the partition for scored tokens (`ranked`; else the softmax score itself, comparable
+    across heads), 1 + position / (T + 1) for sinks and the tail."""
+    B, H, T, _ = states[0].shape
+    pos = torch.arange(T, device=states[0].device)
+    scores = (1 + pos.float() / (T + 1)).expand(B, H, T).clone()
+    complete = max(T - sinks, 0) // lag
+    if complete < 2:
+        return scores
+    total = 0
+    for x in states:
+        parts = x[:, :, sinks : sinks + complete * lag].unflatten(2, (complete, lag))  # [B, H, n, lag, D]
+        target, ref = parts[:, :, :-1], parts[:, :, 1:].float()
+        spread = relative_spread(target, ref.amin(dim=3, keepdim=True), ref.amax(dim=3, keepdim=True))
+        total = total + spread.softmax(dim=-1)
+    score = total / len(states)  # [B, H, n - 1, lag]
+    if ranked:
+        score = score.argsort(dim=-1).argsort(dim=-1).float() / lag
+    scores[:, :, sinks : sinks + (complete - 1) * lag] = score.flatten(2)
+    return scores
+
+
+def partition_lag_scores(states: list[Tensor], target: Tensor, ref: Tensor, lag: int, ranked: bool = True) -> Tensor:
+    """Scores of the held slots `target` [B, H, L] bool against the held slots `ref` (the next partition),
+    from states [B, H, L, D] each: rank / lag among the targets (else the softmax score), [B, H, L]
+    (meaningless elsewhere)."""
+    total = 0
+    for x in states:
+        xf = x.float()
+        lo = xf.masked_fill(~ref[..., None], float("inf")).amin(dim=2, keepdim=True)
+        hi = xf.masked_fill(~ref[..., None], float("-inf")).amax(dim=2, keepdim=True)
+        spread = relative_spread(xf, lo, hi).masked_fill(~target, float("-inf"))
+        total = total + spread.softmax(dim=-1)
+    if not ranked:
+        return total / len(states)
+    key = (total / len(states)).masked_fill(~target, float("inf"))
+    return key.argsort(dim=-1).argsort(dim=-1).float() / lag  # targets sort first: their rank among themselves
+
+
+@register_strategy
+class LagKVCache(KVCache):
+    name = "lagkv"
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (LAG,)
+    head_specific = True
+    # Each slot's rank score once its partition is scored; −1 while it waits in the tail.
+    slot_buffers = ("lag_score",)
+    # --prefill_chunk (where the contract has it): partitions are cut by position from a contiguous prompt;
+    # a virtual prompt of held tokens (gaps) would be partitioned by index instead.
+    chunked_prefill_refusal = ("its prompt rule cuts a contiguous prompt into partitions by position; the held "
+                               "tokens of a chunked prefill have gaps")
+
+    # The scores of the last prompt this cache prefilled, from its keys and values, [B, n_kv, T] (eager; T
+    # floats per head, kept until the next prefill or reset): the prompt rule needs the values, which reach
+    # only this cache's own prefill.
+    prompt_lag: Tensor | None = None
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.lag = int(self.setting(LAG))
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
+        self.prompt_lag = prompt_lag_scores([k, v], self.global_tokens, self.lag, ranked=not self.pooled)
+        super().prefill(input_pos, k, v, q, k_store)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_lag = None
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        own = getattr(cache, "prompt_lag", None)
+        if own is not None and own.shape == k.shape[:3]:
+            return own
+        return prompt_lag_scores([k], cache.global_tokens, int(cache.setting(LAG)), ranked=not cache.pooled)
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        tail = 1 + self.pos.float() / (row_positions(input_pos).float() + 1)
+        return torch.where(self.lag_score < 0, tail, self.lag_score)
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        scores = self.prompt_scores(self, k, q)
+        scored = torch.where(scores < 1, scores, torch.full_like(scores, -1.0))
+        self.lag_score[:, :, : keep.shape[-1]] = scored.gather(2, keep)
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        self.lag_score.scatter_(2, slot[..., None], -1.0)
+        newest = row_positions(input_pos)  # [1 or B, 1, 1]
+        seen = newest + 1 - self.global_tokens
+        completes = (seen > 0) & (seen % self.lag == 0)  # this token closes partition `seen // lag − 1`
+        closed = seen // self.lag - 1
+        held = self.mask[:, :, 0]
+        pos = self.pos.expand_as(held)
+        part = torch.div(pos - self.global_tokens, self.lag, rounding_mode="floor")
+        body = held & (pos >= self.global_tokens)
+        target, ref = body & (part == closed - 1), body & (part == closed)
+        keys, values = self.keys(), self.values()
+        if keys.shape[1] != held.shape[1]:  # a pooled cache: one K/V head of pool slots, masked per head
+            keys, values = keys.expand(-1, held.shape[1], -1, -1), values.expand(-1, held.shape[1], -1, -1)
+        ranks = partition_lag_scores([keys, values], target, ref, self.lag, ranked=not self.pooled)
+        update = completes & target & ref.any(dim=-1, keepdim=True)
+        self.lag_score.copy_(torch.where(update, ranks, self.lag_score))

@@ -1,0 +1,143 @@
+"""`qfilters`: Q-Filters (Godey et al. 2025, "Q-Filters: Leveraging QK Geometry for Efficient KV Cache
+Compression", arXiv 2503.02812). Attention-free: it reads the keys only.
+
+Queries and keys of a head are anisotropic: they share a principal direction u, and along it the mean
+query has a fixed sign. Then ⟨q, k⟩ ≈ ⟨q, u⟩⟨k, u⟩ + the rest, and averaged over queries the attention
+logit a key gets grows with ⟨k, u⟩ when u is oriented so that the queries' mean projection is positive.
+Q-Filters computes u once per (layer, KV head) offline, as the first right singular vector of the
+head's queries (those of the query heads of the KV group, stacked) on some text, and keeps the keys with
+the largest projection ⟨k, u⟩ — no attention needed, so it runs with the fused kernels.
+
+- Decode: the held key with the lowest ⟨k, u⟩ is evicted (keys as stored: dequantized on quantized
+  storage). Prompt: the best `budget` prompt keys by the same projection.
+- u: the calibration file's (`--qfilters_path`, default the shipped qfilters/<model>.json when its head
+  count and size match the layer), made by calibrate_qfilters.py on the bundled model; a layer the file
+  does not cover (another model) takes u from its own prompt's queries at prefill (the same SVD), and so
+  does another cache using `qfilters` as its --prompt_compression_strategy.
+
+Where this differs from the paper: its filters are computed on a few thousand samples of a pretraining
+corpus per model (and published for large models only); the shipped ones come from a few windows of the
+project's calibration text (see calibrate_qfilters.py) with queries after RoPE and the model's query scale,
+as attention uses them. The sign convention: u is oriented by the queries, and the score is +⟨k, u⟩
+(kvpress's QFilterPress stores the opposite orientation and negates). With --rerotate_positions the keys
+are stored before RoPE, so they are projected without the rotation the direction was measured with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from cache import KVCache, Setting, register_strategy
+from errors import UserError
+
+QFILTERS_DIR = Path(__file__).resolve().parent.parent / "qfilters"
+SHIPPED = QFILTERS_DIR / "SmolLM2-135M-Instruct.json"
+
+PATH = Setting("qfilters_path", None, type=str,
+               help="per-layer, per-KV-head query directions from calibrate_qfilters.py (default: the shipped "
+                    "file when it fits the model)")
+
+
+def grouped_queries(q: Tensor, n_kv: int) -> Tensor:
+    """q [B, n_head, T, D] -> [B, n_kv, rep·T, D] float32: each KV group's queries stacked as samples."""
+    B, H, T, D = q.shape
+    return q.float().reshape(B, n_kv, H // n_kv, T, D).flatten(2, 3)
+
+
+def query_moments(q: Tensor, n_kv: int) -> tuple[Tensor, Tensor]:
+    """The Gram matrix Σ q qᵀ [B, n_kv, D, D] and the sum Σ q [B, n_kv, D] of each group's queries: what
+    the principal direction needs, summable over windows (calibrate_qfilters.py)."""
+    samples = grouped_queries(q, n_kv)
+    return samples.transpose(-1, -2) @ samples, samples.sum(dim=2)
+
+
+def principal_directions(gram: Tensor, total: Tensor) -> Tensor:
+    """The first right singular vector of the stacked queries (the top eigenvector of their Gram matrix),
+    oriented so that the queries' mean projection on it is ≥ 0: [..., D] unit vectors."""
+    u = torch.linalg.eigh(gram.double())[1][..., -1].float()
+    sign = torch.where((total * u).sum(-1, keepdim=True) < 0, -1.0, 1.0)
+    return u * sign
+
+
+def load_filters(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        filters = data["filters"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--qfilters_path {path}: not a Q-Filters file of calibrate_qfilters.py ({e})") from None
+    shape_ok = isinstance(filters, list) and filters and all(
+        isinstance(layer, list) and len(layer) == len(filters[0]) and all(
+            isinstance(head, list) and len(head) == len(filters[0][0]) for head in layer) for layer in filters)
+    if not shape_ok or not filters[0] or not filters[0][0]:
+        raise UserError(f"--qfilters_path {path}: the filters are not layers × KV heads × head_dim")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for layer in filters for head in layer for x in head):
+        raise UserError(f"--qfilters_path {path}: non-finite filter values")
+    return data
+
+
+@register_strategy
+class QFiltersCache(KVCache):
+    name = "qfilters"
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (PATH,)
+    head_specific = True
+
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, head_dim, *args, **kwargs)
+        path = self.setting(PATH)
+        self.filter_file = load_filters(Path(path)) if path else None
+        if self.filter_file is None and SHIPPED.exists():
+            shipped = load_filters(SHIPPED)
+            if shipped.get("n_kv_head") == n_kv_heads and shipped.get("head_dim") == head_dim:
+                self.filter_file = shipped
+        # u per row and KV head: the file's (configure) or the prompt's (after_prefill).
+        self.register_buffer("direction", torch.zeros(batch_size, n_kv_heads, head_dim, device=self.pos.device))
+        self.from_file = False
+
+    def configure(self, **settings: object) -> None:
+        super().configure(**settings)
+        if self.filter_file is None:
+            return
+        filters = self.filter_file["filters"]
+        if len(filters[0]) != self.n_kv_heads or len(filters[0][0]) != self.head_dim or self.layer_idx >= len(filters):
+            raise UserError(f"the Q-Filters file has {len(filters)} layers of {len(filters[0])} KV heads × "
+                            f"{len(filters[0][0])}; layer {self.layer_idx} has {self.n_kv_heads} × {self.head_dim}: "
+                            "calibrate with calibrate_qfilters.py")
+        self.file_direction = torch.tensor(filters[self.layer_idx], dtype=torch.float32)
+        self.from_file = True
+        self.apply_file_direction()
+
+    def apply_file_direction(self) -> None:
+        self.direction.copy_(self.file_direction.to(self.direction.device).expand_as(self.direction))
+
+    def reset(self) -> None:
+        super().reset()  # zeroes every buffer: the file's directions are a setting, not state
+        if self.from_file:
+            self.apply_file_direction()
+
+    @staticmethod
+    def layer_direction(cache: KVCache, q: Tensor, n_kv: int) -> Tensor:
+        """u of the layer, [B, n_kv, D]: the calibrated one, else the prompt queries' own."""
+        if isinstance(cache, QFiltersCache) and cache.from_file:
+            return cache.direction
+        return principal_directions(*query_moments(q, n_kv))
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        u = cls.layer_direction(cache, q, k.shape[1])
+        return (k.float() * u[:, :, None]).sum(-1)
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        keys = self.keys().float()
+        if keys.shape[1] != self.n_kv_heads:  # a pooled cache: one K/V head of pool slots, scored per head
+            keys = keys.expand(-1, self.n_kv_heads, -1, -1)
+        return (keys * self.direction[:, :, None]).sum(-1)
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        if not self.from_file:
+            self.direction.copy_(principal_directions(*query_moments(q, k.shape[1])))

@@ -1,0 +1,359 @@
+"""Naive oracles of kvzip, lagkv and qfilters, each re-computed from its paper's definition with plain loops
+(over queries, heads, channels, partitions) and compared with what the caches held after prefill and
+after every decode step on the tiny model (a 24-token prompt + 16 new tokens, budget 16, 2 sinks and a
+4-token recent window), and the scoring passes (KVzip's reconstruction, the Q-Filters calibration) with
+an independent naive forward / numpy's SVD."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from errors import UserError
+from generate import decode_one_token
+from model import apply_rope
+from strategies.kvzip import reconstruction_scores, set_repeat_prompt, supply_reconstruction_scores
+from tests.conftest import make_tiny_model
+from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, token_ids
+from tests.test_strategies import evictions, layer0_queries, reference_kv, unprotected
+from tests.test_strategies_recent import BUDGET, assert_evicts_lowest, assert_prompt_kept_best
+
+# ---- naive attention -------------------------------------------------------------------------------------------
+
+
+def head_probs(q: torch.Tensor, keys: torch.Tensor, positions: list[int]) -> list[float]:
+    """One query head's softmax over `positions` (q [D], keys [S, D]), as plain floats."""
+    logits = [float(q @ keys[p]) / math.sqrt(q.shape[-1]) for p in positions]
+    top = max(logits)
+    exp = [math.exp(x - top) for x in logits]
+    return [e / sum(exp) for e in exp]
+
+
+def naive_forward_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's queries [n_head, S, D] and keys [n_kv, S, D] (after RoPE) of a plain causal forward
+    over ids [1, S], attention written out query by query."""
+    a = model.args
+    S, rep = ids.shape[1], a.n_head // a.n_kv_head
+    cos, sin = model.rope_cos[:S], model.rope_sin[:S]
+    out = []
+    with torch.inference_mode():
+        x = model.tok_embeddings(ids)[0]
+        for layer in model.layers:
+            att = layer.attention
+            h = layer.attention_norm(x)
+            q = apply_rope(att.wq(h).view(S, a.n_head, a.head_dim).transpose(0, 1), cos, sin)
+            k = apply_rope(att.wk(h).view(S, a.n_kv_head, a.head_dim).transpose(0, 1), cos, sin)
+            v = att.wv(h).view(S, a.n_kv_head, a.head_dim).transpose(0, 1)
+            out.append((q, k))
+            y = torch.zeros(S, a.n_head, a.head_dim)
+            for head in range(a.n_head):
+                for i in range(S):
+                    probs = head_probs(q[head, i], k[head // rep], list(range(i + 1)))
+                    y[i, head] = sum(p * v[head // rep, j] for j, p in enumerate(probs))
+            x = x + att.wo(y.reshape(S, -1))
+            x = x + layer.feed_forward(layer.ffn_norm(x))
+    return out
+
+
+# ---- kvzip -----------------------------------------------------------------------------------------------------
+
+
+def naive_kvzip_scores(model, context: list[int], repeat: list[int], chunk: int) -> list[list[list[float]]]:
+    """[layer][kv head][j]: max over the chunks' passes (context + repeat + chunk), the chunk's queries and
+    the group's query heads of the attention to context key j (softmax over every key up to the query)."""
+    T, rep = len(context), model.args.n_head // model.args.n_kv_head
+    best = [[[0.0] * T for _ in range(model.args.n_kv_head)] for _ in model.layers]
+    for start in range(0, T, chunk or T):
+        piece = context[start : start + (chunk or T)]
+        sequence = context + repeat + piece
+        for layer, (q, k) in enumerate(naive_forward_qk(model, torch.tensor([sequence]))):
+            for head in range(model.args.n_head):
+                g = head // rep
+                for i in range(len(sequence) - len(piece), len(sequence)):
+                    probs = head_probs(q[head, i], k[g], list(range(i + 1)))
+                    for j in range(T):
+                        best[layer][g][j] = max(best[layer][g][j], probs[j])
+    return best
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_kvzip_scores_are_the_max_attention_of_the_reconstruction_queries(chunk):
+    model = make_tiny_model()
+    context = token_ids()[0, :12].tolist()
+    repeat = [7, 8, 9]
+    scores = reconstruction_scores(model, torch.tensor([context]), repeat, chunk)
+    naive = naive_kvzip_scores(model, context, repeat, chunk)
+    for layer, (got, expected) in enumerate(zip(scores, naive, strict=True)):
+        assert got.shape == (1, model.args.n_kv_head, 12)
+        assert torch.allclose(got[0], torch.tensor(expected), atol=1e-5), f"layer {layer}"
+    assert model.caches() == [], "the scoring pass leaves the model's caches as they were"
+
+
+def kvzip_decode_oracle(model, ids, initial: dict[int, list[float]]):
+    """score(p, h, held, x): max(x's prompt score, the largest attention any query head of group h gave x at
+    the decode steps since x was held (each step's softmax over what the head then held))."""
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)
+    rep = model.args.n_head // model.args.n_kv_head
+    running: dict[tuple[int, int], float] = {}
+    seen_steps: set[tuple[int, int]] = set()
+
+    def observe(p: int, h: int, held_after: set[int]) -> None:
+        if (p, h) in seen_steps:
+            return
+        seen_steps.add((p, h))
+        positions = sorted(held_after)
+        for head in range(h * rep, (h + 1) * rep):
+            for x, a in zip(positions, head_probs(q[head, p], ref_k[h], positions), strict=True):
+                running[(h, x)] = max(running.get((h, x), 0.0), a)
+
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        base = initial[h][x] if x < PROMPT else 0.0
+        return max(base, running.get((h, x), 0.0))
+
+    return score, observe
+
+
+def run_with_hook(strategy: str, *extra: str, hook: bool = True):
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, cache_args(strategy, str(BUDGET), "dense", *extra))
+    history = []
+    with torch.inference_mode():
+        model.reset_caches()
+        if hook:
+            supply_reconstruction_scores(model, ids[:, :PROMPT])
+        # The forward itself, not generate.prefill (whose hook would run the pass without being asked).
+        model(ids[:, :PROMPT], torch.arange(PROMPT), last_logits_only=True)
+        history.append((PROMPT - 1, held_positions(caches[0])))
+        for p in range(PROMPT, TOTAL):
+            decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))
+            history.append((p, held_positions(caches[0])))
+    steps = [(p, before, after) for (_, before), (p, after) in zip(history, history[1:], strict=False)]
+    return model, ids, steps
+
+
+def check_kvzip_decode(model, ids, steps, initial) -> int:
+    score, observe = kvzip_decode_oracle(model, ids, initial)
+    checked = 0
+    for p, before, after in steps:
+        for h, (b, a) in enumerate(zip(before, after, strict=True)):
+            if len(b) == BUDGET:
+                scores = {x: score(p, h, b, x) for x in unprotected(b, p)}
+                ties = {x for x, v in scores.items() if v <= min(scores.values()) + 1e-6}
+                assert len(b - a) == 1 and b - a <= ties, f"step {p} head {h}: {b - a} not in {ties}"
+                checked += 1
+            observe(p, h, a)
+    return checked
+
+
+def test_kvzip_keeps_the_best_reconstruction_scores_and_evicts_the_least_attended():
+    model, ids, steps = run_with_hook("kvzip")
+    naive = naive_kvzip_scores(model, ids[0, :PROMPT].tolist(), [], 0)[0]  # no tokenizer: context twice
+    assert_prompt_kept_best(steps, lambda p, h, held, x: naive[h][x])
+    assert check_kvzip_decode(model, ids, steps, naive) > 0
+
+
+def test_kvzip_without_a_reconstruction_pass_scores_the_prompt_by_its_own_queries():
+    model, ids, steps = run_with_hook("kvzip", hook=False)
+    ref_k, _ = reference_kv(model, ids)
+    q = layer0_queries(model, ids)
+    rep = model.args.n_head // model.args.n_kv_head
+    own = [[max(head_probs(q[head, i], ref_k[h], list(range(i + 1)))[x]
+                for head in range(h * rep, (h + 1) * rep) for i in range(x, PROMPT))
+            for x in range(PROMPT)] for h in range(model.args.n_kv_head)]
+    assert_prompt_kept_best(steps, lambda p, h, held, x: own[h][x])
+    assert check_kvzip_decode(model, ids, steps, own) > 0
+    assert steps[0][1] != run_with_hook("kvzip")[2][0][1], "the reconstruction should change what is kept"
+
+
+def test_kvzip_scores_compress_another_strategys_prompt():
+    model, ids, steps = run_with_hook("tova", "--prompt_compression_strategy", "kvzip")
+    naive = naive_kvzip_scores(model, ids[0, :PROMPT].tolist(), [], 0)[0]
+    assert_prompt_kept_best(steps, lambda p, h, held, x: naive[h][x])
+    with torch.inference_mode():  # a prompt that fits: no pass, and the earlier prompt's scores are dropped
+        supply_reconstruction_scores(model, ids[:, :BUDGET])
+    assert all("reconstruction_scores" not in vars(c) for c in model.caches())
+
+
+def test_kvzip_repeat_prompt_comes_from_the_tokenizer():
+    class Words:
+        def encode(self, text: str) -> list[int]:
+            return [len(w) for w in text.split()]
+
+    model = make_tiny_model()
+    caches = attach(model, cache_args("kvzip", str(BUDGET)))
+    set_repeat_prompt(caches, Words())
+    assert all(c.kvzip_repeat_ids == (6, 3, 8, 7, 8) for c in caches)
+
+
+def test_kvzip_reconstruction_longer_than_the_context_is_a_user_error():
+    model = make_tiny_model(context_length=40)
+    with pytest.raises(UserError, match="kvzip_chunk"):
+        reconstruction_scores(model, token_ids()[:, :24])
+    assert len(reconstruction_scores(model, token_ids()[:, :24], chunk=8)) == model.args.n_layer
+
+
+# ---- lagkv -----------------------------------------------------------------------------------------------------
+
+
+def naive_partition_scores(states: list[torch.Tensor], target: list[int], ref: list[int], lag: int) -> dict[int, float]:
+    """LagKV: per token x of `target`, per state (keys, values): min-max normalise each channel by the `ref`
+    tokens, the sample std over channels, softmax over the target tokens; the mean over states, ranked
+    within the target (rank / lag)."""
+    total = {x: 0.0 for x in target}
+    for s in states:
+        spread = {}
+        for x in target:
+            normed = []
+            for c in range(s.shape[-1]):
+                lo, hi = min(float(s[r, c]) for r in ref), max(float(s[r, c]) for r in ref)
+                normed.append((float(s[x, c]) - lo) / max(hi - lo, 1e-6))
+            spread[x] = statistics.stdev(normed)
+        top = max(spread.values())
+        norm = sum(math.exp(v - top) for v in spread.values())
+        for x in target:
+            total[x] += math.exp(spread[x] - top) / norm / len(states)
+    order = sorted(target, key=lambda x: total[x])
+    return {x: order.index(x) / lag for x in target}
+
+
+def lagkv_oracle(model, ids, lag: int):
+    """(prompt score, decode checker) of naive LagKV over layer 0's keys and values of a full-cache run."""
+    ref_k, ref_v = reference_kv(model, ids)
+
+    def partition(x: int) -> int:
+        return (x - GLOBAL) // lag
+
+    def prompt_score(h: int, x: int) -> float:
+        complete = (PROMPT - GLOBAL) // lag
+        j = partition(x)
+        if x < GLOBAL or j >= complete - 1:
+            return 1 + x / (PROMPT + 1)
+        members = [y for y in range(PROMPT) if y >= GLOBAL and partition(y) == j]
+        nxt = [y for y in range(PROMPT) if y >= GLOBAL and partition(y) == j + 1]
+        return naive_partition_scores([ref_k[h], ref_v[h]], members, nxt, lag)[x]
+
+    return prompt_score, ref_k, ref_v, partition
+
+
+def assert_prompt_kept_best_up_to_ties(steps, score) -> None:
+    """Prefill kept the protected tokens and BUDGET of the prompt, none of the others scoring above a kept
+    one (ranks tie across partitions, and top-k may break a tie either way)."""
+    protected = set(range(GLOBAL)) | set(range(PROMPT - RECENT, PROMPT))
+    for h, kept in enumerate(steps[0][1]):
+        assert protected <= kept and len(kept) == BUDGET
+        dropped = set(range(PROMPT)) - kept
+        assert min(score(h, x) for x in kept - protected) >= max(score(h, x) for x in dropped) - 1e-9, f"head {h}"
+
+
+@pytest.mark.parametrize("lag", [3, 4])
+def test_lagkv_ranks_each_partition_against_the_next_and_evicts_the_lowest_rank(lag):
+    model, ids, steps = evictions("lagkv", str(BUDGET), "--lag_size", str(lag))
+    prompt_score, ref_k, ref_v, partition = lagkv_oracle(model, ids, lag)
+    assert_prompt_kept_best_up_to_ties(steps, prompt_score)
+    frozen = [{x: prompt_score(h, x) for x in steps[0][1][h] if prompt_score(h, x) < 1} for h in range(2)]
+    checked = 0
+    for p, before, after in steps:
+        for h, (b, a) in enumerate(zip(before, after, strict=True)):
+            if len(b) == BUDGET:
+                scores = {x: frozen[h].get(x, 1 + x / (p + 1)) for x in unprotected(b, p)}
+                ties = {x for x, v in scores.items() if v <= min(scores.values()) + 1e-9}
+                assert len(b - a) == 1 and b - a <= ties, f"step {p} head {h}: {b - a} not in {ties}"
+                checked += 1
+            if (p + 1 - GLOBAL) % lag == 0:  # p closes partition c: partition c − 1 is scored against it
+                c = partition(p)
+                target = sorted(x for x in a if x >= GLOBAL and partition(x) == c - 1)
+                ref = sorted(x for x in a if x >= GLOBAL and partition(x) == c)
+                frozen[h].update(naive_partition_scores([ref_k[h], ref_v[h]], target, ref, lag))
+    assert checked > 0
+
+
+def test_lag_size_out_of_range_is_a_user_error():
+    with pytest.raises(UserError, match="lag_size"):
+        cache_args("lagkv", "16", "dense", "--lag_size", "1")
+
+
+# ---- qfilters --------------------------------------------------------------------------------------------------
+
+
+def numpy_direction(queries: np.ndarray) -> np.ndarray:
+    """The first right singular vector of the stacked queries [n, D], oriented by their mean projection."""
+    u = np.linalg.svd(queries.astype(np.float64), full_matrices=False)[2][0]
+    return u if (queries @ u).mean() >= 0 else -u
+
+
+def prompt_directions(model, ids) -> list[np.ndarray]:
+    q = layer0_queries(model, ids)[:, :PROMPT].numpy()
+    rep = model.args.n_head // model.args.n_kv_head
+    return [numpy_direction(np.concatenate([q[head] for head in range(h * rep, (h + 1) * rep)]))
+            for h in range(model.args.n_kv_head)]
+
+
+def projection_score(ref_k, directions):
+    def score(p: int, h: int, held: set[int], x: int) -> float:
+        return float(sum(float(a) * float(b) for a, b in zip(ref_k[h, x], directions[h], strict=True)))
+
+    return score
+
+
+def test_qfilters_keeps_the_keys_with_the_largest_projection_on_the_prompts_query_direction():
+    model, ids, steps = evictions("qfilters", str(BUDGET))
+    ref_k, _ = reference_kv(model, ids)
+    score = projection_score(ref_k, prompt_directions(model, ids))
+    assert_prompt_kept_best(steps, score)
+    assert assert_evicts_lowest(steps, score) > 0
+
+
+def test_qfilters_reads_the_directions_of_a_calibration_file(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    filters = torch.nn.functional.normalize(torch.randn(2, 2, 16, generator=gen), dim=-1)
+    path = tmp_path / "qf.json"
+    path.write_text(json.dumps({"n_kv_head": 2, "head_dim": 16, "filters": filters.tolist()}))
+    model, ids, steps = evictions("qfilters", str(BUDGET), "--qfilters_path", str(path))
+    ref_k, _ = reference_kv(model, ids)
+    score = projection_score(ref_k, filters[0].tolist())
+    assert_prompt_kept_best(steps, score)
+    assert assert_evicts_lowest(steps, score) > 0
+    caches = attach(model, cache_args("qfilters", str(BUDGET), "dense", "--qfilters_path", str(path)))
+    with torch.inference_mode():
+        model.reset_caches()
+    assert all(torch.equal(c.direction[0], filters[i]) for i, c in enumerate(caches)), "reset keeps the file's"
+    path.write_text(json.dumps({"filters": [[[0.1, 0.2]]]}))
+    with pytest.raises(UserError, match="KV heads"):
+        attach(model, cache_args("qfilters", "16", "dense", "--qfilters_path", str(path)))
+    path.write_text("{}")
+    with pytest.raises(UserError, match="qfilters_path"):
+        attach(model, cache_args("qfilters", "16", "dense", "--qfilters_path", str(path)))
+
+
+def test_calibrated_filters_are_the_svd_of_the_stacked_queries_of_every_window():
+    from calibrate_qfilters import query_filters
+
+    model = make_tiny_model()
+    windows = [token_ids(seed)[:, :PROMPT] for seed in (0, 1)]
+    filters = query_filters(model, windows)
+    rep = model.args.n_head // model.args.n_kv_head
+    queries = [layer0_queries(model, torch.cat([w, w[:, : TOTAL - PROMPT]], 1))[:, :PROMPT].numpy()
+               for w in windows]
+    for h in range(model.args.n_kv_head):
+        stacked = np.concatenate([q[head] for q in queries for head in range(h * rep, (h + 1) * rep)])
+        assert np.allclose(filters[0][h], numpy_direction(stacked), atol=1e-5)
+    assert len(filters) == model.args.n_layer and len(filters[1][0]) == model.args.head_dim
+
+
+def test_the_shipped_filters_fit_the_bundled_models_layers():
+    from strategies.qfilters import SHIPPED, QFiltersCache, load_filters
+
+    data = load_filters(SHIPPED)
+    filters = torch.tensor(data["filters"])
+    assert filters.shape == (data["n_layer"], 3, 64) == (30, 3, 64)
+    assert torch.allclose(filters.norm(dim=-1), torch.ones(30, 3), atol=1e-4)
+    cache = QFiltersCache(1, 3, 64, 8, torch.float32, capacity_needed=16)
+    cache.configure(layer_idx=7)
+    assert cache.from_file and torch.allclose(cache.direction[0], filters[7])
