@@ -38,6 +38,7 @@ from model import ModelArgs, Transformer
 from model_policies import apply_model_layer_policies
 from strategies import get_strategy
 from strategies.hybrid import token_classes
+from strategies.kvzip import set_repeat_prompt
 from tokenizer import Tokenizer
 
 __all__ = ["attach_caches", "attach_row_caches", "cache_config", "cache_specs", "check_budgets", "setup_caches",
@@ -129,6 +130,8 @@ def _build(model: Transformer, specs: list[LayerCacheSpec], batch_size: int, cap
     if classes is None and tokenizer is not None and any(get_strategy(s.strategy).needs_token_classes for s in specs):
         classes = token_classes(tokenizer, a.vocab_size)
     caches = build_caches(specs, batch_size, a.n_kv_head, a.head_dim, capacity_needed, w.dtype, w.device, classes)
+    if tokenizer is not None:
+        set_repeat_prompt(caches, tokenizer)  # KVzip's reconstruction prompt (a no-op for other caches)
     if any(c.needs_gates for c in caches):
         from gates import prepare_gates
 

@@ -25,6 +25,7 @@ import torch
 from atomic_files import check_writable, write_json_atomic
 from checkpoint import add_checkpoint_argument, load_checkpoint
 from errors import CliParser, UserError, run_cli
+from flag_types import THREADS, count
 from strategies.kvzip import capture_queries
 from strategies.qfilters import QFILTERS_DIR, principal_directions, query_moments
 from train_gates import model_name, training_windows
@@ -35,9 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_argument(p)
     p.add_argument("--out", default=None, help="output file (default: qfilters/<checkpoint name>.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--windows", type=int, default=8, help="text windows measured")
-    p.add_argument("--seq_len", type=int, default=512, help="tokens per window")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: reproducible; 0: torch's choice)")
+    p.add_argument("--windows", type=count(), default=8, help="text windows measured")
+    p.add_argument("--seq_len", type=count(2), default=512, help="tokens per window")
+    p.add_argument("--threads", type=THREADS, default=1, help="torch threads (1: reproducible; 0: torch's choice)")
     return p
 
 
@@ -61,8 +62,6 @@ def query_filters(model, windows: list[torch.Tensor]) -> list[list[list[float]]]
 
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
-    if args.windows < 1 or args.seq_len < 2:
-        raise UserError("--windows must be ≥ 1 and --seq_len ≥ 2")
     stem, name = model_name(args.checkpoint_path)
     out = Path(args.out) if args.out else QFILTERS_DIR / f"{stem}.json"
     check_writable(out, args.overwrite, "--out")

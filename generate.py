@@ -27,6 +27,7 @@ from errors import CliParser, UserError, run_cli
 from model import Transformer
 from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
+from strategies.kvzip import supply_reconstruction_scores
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -42,6 +43,7 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
     """
     T = prompt.shape[1]
     n = T if prefill_length is None else min(prefill_length, T)
+    supply_reconstruction_scores(model, prompt[:, :n])  # KVzip's model-level scoring pass; else nothing
     step = decode_step or decode_one_token
     chunk = prefill_chunk_of(model)
     if chunk == 1:  # a one-token chunk is a decode step: the whole prompt is fed (--feed_long_prompts' path)

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 import calibrate_duo
+import calibrate_qfilters
 import generate
 import train_gates
 from cache import finite_float
@@ -62,6 +63,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                lambda w: ["--steps", "1", "--out", str(w / "gates.safetensors")], (train_gates,)),
     EntryPoint("calibrate_duo.py", calibrate_duo.main, calibrate_duo.build_parser,
                lambda w: ["--out", str(w / "duo.json")], (calibrate_duo,)),
+    EntryPoint("calibrate_qfilters.py", calibrate_qfilters.main, calibrate_qfilters.build_parser,
+               lambda w: ["--out", str(w / "qfilters.json")], (calibrate_qfilters,)),
     EntryPoint("python -m eval.plot", plot.main, plot.build_parser, lambda w: ["--out_dir", str(w)], ()),
 ]}
 # Command-line scripts outside this matrix, each with the reason; any other module that runs `run_cli` must

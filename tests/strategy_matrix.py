@@ -49,9 +49,15 @@ CHUNK_REFUSED = [s for s in ALL if CACHE_STRATEGIES[s.removeprefix("debug_")].ch
 CHUNKABLE = [s for s in ALL if s not in CHUNK_REFUSED]
 
 
+# Settings that make a strategy's rule act on the matrix's 24-token prompt (LagKV's default partition of
+# 128 tokens would score none of it: every head would keep the newest tokens, the same in every head).
+MATRIX_FLAGS = {"lagkv": ["--lag_size", "4"]}
+
+
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):
+    own = MATRIX_FLAGS.get(strategy.removeprefix("debug_"), [])  # before `extra`, which may override it
     return cache_config(["--cache_strategy", strategy, "--max_cache_length", budget, "--global_tokens",
-                         str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *extra])
+                         str(GLOBAL), "--recent_window", str(RECENT), *STORAGES[storage], *own, *extra])
 
 
 def attach(model, args, device: str = "cpu", dtype: torch.dtype = torch.float32, new: int = NEW) -> list[KVCache]:
