@@ -23,7 +23,7 @@ import cache_setup
 from cache import cache_statistics
 from cache_spec import LayerCacheSpec, cache_flag_defaults
 from errors import UserError
-from eval.batching import ReferenceLogits, attach_row_caches, copy_row, reference_hidden, step_compression
+from eval.batching import ReferenceLogits, reference_hidden, step_compression
 from eval.metrics import rows_fidelity
 from generate import decode_one_token, prefill
 from model import Transformer
@@ -99,8 +99,9 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
     return cache_setup.cache_specs(args, rt.model.args, prompt_length, max_new_tokens)
 
 
-def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:
-    cache_setup.setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer)
+def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int, rows: int = 1) -> list:
+    """Caches of `specs` for `rows` rows of `capacity` tokens each (every row the same budgets), attached."""
+    cache_setup.setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer, batch_size=rows)
     return rt.model.caches()
 
 
@@ -236,6 +237,169 @@ def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: i
         logits = timed_step(rt, tokens[-1], len(ids) + len(tokens) - 1, timings)[0]
 
 
+@dataclass
+class AnswerJob:
+    """One item to answer: its prompt, how much of it is prefilled (the rest goes through the decode path,
+    or with `chunk` as one appended chunk), and under the kvpress protocol what its prefill is compressed to."""
+
+    ids: list[int]
+    n_prefill: int
+    prompt_budget: int | None = None
+
+
+@dataclass
+class Answer:
+    """An item's greedy answer, and its caches' statistics (measure_caches) and kept positions (kept_positions,
+    right after prefill) as they stood when it stopped."""
+
+    tokens: list[int]
+    stats: dict
+    kept: list[np.ndarray]
+
+
+def configure_prompt_budget(caches: list, budget: int | None) -> None:
+    if budget is not None:
+        for cache in caches:
+            cache.configure(prompt_budget=budget)
+
+
+def answer_alone(rt: Runtime, job: AnswerJob, max_new_tokens: int, timings: Timings, chunk: bool) -> Answer:
+    """One item on batch-1 caches (greedy_answer)."""
+    configure_prompt_budget(rt.model.caches(), job.prompt_budget)
+    tokens = greedy_answer(rt, job.ids, job.n_prefill, max_new_tokens, timings, chunk)
+    return Answer(tokens, measure_caches(rt.model.caches()), rt.kept)
+
+
+@dataclass
+class _Row:
+    """A batch row's item: `job` None for a row left idle (no items left), which decodes a placeholder."""
+
+    job: AnswerJob | None
+    index: int  # the item's place in the jobs
+    pos: int  # the position fed next: prompt tokens up to len(ids), then the latest answer token
+    kept: list[np.ndarray] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def next_token(self) -> int:
+        if self.job is None:
+            return 0
+        return self.job.ids[self.pos] if self.pos < len(self.job.ids) else self.tokens[-1]
+
+
+def greedy_answers(rt: Runtime, jobs: list[AnswerJob], max_new_tokens: int, timings: Timings, chunk: bool = False,
+                   done: Callable[[int], None] | None = None) -> list[Answer]:
+    """greedy_answer for every job, on caches of B rows (attach_caches(..., rows=B)), in the jobs' order.
+
+    Each row holds one item at a time: prefilled in its row context (Transformer.cache_row: a batch-1 cache,
+    no padding), then fed, prompt rest and answer alike, in one decode step for the batch, each row at its
+    own position. A row whose item stops (EOS, or max_new_tokens) has its statistics and answer taken there,
+    before anything else reaches its cache (so they count its own tokens only, as a batch-1 run), and is
+    reset and refilled with the next item; with none left it idles on a one-token placeholder (positions
+    stay small) and is no longer counted. When one item is left it decodes in its row context alone.
+    `done(i)` is called as job i finishes. Answers are listed in the jobs' order.
+    """
+    model, eos = rt.model, set(rt.tokenizer.eos_ids)
+    rows = model.caches()[0].pos.shape[0]
+    answers: list[Answer | None] = [None] * len(jobs)
+    upcoming = iter(range(len(jobs)))
+    slots: list[_Row] = []
+    model.reset_caches()
+
+    def fill(b: int) -> _Row:
+        """Row b's next item, prefilled (and finished at once when its first token ends it)."""
+        while (i := next(upcoming, None)) is not None:
+            row = _start_row(rt, b, jobs[i], i, timings, chunk)
+            if not _finished(row, eos, max_new_tokens):
+                return row
+            answers[i] = _take_answer(model, b, row, done)
+        with model.cache_row(b):
+            model.reset_caches()
+            prefill(model, torch.zeros(1, 1, dtype=torch.long, device=rt.device))
+        return _Row(None, -1, 1)
+
+    for b in range(rows):
+        slots.append(fill(b))
+    while active := [b for b, row in enumerate(slots) if row.job is not None]:
+        logits = _step_rows(rt, slots, active, timings)
+        for b in active:
+            row = slots[b]
+            row.pos += 1
+            if row.pos < len(row.job.ids):
+                continue
+            row.tokens.append(int(logits[b].argmax()))
+            if _finished(row, eos, max_new_tokens):
+                answers[row.index] = _take_answer(model, b, row, done)
+                slots[b] = fill(b)
+    return answers
+
+
+def _start_row(rt: Runtime, b: int, job: AnswerJob, index: int, timings: Timings, chunk: bool) -> _Row:
+    """Reset row b and prefill the job's prompt there (the rest as one chunk when `chunk` and every cache
+    has room, as run_prompt); the row, with its first answer token when the whole prompt is in."""
+    model, device, ids = rt.model, rt.device, job.ids
+    with model.cache_row(b):
+        model.reset_caches()
+        configure_prompt_budget(model.caches(), job.prompt_budget)
+        t0 = time.perf_counter()
+        logits = prefill(model, torch.tensor([ids[:job.n_prefill]], device=device))
+        sync(device)
+        timings.prefill_tokens += job.n_prefill
+        timings.prefill_seconds += time.perf_counter() - t0
+        row = _Row(job, index, job.n_prefill, kept_positions(model.caches()))
+        rest = len(ids) - job.n_prefill
+        if chunk and rest > 0 and all(c.room() >= rest for c in model.caches()):
+            t0 = time.perf_counter()
+            positions = torch.arange(job.n_prefill, len(ids), device=device)
+            logits = model(torch.tensor([ids[job.n_prefill:]], device=device), positions, last_logits_only=True,
+                           append=True)[:, -1]
+            sync(device)
+            timings.prefill_tokens += rest
+            timings.prefill_seconds += time.perf_counter() - t0
+            row.pos = len(ids)
+    if row.pos == len(ids):
+        row.tokens.append(int(logits[0].argmax()))
+    return row
+
+
+def _finished(row: _Row, eos: set[int], max_new_tokens: int) -> bool:
+    return bool(row.tokens) and (row.tokens[-1] in eos or len(row.tokens) == max_new_tokens)
+
+
+def _take_answer(model: Transformer, b: int, row: _Row, done: Callable[[int], None] | None) -> Answer:
+    with model.cache_row(b):
+        stats = measure_caches(model.caches())
+    if done is not None:
+        done(row.index)
+    return Answer(row.tokens, stats, row.kept)
+
+
+def _step_rows(rt: Runtime, slots: list[_Row], active: list[int], timings: Timings) -> Tensor:
+    """One decode step: every row's next token at its own position ([B] positions), or, with one row
+    active, that row alone in its row context (the idle rows wait). Logits [B, vocab] (rows not stepped:
+    zeros); only active rows count as decoded tokens."""
+    model, device = rt.model, rt.device
+    t0 = time.perf_counter()
+    if len(active) == 1:
+        (b,) = active
+        with model.cache_row(b):
+            token = torch.tensor([[slots[b].next_token()]], device=device)
+            row_logits = decode_one_token(model, token, torch.tensor([slots[b].pos], device=device))
+        logits = row_logits.new_zeros(len(slots), row_logits.shape[-1])
+        logits[b] = row_logits[0]
+    else:
+        tokens = torch.tensor([[row.next_token()] for row in slots], device=device)
+        logits = rt.step(model, tokens, torch.tensor([row.pos for row in slots], device=device))
+        for row in slots:
+            if row.job is None:  # an idle row moves on too: a placeholder at a position of its own
+                row.pos += 1
+    sync(device)
+    dt = time.perf_counter() - t0
+    timings.decode_tokens += len(active)
+    timings.decode_seconds += dt
+    timings.step_seconds.append(dt)
+    return logits
+
+
 def option_logliks(
     rt: Runtime, ids: list[int], n_prefill: int, options: list[list[int]], timings: Timings
 ) -> list[float]:
@@ -304,7 +468,7 @@ def teacher_force(
     specs = cache_specs(rt, rt.args, n_prompt, n - n_prompt)
     n_prefill = prefill_length(n_prompt, n_prompt, True, decode_first_token, prefill_limit(rt, specs))
     reference = None if reference_is_run(rt.args) else ReferenceLogits(model, reference_hidden(model, ids))
-    ours, single = attach_row_caches(model, specs, n, rows, rt.tokenizer)
+    ours = attach_caches(rt, specs, n, rows)
     model.reset_caches()
     t0 = time.perf_counter()
     logits = prefill(model, ids[:, :n_prefill])
@@ -332,6 +496,9 @@ def teacher_force(
         if pos == n - 1:
             break
         logits = timed_step(rt, ids[:, pos: pos + 1], pos, timings)
-    stats = [measure_caches(copy_row(ours, single, r)) for r in range(rows)]
+    stats = []
+    for r in range(rows):
+        with model.cache_row(r):  # row r alone, a batch-1 cache: its statistics as a batch-1 run measures them
+            stats.append(measure_caches(model.caches()))
     model.remove_caches()
     return list(zip(traces, stats, strict=True))
