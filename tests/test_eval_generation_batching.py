@@ -1,0 +1,152 @@
+"""Generation tasks at --batch_size > 1 (harness.greedy_answers): every item's records (answer tokens, text,
+scores, kept positions, cache statistics) and the task's metrics equal a batch-1 run of the same items, for
+every registered strategy and its debug_ twin, under both protocols; rows of different prompt lengths that
+stop at different times. The reference is the batch-1 run (one item at a time on batch-1 caches)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eval.tasks import get_task
+from gates import attach_random_gates
+from tests.eval_helpers import (
+    PYDOC_EXCERPT,
+    one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    tiny_runtime,
+)
+from tests.strategy_matrix import ALL
+
+# Statistics that are sums of attention probabilities (debug_'s attention loss and its curve, scores a
+# strategy reports) come from matmuls a batch rounds differently from batch 1: measured < 3e-6 on these
+# items. Everything discrete (tokens, kept positions, held tokens, evictions, budgets, bytes, compression
+# ratios) must be equal exactly; timing fields are not compared.
+STAT_TOLERANCE = 1e-5
+CACHE_FLAGS = ["--max_cache_length", "0.5", "--global_tokens", "2", "--recent_window", "4"]
+
+
+def qa_file(tmp_path, n: int = 5):
+    """n QA rows whose contexts have different lengths (30 to 30 + 13 (n-1) bytes of pydoc text, not in
+    order), so the prompts differ in length and a batch reorders them."""
+    text = PYDOC_EXCERPT.read_text()
+    rows = [{"doc": text[300 * i: 300 * i + 30 + 13 * ((i * 3) % n)], "q": f"Item {i}?", "a": [str(i)]}
+            for i in range(n)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def qa_run(tiny_dir, path, batch_size: int, *flags: str, eos: list[int] | None = None):
+    rt = tiny_runtime(tiny_dir, "--tasks", "qa", "--dataset", str(path), "--prompt_column", "q", "--context_column",
+                      "doc", "--answer_column", "a", "--max_new_tokens", "4", "--batch_size", str(batch_size), *flags)
+    attach_random_gates(rt.model, seed=0)  # the gated strategy's gates (unused by every other cache)
+    if eos is not None:
+        rt.tokenizer.eos_ids = eos
+    with torch.inference_mode():
+        return get_task("qa")(rt.args).run(rt)
+
+
+def assert_close_nested(got: object, want: object, where: str) -> None:
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for k in want:
+            assert_close_nested(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_close_nested(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and ("attention_loss" in where or "score" in where):
+        assert got == pytest.approx(want, abs=STAT_TOLERANCE), where
+    else:
+        assert got == want, where
+
+
+def assert_same_records(alone, together) -> None:
+    """Per item, in the items' order: everything a batch-1 run records (timings aside)."""
+    assert len(together.items) == len(alone.items)
+    for a, b in zip(alone.items, together.items, strict=True):
+        assert {k: v for k, v in a.items() if k != "kept_positions"} == \
+               {k: v for k, v in b.items() if k != "kept_positions"}, a["index"]
+        assert len(a["kept_positions"]) == len(b["kept_positions"])
+        assert all(np.array_equal(x, y) for x, y in zip(a["kept_positions"], b["kept_positions"], strict=True))
+    assert together.predictions == alone.predictions
+    assert together.metrics == alone.metrics
+    assert_close_nested(together.stats, alone.stats, "stats")
+    assert together.config == alone.config
+    assert together.timings.prefill_tokens == alone.timings.prefill_tokens
+    assert together.timings.decode_tokens == alone.timings.decode_tokens  # finished rows are not counted
+
+
+# Query-aware under the decode protocol: the whole prompt prefilled, eviction at every answer token (feeding
+# the question through the decode path is in the cases of the next test, which cost more steps).
+PROTOCOLS = {"decode": ["--query_aware"], "kvpress": ["--protocol", "kvpress"]}
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_batched_answers_equal_batch_1_for_every_strategy_and_protocol(tiny_dir, tmp_path, strategy):
+    path = qa_file(tmp_path)
+    for protocol, flags in PROTOCOLS.items():
+        extra = ["--cache_strategy", strategy, *CACHE_FLAGS, *flags]
+        alone, together = qa_run(tiny_dir, path, 1, *extra), qa_run(tiny_dir, path, 4, *extra)
+        assert len({p["prompt_tokens"] for p in alone.predictions}) == 5, protocol  # all lengths differ
+        assert_same_records(alone, together)
+
+
+def eos_between(outputs: list[list[int]]) -> list[int]:
+    """One or two tokens that, as EOS, end the answers at three or more different steps (some perhaps not
+    at all): rows then stop at different steps. Chosen from the batch-1 answers without an EOS."""
+    tokens = sorted({t for out in outputs for t in out})
+    for eos in [[t] for t in tokens] + [[a, b] for a in tokens for b in tokens if a < b]:
+        stops = {next((i + 1 for i, t in enumerate(out) if t in eos), len(out)) for out in outputs}
+        if len(stops) >= 3:
+            return eos
+    raise AssertionError(f"no EOS stops these answers at three different steps: {outputs}")
+
+
+@pytest.mark.parametrize("case", [("heavy_hitter", []), ("tova", ["--query_aware"]), ("full", []),
+                                  ("debug_keydiff", ["--cache_bits", "4"]), ("recent_global", ["--protocol", "kvpress"]),
+                                  ("heavy_hitter", ["--protocol", "kvpress", "--query_aware"]),
+                                  ("tova", ["--decode_first_token"]), ("rkv", ["--feed_long_prompts"])],
+                         ids=lambda c: c[0] + "".join(c[1]))
+def test_rows_that_stop_at_different_steps_keep_batch_1_records(tiny_dir, tmp_path, case):
+    strategy, flags = case
+    path = qa_file(tmp_path, n=6)
+    extra = ["--cache_strategy", strategy, *CACHE_FLAGS, *flags]
+    free = qa_run(tiny_dir, path, 1, *extra, eos=[])
+    eos = eos_between([item["output_ids"] for item in free.items])
+    alone = qa_run(tiny_dir, path, 1, *extra, eos=eos)
+    assert len({len(item["output_ids"]) for item in alone.items}) >= 3
+    for batch_size in (3, 8):  # fewer rows than items (rows refilled) and more (rows left idle)
+        assert_same_records(alone, qa_run(tiny_dir, path, batch_size, *extra, eos=eos))
+
+
+def test_a_stopped_row_counts_only_its_own_tokens(tiny_dir, tmp_path):
+    """The full cache holds every token it was fed: a row's held tokens are its prompt and its answer but the
+    last token (never fed), whatever the batch went on decoding after it stopped."""
+    path = qa_file(tmp_path, n=6)
+    free = qa_run(tiny_dir, path, 1, "--cache_strategy", "full", "--query_aware", eos=[])
+    eos = eos_between([item["output_ids"] for item in free.items])
+    together = qa_run(tiny_dir, path, 4, "--cache_strategy", "full", "--query_aware", eos=eos)
+    assert [item["metrics"]["compression_ratio"] for item in together.items] == [0.0] * 6
+    assert len({len(item["output_ids"]) for item in together.items}) >= 3  # rows stopped at different steps
+    fed = [p["prompt_tokens"] + len(item["output_ids"]) - 1 for p, item in zip(together.predictions, together.items,
+                                                                                strict=True)]
+    assert together.stats["evictions_per_layer"] == [0.0] * len(together.stats["evictions_per_layer"])
+    for layer in together.stats["tokens_held_per_head"]:
+        assert layer == pytest.approx([sum(fed) / len(fed)] * len(layer), abs=1e-9)
+    assert together.timings.decode_tokens == sum(len(item["output_ids"]) - 1 for item in together.items)
+
+
+@pytest.mark.parametrize("task", ["niah_multikey", "variable_tracking", "common_words_extraction"])
+def test_synthetic_tasks_batched_equal_batch_1(tiny_dir, task):
+    def run(batch_size: int):
+        rt = tiny_runtime(tiny_dir, "--tasks", task, "--haystack", str(PYDOC_EXCERPT), "--limit", "4", "--seq_len",
+                          "800", "--max_new_tokens", "3", "--batch_size", str(batch_size), "--cache_strategy", "tova",
+                          *CACHE_FLAGS)
+        with torch.inference_mode():
+            return get_task(task)(rt.args).run(rt)
+
+    assert_same_records(run(1), run(4))
