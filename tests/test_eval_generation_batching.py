@@ -106,11 +106,13 @@ def eos_between(outputs: list[list[int]]) -> list[int]:
     raise AssertionError(f"no EOS stops these answers at three different steps: {outputs}")
 
 
-@pytest.mark.parametrize("case", [("heavy_hitter", []), ("tova", ["--query_aware"]), ("full", []),
-                                  ("debug_keydiff", ["--cache_bits", "4"]), ("recent_global", ["--protocol", "kvpress"]),
-                                  ("heavy_hitter", ["--protocol", "kvpress", "--query_aware"]),
-                                  ("tova", ["--decode_first_token"]), ("rkv", ["--feed_long_prompts"])],
-                         ids=lambda c: c[0] + "".join(c[1]))
+STOP_CASES = [("heavy_hitter", []), ("tova", ["--query_aware"]), ("full", []), ("debug_keydiff", ["--cache_bits", "4"]),
+              ("recent_global", ["--protocol", "kvpress"]),
+              ("heavy_hitter", ["--protocol", "kvpress", "--query_aware"]), ("tova", ["--decode_first_token"]),
+              ("rkv", ["--feed_long_prompts"])]
+
+
+@pytest.mark.parametrize("case", STOP_CASES, ids=lambda c: c[0] + "".join(c[1]))
 def test_rows_that_stop_at_different_steps_keep_batch_1_records(tiny_dir, tmp_path, case):
     strategy, flags = case
     path = qa_file(tmp_path, n=6)
@@ -140,13 +142,50 @@ def test_a_stopped_row_counts_only_its_own_tokens(tiny_dir, tmp_path):
     assert together.timings.decode_tokens == sum(len(item["output_ids"]) - 1 for item in together.items)
 
 
-@pytest.mark.parametrize("task", ["niah_multikey", "variable_tracking", "common_words_extraction"])
-def test_synthetic_tasks_batched_equal_batch_1(tiny_dir, task):
+@pytest.mark.parametrize(("task", "flags"), [("niah_multikey", []), ("variable_tracking", ["--protocol", "kvpress"])])
+def test_synthetic_tasks_batched_equal_batch_1(tiny_dir, task, flags):
     def run(batch_size: int):
-        rt = tiny_runtime(tiny_dir, "--tasks", task, "--haystack", str(PYDOC_EXCERPT), "--limit", "4", "--seq_len",
+        rt = tiny_runtime(tiny_dir, "--tasks", task, "--haystack", str(PYDOC_EXCERPT), "--limit", "3", "--seq_len",
                           "800", "--max_new_tokens", "3", "--batch_size", str(batch_size), "--cache_strategy", "tova",
-                          *CACHE_FLAGS)
+                          *CACHE_FLAGS, *flags)
         with torch.inference_mode():
             return get_task(task)(rt.args).run(rt)
 
-    assert_same_records(run(1), run(4))
+    assert_same_records(run(1), run(2))
+
+
+def choice_file(tmp_path, n: int = 5):
+    """n multiple-choice rows with prompts of different lengths and options of 1 to 6 bytes."""
+    text = PYDOC_EXCERPT.read_text()
+    rows = [{"doc": text[200 * i: 200 * i + 20 + 11 * ((i * 3) % n)], "q": f"Pick {i}?",
+             "choices": ["a", "bc" * (i % 3 + 1), "def", "g" * (6 - i % 4)], "a": i % 4} for i in range(n)]
+    path = tmp_path / "mc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def choice_run(tiny_dir, path, batch_size: int, *flags: str):
+    rt = tiny_runtime(tiny_dir, "--tasks", "multiple_choice", "--dataset", str(path), "--prompt_column", "q",
+                      "--context_column", "doc", "--answer_column", "a", "--choices_column", "choices",
+                      "--batch_size", str(batch_size), *flags)
+    attach_random_gates(rt.model, seed=0)
+    with torch.inference_mode():
+        return get_task("multiple_choice")(rt.args).run(rt)
+
+
+@pytest.mark.parametrize("strategy", ALL)
+def test_batched_multiple_choice_equals_batch_1(tiny_dir, tmp_path, strategy):
+    """Option log-likelihoods are sums of float32 log-probabilities: within STAT_TOLERANCE of batch 1's;
+    the picks, kept positions and every discrete statistic are equal."""
+    path = choice_file(tmp_path)
+    extra = ["--cache_strategy", strategy, *CACHE_FLAGS]
+    alone, together = choice_run(tiny_dir, path, 1, *extra), choice_run(tiny_dir, path, 3, *extra)
+    for a, b in zip(alone.predictions, together.predictions, strict=True):
+        assert {k: v for k, v in a.items() if k != "logliks"} == {k: v for k, v in b.items() if k != "logliks"}
+        assert b["logliks"] == pytest.approx(a["logliks"], abs=STAT_TOLERANCE)
+    for a, b in zip(alone.items, together.items, strict=True):
+        assert a["metrics"] == b["metrics"] and a["option_ids"] == b["option_ids"] and a["n_prefill"] == b["n_prefill"]
+        assert all(np.array_equal(x, y) for x, y in zip(a["kept_positions"], b["kept_positions"], strict=True))
+    assert together.metrics == alone.metrics
+    assert_close_nested(together.stats, alone.stats, "stats")
+    assert together.timings.decode_tokens == alone.timings.decode_tokens
