@@ -5,6 +5,10 @@ log-likelihoods, and the measured statistics of each run.
 After the prompt's prefill, tokens go through `decode_one_token` one at a time, so eviction happens token
 by token; under the kvpress protocol the question is appended as one chunk into slots left empty for it
 (KVCache.append), and nothing is evicted while answering.
+
+With --batch_size B the caches have B rows: fidelity windows share positions (teacher_force), generation
+and multiple-choice items each hold a row at their own positions (greedy_answers, option_logliks_rows),
+and every row records what it records at batch 1.
 """
 
 from __future__ import annotations

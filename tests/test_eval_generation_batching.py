@@ -189,3 +189,38 @@ def test_batched_multiple_choice_equals_batch_1(tiny_dir, tmp_path, strategy):
     assert together.metrics == alone.metrics
     assert_close_nested(together.stats, alone.stats, "stats")
     assert together.timings.decode_tokens == alone.timings.decode_tokens
+
+
+@pytest.mark.slow
+def test_bundled_model_answers_batched_equal_batch_1(bundled):
+    """A real model, which ends its answers with EOS at different steps: the records of --batch_size 3 are
+    those of batch 1 (decode protocol, query-agnostic: the questions go through the batched decode step)."""
+    from eval import cli
+    from eval.harness import Runtime
+
+    model, tokenizer = bundled
+    flags = ["--tasks", "niah_single", "--haystack", str(PYDOC_EXCERPT), "--limit", "4", "--seq_len", "300",
+             "--max_new_tokens", "24", "--cache_strategy", "heavy_hitter", *CACHE_FLAGS]
+    runs = []
+    for batch_size in (1, 3):
+        args = cli.parse_args([*flags, "--batch_size", str(batch_size)])
+        with torch.inference_mode():
+            runs.append(get_task("niah_single")(args).run(Runtime(model, tokenizer, args, progress=True)))
+    alone, together = runs
+    assert len({len(item["output_ids"]) for item in alone.items}) >= 2  # rows stop at different steps
+    assert any(item["output_ids"][-1] in tokenizer.eos_ids for item in alone.items)
+    assert_same_records(alone, together)
+
+
+def test_longest_first_runs_the_longest_prompts_first_and_returns_the_items_order():
+    from eval.batching import longest_first
+
+    prompts = [[1], [1, 2, 3], [1, 2], [4, 5, 6], [7]]
+    seen = []
+
+    def run(order: list[int]) -> list[str]:
+        seen.extend(order)
+        return [f"item {i}" for i in order]
+
+    assert longest_first(prompts, run) == [f"item {i}" for i in range(5)]
+    assert seen == [1, 3, 2, 0, 4]  # by length, ties in the items' order

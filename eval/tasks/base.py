@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from cache_spec import tokens_from_budget
 from errors import UserError
-from eval.batching import rows_per_batch
+from eval.batching import longest_first, rows_per_batch
 from eval.harness import (
     Answer,
     AnswerJob,
@@ -246,8 +246,8 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
     """Every job's answer, in the jobs' order. One set of caches for all of them (budgets resolved for the
     longest prompt; under the kvpress protocol room for the largest context budget + question + answer):
     static shapes, so a compiled decode step is compiled once. With --batch_size B > 1 they have B rows and
-    the jobs go through them longest prompt first (harness.greedy_answers), so the rows decoding together
-    hold prompts of similar lengths; a row's answer and statistics are what it gets alone (batch 1)."""
+    the jobs go through them longest prompt first (batching.longest_first, harness.greedy_answers); a row's
+    answer and statistics are what it gets alone (batch 1)."""
     rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
     attach_caches(rt, specs, capacity, rows)
     bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=rt.progress)
@@ -258,12 +258,8 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
                 answers.append(answer_alone(rt, job, max_new, timings, chunk))
                 bar.update()
             return answers
-        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i].ids))  # stable: ties keep the items' order
-        done = greedy_answers(rt, [jobs[i] for i in order], max_new, timings, chunk, done=lambda _: bar.update())
-        answers = [None] * len(jobs)
-        for i, answer in zip(order, done, strict=True):
-            answers[i] = answer
-        return answers
+        return longest_first([job.ids for job in jobs], lambda order: greedy_answers(
+            rt, [jobs[i] for i in order], max_new, timings, chunk, done=lambda _: bar.update()))
     finally:
         bar.close()
         rt.model.remove_caches()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from errors import UserError
-from eval.batching import rows_per_batch
+from eval.batching import longest_first, rows_per_batch
 from eval.data import check_columns, load_rows
 from eval.harness import (
     AnswerJob,
@@ -195,13 +195,8 @@ class MultipleChoice(Task):
                     scored.append((logliks, measure_caches(rt.model.caches()), rt.kept))
                     bar.update()
                 return timings, scored
-            order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i].ids))
-            done = option_logliks_rows(rt, [jobs[i] for i in order], [options[i] for i in order], timings,
-                                       done=lambda _: bar.update())
-            scored = [None] * len(jobs)
-            for i, result in zip(order, done, strict=True):
-                scored[i] = result
-            return timings, scored
+            return timings, longest_first([job.ids for job in jobs], lambda order: option_logliks_rows(
+                rt, [jobs[i] for i in order], [options[i] for i in order], timings, done=lambda _: bar.update()))
         finally:
             bar.close()
             rt.model.remove_caches()
