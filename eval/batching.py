@@ -1,12 +1,16 @@
-"""Rows of equal length decoded together: caches built at a batch size, a row's view of them for its own
-statistics, and the full cache's logits from one causal forward pass (the fidelity reference).
+"""Rows decoded together: which runs may batch, batch-1 caches beside batched ones for the bench, and the
+full cache's logits from one causal forward pass (the fidelity reference).
 
-Rows share positions (one `input_pos` for the batch), so only rows of one length batch here: the fidelity
-windows of a run, the bench's prompts. Every row evicts on its own ([B, ...] buffers, docs/DESIGN.md §4);
-tests/test_eval_batching.py checks that a row decoded in a batch keeps what it keeps alone.
+Every row evicts on its own ([B, ...] buffers, docs/DESIGN.md §4). The fidelity windows of a run share
+positions (one length); the items of a generation task each sit in a row at their own position
+(harness.greedy_answers, prefilled in the row context). A row's statistics are read in its row context
+(Transformer.cache_row), where its caches are a batch-1 cache. tests/test_eval_batching.py and
+tests/test_eval_generation_batching.py check that a row in a batch keeps and records what it does alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,12 +40,23 @@ def rows_per_batch(specs: list[LayerCacheSpec], asked: int) -> int:
     return 1 if tied else asked
 
 
+def longest_first(prompts: list[list[int]], run: Callable[[list[int]], list]) -> list:
+    """`run(order)` with the items' indices longest prompt first (ties in the items' order), its results put
+    back in the items' order. Rows decoding together then hold prompts of similar lengths, and the longest
+    start first, so the last rows to finish are short ones."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    results: list = [None] * len(prompts)
+    for i, result in zip(order, run(order), strict=True):
+        results[i] = result
+    return results
+
+
 def attach_row_caches(model: Transformer, specs: list[LayerCacheSpec], capacity: int, rows: int,
                       tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None,
                       ) -> tuple[list[KVCache], list[KVCache]]:
-    """Caches for `rows` rows attached to `model`, and batch-1 caches of the same specs (a row's view: see
-    copy_row). cache_setup.setup_caches builds batch 1 only; it is still called first, for what it
-    prepares (gates, the checks), and its caches become the view."""
+    """Caches for `rows` rows attached to `model`, and batch-1 caches of the same specs, for fill_rows and
+    copy_row (the bench prefills one prompt and copies it into every row). The batch-1 caches are built
+    first by cache_setup.setup_caches, for what it prepares (gates, the checks)."""
     cache_setup.setup_caches(model, specs, capacity, tokenizer=tokenizer, classes=classes)
     single = model.caches()
     if rows == 1:

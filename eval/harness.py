@@ -5,6 +5,10 @@ log-likelihoods, and the measured statistics of each run.
 After the prompt's prefill, tokens go through `decode_one_token` one at a time, so eviction happens token
 by token; under the kvpress protocol the question is appended as one chunk into slots left empty for it
 (KVCache.append), and nothing is evicted while answering.
+
+With --batch_size B the caches have B rows: fidelity windows share positions (teacher_force), generation
+and multiple-choice items each hold a row at their own positions (greedy_answers, option_logliks_rows),
+and every row records what it records at batch 1.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import cache_setup
 from cache import cache_statistics
 from cache_spec import LayerCacheSpec, cache_flag_defaults
 from errors import UserError
-from eval.batching import ReferenceLogits, attach_row_caches, copy_row, reference_hidden, step_compression
+from eval.batching import ReferenceLogits, reference_hidden, step_compression
 from eval.metrics import rows_fidelity
 from generate import decode_one_token, prefill
 from model import Transformer
@@ -99,8 +103,9 @@ def cache_specs(rt: Runtime, args: argparse.Namespace, prompt_length: int, max_n
     return cache_setup.cache_specs(args, rt.model.args, prompt_length, max_new_tokens)
 
 
-def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int) -> list:
-    cache_setup.setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer)
+def attach_caches(rt: Runtime, specs: list[LayerCacheSpec], capacity: int, rows: int = 1) -> list:
+    """Caches of `specs` for `rows` rows of `capacity` tokens each (every row the same budgets), attached."""
+    cache_setup.setup_caches(rt.model, specs, capacity, tokenizer=rt.tokenizer, batch_size=rows)
     return rt.model.caches()
 
 
@@ -236,6 +241,255 @@ def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: i
         logits = timed_step(rt, tokens[-1], len(ids) + len(tokens) - 1, timings)[0]
 
 
+@dataclass
+class AnswerJob:
+    """One item to answer: its prompt, how much of it is prefilled (the rest goes through the decode path,
+    or with `chunk` as one appended chunk), and under the kvpress protocol what its prefill is compressed to."""
+
+    ids: list[int]
+    n_prefill: int
+    prompt_budget: int | None = None
+
+
+@dataclass
+class Answer:
+    """An item's greedy answer, and its caches' statistics (measure_caches) and kept positions (kept_positions,
+    right after prefill) as they stood when it stopped."""
+
+    tokens: list[int]
+    stats: dict
+    kept: list[np.ndarray]
+
+
+def configure_prompt_budget(caches: list, budget: int | None) -> None:
+    if budget is not None:
+        for cache in caches:
+            cache.configure(prompt_budget=budget)
+
+
+def answer_alone(rt: Runtime, job: AnswerJob, max_new_tokens: int, timings: Timings, chunk: bool) -> Answer:
+    """One item on batch-1 caches (greedy_answer)."""
+    configure_prompt_budget(rt.model.caches(), job.prompt_budget)
+    tokens = greedy_answer(rt, job.ids, job.n_prefill, max_new_tokens, timings, chunk)
+    return Answer(tokens, measure_caches(rt.model.caches()), rt.kept)
+
+
+@dataclass
+class _Row:
+    """A batch row's item: `job` None for a row left idle (no items left), which decodes a placeholder.
+    `token` is fed next at position `pos`; `result` is set when the item is done."""
+
+    job: AnswerJob | None
+    index: int = -1  # the item's place in the jobs
+    pos: int = 1
+    token: int = 0
+    kept: list[np.ndarray] = field(default_factory=list)
+    result: object = None
+
+
+@dataclass
+class _AnswerRow(_Row):
+    tokens: list[int] = field(default_factory=list)
+
+
+def _run_rows(rt: Runtime, n_jobs: int, timings: Timings, start: Callable[[int, int], _Row],
+              advance: Callable[[int, _Row, Tensor], None], done: Callable[[int], None] | None) -> list:
+    """The row loop of greedy_answers and option_logliks_rows, on caches of B rows. Each row holds one item
+    at a time: `start(b, i)` resets row b and prefills item i there in its row context (Transformer.cache_row:
+    a batch-1 cache, no padding); every row is then fed its `token` in one decode step, each at its own
+    position, and `advance(b, row, logits)` takes that row's logits [vocab]. When an item is done (its
+    `result` set, with its statistics taken before anything else reaches its cache) the row is refilled
+    with the next item; with none left it idles on a one-token placeholder (positions stay small), no
+    longer counted. When one item is left it decodes alone in its row context. Results in the jobs' order."""
+    model = rt.model
+    rows = model.caches()[0].pos.shape[0]
+    results: list = [None] * n_jobs
+    upcoming = iter(range(n_jobs))
+
+    def fill(b: int) -> _Row:
+        while (i := next(upcoming, None)) is not None:
+            row = start(b, i)
+            if row.result is None:
+                return row
+            results[i] = row.result
+            if done is not None:
+                done(i)
+        with model.cache_row(b):
+            model.reset_caches()
+            prefill(model, torch.zeros(1, 1, dtype=torch.long, device=rt.device))
+        return _Row(None)
+
+    model.reset_caches()
+    slots = [fill(b) for b in range(rows)]
+    while active := [b for b, row in enumerate(slots) if row.job is not None]:
+        logits = _step_rows(rt, slots, active, timings)
+        for b in active:
+            row = slots[b]
+            advance(b, row, logits[b])
+            if row.result is not None:
+                results[row.index] = row.result
+                if done is not None:
+                    done(row.index)
+                slots[b] = fill(b)
+    return results
+
+
+def greedy_answers(rt: Runtime, jobs: list[AnswerJob], max_new_tokens: int, timings: Timings, chunk: bool = False,
+                   done: Callable[[int], None] | None = None) -> list[Answer]:
+    """greedy_answer for every job, on caches of B rows (attach_caches(..., rows=B)), in the jobs' order
+    (see _run_rows): a row is fed the rest of its prompt, then its answer; where its item stops (EOS, or
+    max_new_tokens) its answer and statistics are taken, so they count its own tokens only, as at batch 1.
+    `done(i)` is called as job i finishes."""
+    model, eos = rt.model, set(rt.tokenizer.eos_ids)
+
+    def next_token(b: int, row: _AnswerRow, token: int) -> None:
+        row.tokens.append(token)
+        if row.tokens[-1] in eos or len(row.tokens) == max_new_tokens:
+            with model.cache_row(b):
+                row.result = Answer(row.tokens, measure_caches(model.caches()), row.kept)
+        row.token = token
+
+    def start(b: int, i: int) -> _Row:
+        row, logits = _start_row(rt, b, jobs[i], i, timings, chunk, _AnswerRow)
+        if row.pos == len(jobs[i].ids):
+            next_token(b, row, int(logits[0].argmax()))
+        return row
+
+    def advance(b: int, row: _AnswerRow, logits: Tensor) -> None:
+        row.pos += 1
+        if row.pos < len(row.job.ids):
+            row.token = row.job.ids[row.pos]
+        else:
+            next_token(b, row, int(logits.argmax()))
+
+    return _run_rows(rt, len(jobs), timings, start, advance, done)
+
+
+@dataclass
+class _OptionsRow(_Row):
+    options: list[list[int]] = field(default_factory=list)
+    prompt_logits: Tensor | None = None
+    saved: list[list[Tensor]] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    scored: int = 0  # tokens of the current option scored so far
+    total: float = 0.0  # their log-likelihood
+
+
+def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[list[int]]], timings: Timings,
+                        done: Callable[[int], None] | None = None) -> list[tuple[list[float], dict, list]]:
+    """option_logliks for every job on caches of B rows (see _run_rows), in the jobs' order: per job its
+    options' log-likelihoods, and the statistics and kept positions a batch-1 run records (the caches as the
+    last option left them). A row saves its caches after the prompt and restores them before each option."""
+    model = rt.model
+
+    def logp(logits: Tensor, token: int) -> float:
+        return float(torch.log_softmax(logits.float(), dim=-1)[token])
+
+    def settle(b: int, row: _OptionsRow) -> None:
+        """Score what needs no step (a new option's first token), until a token must be fed or all is done."""
+        while row.scored == len(row.options[len(row.scores)]):
+            row.scores.append(row.total)
+            if len(row.scores) == len(row.options):
+                with model.cache_row(b):
+                    row.result = (row.scores, measure_caches(model.caches()), row.kept)
+                return
+            row.scored = 0
+        option = row.options[len(row.scores)]
+        if row.scored == 0:
+            with model.cache_row(b):
+                for cache, buffers in zip(model.caches(), row.saved, strict=True):
+                    for buf, kept in zip(cache.buffers(), buffers, strict=True):
+                        buf.copy_(kept)
+            row.total, row.scored = logp(row.prompt_logits, option[0]), 1
+            settle(b, row)
+            return
+        row.token, row.pos = option[row.scored - 1], len(row.job.ids) + row.scored - 1
+
+    def prompt_done(b: int, row: _OptionsRow, logits: Tensor) -> None:
+        row.prompt_logits = logits
+        with model.cache_row(b):
+            row.saved = [[buf.clone() for buf in cache.buffers()] for cache in model.caches()]
+        settle(b, row)
+
+    def start(b: int, i: int) -> _Row:
+        row, logits = _start_row(rt, b, jobs[i], i, timings, False, _OptionsRow)
+        row.options = options[i]
+        if row.pos == len(jobs[i].ids):
+            prompt_done(b, row, logits[0])
+        return row
+
+    def advance(b: int, row: _OptionsRow, logits: Tensor) -> None:
+        if row.prompt_logits is None:
+            row.pos += 1
+            if row.pos < len(row.job.ids):
+                row.token = row.job.ids[row.pos]
+            else:
+                prompt_done(b, row, logits)
+            return
+        row.total += logp(logits, row.options[len(row.scores)][row.scored])
+        row.scored += 1
+        settle(b, row)
+
+    return _run_rows(rt, len(jobs), timings, start, advance, done)
+
+
+def _start_row(rt: Runtime, b: int, job: AnswerJob, index: int, timings: Timings, chunk: bool,
+               kind: type[_Row]) -> tuple[_Row, Tensor]:
+    """Reset row b and prefill the job's prompt there (the rest as one chunk when `chunk` and every cache
+    has room, as run_prompt): the row, at the position it is fed next, and the logits [1, vocab] after
+    what is in."""
+    model, device, ids = rt.model, rt.device, job.ids
+    with model.cache_row(b):
+        model.reset_caches()
+        configure_prompt_budget(model.caches(), job.prompt_budget)
+        t0 = time.perf_counter()
+        logits = prefill(model, torch.tensor([ids[:job.n_prefill]], device=device))
+        sync(device)
+        timings.prefill_tokens += job.n_prefill
+        timings.prefill_seconds += time.perf_counter() - t0
+        row = kind(job, index, job.n_prefill, kept=kept_positions(model.caches()))
+        rest = len(ids) - job.n_prefill
+        if chunk and rest > 0 and all(c.room() >= rest for c in model.caches()):
+            t0 = time.perf_counter()
+            positions = torch.arange(job.n_prefill, len(ids), device=device)
+            logits = model(torch.tensor([ids[job.n_prefill:]], device=device), positions, last_logits_only=True,
+                           append=True)[:, -1]
+            sync(device)
+            timings.prefill_tokens += rest
+            timings.prefill_seconds += time.perf_counter() - t0
+            row.pos = len(ids)
+    if row.pos < len(ids):
+        row.token = ids[row.pos]
+    return row, logits
+
+
+def _step_rows(rt: Runtime, slots: list[_Row], active: list[int], timings: Timings) -> Tensor:
+    """One decode step: every row's `token` at its own position ([B] positions), or, with one row active,
+    that row alone in its row context (the idle rows wait). Logits [B, vocab] (rows not stepped: zeros);
+    only active rows count as decoded tokens."""
+    model, device = rt.model, rt.device
+    t0 = time.perf_counter()
+    if len(active) == 1:
+        (b,) = active
+        with model.cache_row(b):
+            token = torch.tensor([[slots[b].token]], device=device)
+            row_logits = decode_one_token(model, token, torch.tensor([slots[b].pos], device=device))
+        logits = row_logits.new_zeros(len(slots), row_logits.shape[-1])
+        logits[b] = row_logits[0]
+    else:
+        tokens = torch.tensor([[row.token] for row in slots], device=device)
+        logits = rt.step(model, tokens, torch.tensor([row.pos for row in slots], device=device))
+        for row in slots:
+            if row.job is None:  # an idle row moves on too: a placeholder at a position of its own
+                row.pos += 1
+    sync(device)
+    dt = time.perf_counter() - t0
+    timings.decode_tokens += len(active)
+    timings.decode_seconds += dt
+    timings.step_seconds.append(dt)
+    return logits
+
+
 def option_logliks(
     rt: Runtime, ids: list[int], n_prefill: int, options: list[list[int]], timings: Timings
 ) -> list[float]:
@@ -304,7 +558,7 @@ def teacher_force(
     specs = cache_specs(rt, rt.args, n_prompt, n - n_prompt)
     n_prefill = prefill_length(n_prompt, n_prompt, True, decode_first_token, prefill_limit(rt, specs))
     reference = None if reference_is_run(rt.args) else ReferenceLogits(model, reference_hidden(model, ids))
-    ours, single = attach_row_caches(model, specs, n, rows, rt.tokenizer)
+    ours = attach_caches(rt, specs, n, rows)
     model.reset_caches()
     t0 = time.perf_counter()
     logits = prefill(model, ids[:, :n_prefill])
@@ -332,6 +586,9 @@ def teacher_force(
         if pos == n - 1:
             break
         logits = timed_step(rt, ids[:, pos: pos + 1], pos, timings)
-    stats = [measure_caches(copy_row(ours, single, r)) for r in range(rows)]
+    stats = []
+    for r in range(rows):
+        with model.cache_row(r):  # row r alone, a batch-1 cache: its statistics as a batch-1 run measures them
+            stats.append(measure_caches(model.caches()))
     model.remove_caches()
     return list(zip(traces, stats, strict=True))

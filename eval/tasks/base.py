@@ -17,14 +17,17 @@ from tqdm import tqdm
 
 from cache_spec import tokens_from_budget
 from errors import UserError
+from eval.batching import longest_first, rows_per_batch
 from eval.harness import (
+    Answer,
+    AnswerJob,
     Runtime,
     Timings,
+    answer_alone,
     attach_caches,
     average_stats,
     cache_specs,
-    greedy_answer,
-    measure_caches,
+    greedy_answers,
     prefill_length,
     prefill_limit,
 )
@@ -204,41 +207,62 @@ class GenerationTask(Task):
                             f"model's context of {rt.model.args.context_length}")
         kvpress = self.options["protocol"] == "kvpress"
         context_budgets = kvpress_budgets(rt.args, encoded) if kvpress else None
-        # One set of caches for all examples (budgets are fractions of the longest prompt + new tokens; under
-        # the kvpress protocol, room for the largest context budget + question + answer): static shapes,
-        # so a compiled decode step is compiled once.
         args = kvpress_cache_args(rt.args, encoded, context_budgets, max_new) if kvpress else rt.args
         specs = cache_specs(rt, args, longest, max_new)
-        caches = attach_caches(rt, specs, longest + max_new)
-        timings, predictions, stats, items = Timings(), [], [], []
-        for i, (ex, (ids, n_context)) in enumerate(tqdm(list(zip(examples, encoded, strict=True)),
-                                                     desc=self.name, leave=False, disable=rt.progress)):
-            if kvpress:
-                # The context alone is compressed, to this item's budget, and the question appended; query-aware
-                # (SnapKV's setting): the whole prompt is compressed to the same slots, budget + question.
-                n_prefill = len(ids) if self.options["query_aware"] else n_context
-                budget = kvpress_prompt_budget(context_budgets[i], len(ids), n_prefill, n_context)
-                for cache in caches:
-                    cache.configure(prompt_budget=budget)
-            else:
-                n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"],
-                                           self.options["decode_first_token"], prefill_limit(rt, specs))
-            tokens = greedy_answer(rt, ids, n_prefill, max_new, timings, chunk=kvpress)
-            text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
-            item_stats = measure_caches(rt.model.caches())
-            stats.append(item_stats)
+        jobs = [self.answer_job(rt, specs, ids, n_context, None if context_budgets is None else context_budgets[i])
+                for i, (ids, n_context) in enumerate(encoded)]
+        timings = Timings()
+        answers = answer_jobs(rt, specs, jobs, longest + max_new, max_new, timings, kvpress, self.name)
+        predictions, items = [], []
+        for i, (ex, (ids, n_context), job, answer) in enumerate(zip(examples, encoded, jobs, answers, strict=True)):
+            text = rt.tokenizer.decode(answer.tokens, skip_special_tokens=True)
             scores = self.score(text, ex)
+            ratio = answer.stats.get("compression_ratio")
             budget_note = {"context_budget": context_budgets[i]} if kvpress else {}
-            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, **budget_note,
-                                "answers": ex.answers, "prediction": text, **scores,
-                                "compression_ratio": item_stats.get("compression_ratio"), **ex.meta})
-            items.append(item_record(i, ids, n_context, n_prefill,
-                                     {**scores, "compression_ratio": item_stats.get("compression_ratio")},
-                                     rt.kept, answers=ex.answers, output_ids=tokens))
-        rt.model.remove_caches()
+            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": job.n_prefill,
+                                **budget_note, "answers": ex.answers, "prediction": text, **scores,
+                                "compression_ratio": ratio, **ex.meta})
+            items.append(item_record(i, ids, n_context, job.n_prefill, {**scores, "compression_ratio": ratio},
+                                     answer.kept, answers=ex.answers, output_ids=answer.tokens))
         metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in scores}
-        return TaskResult(predictions, metrics, average_stats(stats), timings,
+        return TaskResult(predictions, metrics, average_stats([a.stats for a in answers]), timings,
                           {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest}, items)
+
+    def answer_job(self, rt: Runtime, specs: list, ids: list[int], n_context: int,
+                   context_budget: int | None) -> AnswerJob:
+        """What an item prefills; under the kvpress protocol (a context budget) what that is compressed to:
+        the context alone to its budget, the question then appended; query-aware (SnapKV's setting), the
+        whole prompt to the same slots, budget + question."""
+        if context_budget is not None:
+            n_prefill = len(ids) if self.options["query_aware"] else n_context
+            return AnswerJob(ids, n_prefill, kvpress_prompt_budget(context_budget, len(ids), n_prefill, n_context))
+        n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"], self.options["decode_first_token"],
+                                   prefill_limit(rt, specs))
+        return AnswerJob(ids, n_prefill)
+
+
+def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, max_new: int, timings: Timings,
+                chunk: bool, desc: str) -> list[Answer]:
+    """Every job's answer, in the jobs' order. One set of caches for all of them (budgets resolved for the
+    longest prompt; under the kvpress protocol room for the largest context budget + question + answer):
+    static shapes, so a compiled decode step is compiled once. With --batch_size B > 1 they have B rows and
+    the jobs go through them longest prompt first (batching.longest_first, harness.greedy_answers); a row's
+    answer and statistics are what it gets alone (batch 1)."""
+    rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
+    attach_caches(rt, specs, capacity, rows)
+    bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=rt.progress)
+    try:
+        if rows == 1:
+            answers = []
+            for job in jobs:
+                answers.append(answer_alone(rt, job, max_new, timings, chunk))
+                bar.update()
+            return answers
+        return longest_first([job.ids for job in jobs], lambda order: greedy_answers(
+            rt, [jobs[i] for i in order], max_new, timings, chunk, done=lambda _: bar.update()))
+    finally:
+        bar.close()
+        rt.model.remove_caches()
 
 
 def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int]]) -> list[int]:

@@ -15,8 +15,10 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from errors import UserError
+from eval.batching import longest_first, rows_per_batch
 from eval.data import check_columns, load_rows
 from eval.harness import (
+    AnswerJob,
     Runtime,
     Timings,
     attach_caches,
@@ -24,6 +26,7 @@ from eval.harness import (
     cache_specs,
     measure_caches,
     option_logliks,
+    option_logliks_rows,
     prefill_length,
     prefill_limit,
 )
@@ -156,25 +159,44 @@ class MultipleChoice(Task):
         if longest + max_option > rt.model.args.context_length:
             raise UserError(f"multiple_choice: prompts of {longest} tokens exceed the model's context")
         specs = cache_specs(rt, rt.args, longest, max_option)
-        attach_caches(rt, specs, longest + max_option)
-        timings, predictions, stats, records = Timings(), [], [], []
-        for i, (ids, n_context, choices, options, label) in enumerate(
-                tqdm(items, desc=self.name, leave=False, disable=rt.progress)):
-            n_prefill = prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"],
-                                       prefill_limit(rt, specs))
-            logliks = option_logliks(rt, ids, n_prefill, options, timings)
-            stats.append(measure_caches(rt.model.caches()))
-            kept = rt.kept
+        jobs = [AnswerJob(ids, prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"],
+                                              prefill_limit(rt, specs))) for ids, n_context, *_ in items]
+        timings, scored = self.score_options(rt, specs, jobs, [opts for *_, opts, _ in items], longest + max_option)
+        predictions, stats, records = [], [], []
+        for i, ((ids, n_context, choices, options, label), job, (logliks, item_stats, kept)) in enumerate(
+                zip(items, jobs, scored, strict=True)):
+            stats.append(item_stats)
             norm = [ll / max(len(c), 1) for ll, c in zip(logliks, choices, strict=True)]
             pick, pick_norm = logliks.index(max(logliks)), norm.index(max(norm))
-            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": n_prefill, "label": label,
+            predictions.append({"index": i, "prompt_tokens": len(ids), "prefill_tokens": job.n_prefill, "label": label,
                                 "prediction": pick, "prediction_norm": pick_norm, "logliks": logliks,
                                 "accuracy": float(pick == label), "accuracy_norm": float(pick_norm == label)})
             scores = {k: predictions[-1][k] for k in self.metrics}
-            records.append(item_record(i, ids, n_context, n_prefill,
+            records.append(item_record(i, ids, n_context, job.n_prefill,
                                        {**scores, "compression_ratio": stats[-1].get("compression_ratio")}, kept,
                                        choices=choices, option_ids=options, label=label))
-        rt.model.remove_caches()
         metrics = {k: sum(p[k] for p in predictions) / len(predictions) for k in self.metrics}
         return TaskResult(predictions, metrics, average_stats(stats), timings,
                           {"cache_spec": [s.to_dict() for s in specs], "prompt_tokens_max": longest}, records)
+
+    def score_options(self, rt: Runtime, specs: list, jobs: list[AnswerJob], options: list[list[list[int]]],
+                      capacity: int) -> tuple[Timings, list[tuple[list[float], dict, list]]]:
+        """Per job, in order: its options' log-likelihoods, statistics and kept positions. One set of caches for
+        all; with --batch_size B > 1, of B rows, the jobs longest prompt first (harness.option_logliks_rows)."""
+        timings = Timings()
+        rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
+        attach_caches(rt, specs, capacity, rows)
+        bar = tqdm(total=len(jobs), desc=self.name, leave=False, disable=rt.progress)
+        try:
+            if rows == 1:
+                scored = []
+                for job, opts in zip(jobs, options, strict=True):
+                    logliks = option_logliks(rt, job.ids, job.n_prefill, opts, timings)
+                    scored.append((logliks, measure_caches(rt.model.caches()), rt.kept))
+                    bar.update()
+                return timings, scored
+            return timings, longest_first([job.ids for job in jobs], lambda order: option_logliks_rows(
+                rt, [jobs[i] for i in order], [options[i] for i in order], timings, done=lambda _: bar.update()))
+        finally:
+            bar.close()
+            rt.model.remove_caches()
