@@ -4,10 +4,11 @@
     python -m eval --tasks niah_single --seq_len 1024 --limit 20 --cache_config my_preset.yaml
     python -m eval --tasks qa --dataset data.jsonl --prompt_column question --answer_column answer
 
-`--batch_size N` decodes N fidelity windows together (one length, shared positions); other tasks run one
-item at a time. Every cache flag is shared with generate.py (defined once in cache_spec.py). Results land in
-`--out_dir` (see eval/results.py); a finished run is skipped unless --overwrite, and run again when
-the model file, data files or code it was computed with have changed.
+`--batch_size N` decodes N fidelity windows together (one length, shared positions), or N items of any
+other task (a row each, refilled as items finish; records as at batch 1). Every cache flag is shared
+with generate.py (defined once in cache_spec.py). Results land in `--out_dir` (see eval/results.py); a
+finished run is skipped unless --overwrite, and run again when the model file, data files or code it was
+computed with have changed.
 """
 
 from __future__ import annotations

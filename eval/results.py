@@ -18,9 +18,12 @@ that compute the numbers, Python and torch versions). A finished run is reused o
 is the current one; otherwise it is run again and replaced.
 
 `--batch_size` is not part of it: a fidelity window decoded in a batch records what it records alone, within
-1e-5 on every per-item metric (the rows' matmuls round differently; tests/test_eval_batching.py), and the
+1e-5 on every per-item metric (the rows' matmuls round differently; tests/test_eval_batching.py); a
+generation or multiple-choice item the same answer, scores, kept positions and discrete statistics, its
+attention sums and option log-likelihoods within 1e-5 (tests/test_eval_generation_batching.py); and the
 strategies whose decisions would depend on that rounding decode alone (eval/batching.py), so a run finished
-at one batch size is reused at another. Its timings are per run and differ; config.json records the batch.
+at one batch size is reused at another. Its timings are per run and differ; a fidelity run's config.json
+records the batch.
 
 A run is written into a hidden directory beside its final place and swapped in only when complete, so an
 interrupted run (Ctrl-C, SIGKILL, --overwrite included) leaves the previous result as it was.

@@ -278,8 +278,16 @@ def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int
         raise UserError("--protocol kvpress needs items with a context and a question after it")
     if all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
         return [n_context for _, n_context in encoded]
-    return [min(tokens_from_budget(args.max_cache_length[0], n_context, "--max_cache_length"), n_context)
-            for _, n_context in encoded]
+    return [kvpress_kept(args.max_cache_length[0], n_context) for _, n_context in encoded]
+
+
+def kvpress_kept(budget: float, n_context: int) -> int:
+    """Tokens kept of a context of n_context under --max_cache_length `budget`: a fraction f keeps
+    int(n_context * f), as kvpress's ScorerPress keeps int(k_len * (1 - compression_ratio)) (rounded down,
+    where tokens_from_budget rounds to nearest), at least 1; a token count keeps that many, at most all."""
+    if 0 < budget <= 1:
+        return max(1, int(n_context * budget))
+    return min(tokens_from_budget(budget, n_context, "--max_cache_length"), n_context)
 
 
 def kvpress_prompt_budget(context_budget: int, n_tokens: int, n_prefill: int, n_context: int) -> int:
