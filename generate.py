@@ -222,6 +222,9 @@ class GenerationResult:
     decode_steps: int  # decode steps run (may exceed len(tokens) - 1 on a GPU: see EOS_CHECK_INTERVAL)
     stopped_at_eos: bool
     compile_seconds: float = 0.0  # compile and CUDA-graph capture before the prompt (CompiledDecodeStep.prepare)
+    # A batch row's cache statistics, taken at the check where it stopped (generate_batch), before the tokens
+    # the batch decodes after it reach its cache; None: read the caches as they are.
+    cache_statistics: dict | None = None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -302,8 +305,9 @@ def generate_batch(
     every row decoded in one step per token, at its own position, until every row has its EOS or
     `max_new_tokens`. Row b's tokens are what `generate` gives for prompts[b] alone (greedy, or sampled
     with the same seed), on caches set up per row (cache_setup.setup_row_caches). A row that stopped keeps
-    being decoded with the others (its tokens are dropped; its cache sees them). Per row: its own prefill
-    time; the batch's decode time and steps."""
+    being decoded with the others (its tokens are dropped; its cache sees them), so its cache statistics are
+    taken at the check where it stopped (every step on the CPU: exactly its batch-1 statistics). Per row: its
+    own prefill time; the batch's decode time and steps."""
     from tqdm import tqdm
 
     device = model.tok_embeddings.weight.device
@@ -331,7 +335,9 @@ def generate_batch(
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         out[:, :1] = token
         done = torch.isin(token[:, 0], eos)
-        stopped = bool(done.all())
+        snapshots: list[dict | None] = [None] * B
+        take_snapshots(model, done, snapshots)
+        stopped = all(x is not None for x in snapshots)
         t1 = time.perf_counter()
         input_pos = torch.tensor([len(ids) for ids in prompts], dtype=torch.long, device=device)  # one per row
         n = 1
@@ -343,7 +349,8 @@ def generate_batch(
             input_pos += 1
             n += 1
             if n % check_every == 0 or n == max_new_tokens:
-                stopped = bool(done.all())
+                take_snapshots(model, done, snapshots)
+                stopped = all(x is not None for x in snapshots)
                 bar.update(n - 1 - bar.n)
         bar.close()
         _synchronize(device)
@@ -353,8 +360,27 @@ def generate_batch(
         first_eos = next((i for i, t in enumerate(row) if t in eos_ids), None)
         tokens = row if first_eos is None else row[: first_eos + 1]
         results.append(GenerationResult(tokens, prefill_seconds[b], decode_seconds, n - 1, first_eos is not None,
-                                        compile_seconds))
+                                        compile_seconds, snapshots[b]))
     return results
+
+
+def take_snapshots(model: Transformer, done: Tensor, snapshots: list[dict | None]) -> None:
+    """The cache statistics of every row that has stopped (`done` [B]) and has none yet, read in its row
+    context (one host sync)."""
+    for b in done.nonzero().flatten().tolist():
+        if snapshots[b] is None:
+            snapshots[b] = row_cache_statistics(model, b)
+
+
+def row_cache_statistics(model: Transformer, row: int | None) -> dict:
+    """cache_statistics of the attached caches (of one batch row, in its row context) and the debug twins'
+    attention-loss curve."""
+    with nullcontext() if row is None else model.cache_row(row):
+        stats = cache_statistics(model.caches())
+        curve = attention_loss_curve(model.caches())
+    if curve:
+        stats["attention_loss_cumulative_by_step"] = curve
+    return stats
 
 
 def prefill_rows_one(model: Transformer, b: int, ids: list[int], prefill_length: int | None) -> Tensor:
@@ -481,12 +507,7 @@ def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, 
         if result.decode_steps else None,
         "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
     }
-    with nullcontext() if row is None else model.cache_row(row):
-        stats |= cache_statistics(model.caches())
-        curve = attention_loss_curve(model.caches())
-    if curve:
-        stats["attention_loss_cumulative_by_step"] = curve
-    return stats
+    return stats | (result.cache_statistics or row_cache_statistics(model, row))
 
 
 def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]],

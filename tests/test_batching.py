@@ -13,7 +13,15 @@ from torch._dynamo.utils import counters
 from cache import KVCache, cache_statistics, row_statistics
 from cache_setup import attach_caches, attach_row_caches
 from gates import attach_random_gates
-from generate import compile_decode_step, decode_one_token, generate, generate_batch, prefill, prefill_rows
+from generate import (
+    compile_decode_step,
+    decode_one_token,
+    generate,
+    generate_batch,
+    prefill,
+    prefill_rows,
+    row_stats,
+)
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,
@@ -201,17 +209,28 @@ def test_generate_batch_gives_each_row_its_own_generation(temperature):
         assert row.decode_steps == NEW - 1
 
 
-def test_rows_stop_at_their_own_eos():
+@pytest.mark.parametrize("strategy", ["full", "heavy_hitter", "debug_tova"])
+def test_rows_stop_at_their_own_eos(strategy):
+    """A row that stops keeps being decoded with the others; its statistics are still its batch-1 ones."""
     model = tiny_model()
-    args = cache_args("full", BUDGETS["fraction"])
+    args = cache_args(strategy, BUDGETS["fraction"])
     prompts = [s[:n].tolist() for s, n in zip(sequences(3), LENGTHS, strict=True)]
     attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
     free = generate_batch(model, prompts, NEW, eos_ids=[])
     eos = free[1].tokens[3]
     stopped = generate_batch(model, prompts, NEW, eos_ids=[eos])
-    for f, s in zip(free, stopped, strict=True):
+    assert any(len(s.tokens) < NEW for s in stopped) and any(len(s.tokens) == NEW for s in stopped)
+    reported = [row_stats(len(p), s, model, b) for b, (p, s) in enumerate(zip(prompts, stopped, strict=True))]
+    for prompt, f, s, ours in zip(prompts, free, stopped, reported, strict=True):
         cut = f.tokens.index(eos) + 1 if eos in f.tokens else NEW
         assert s.tokens == f.tokens[:cut] and s.stopped_at_eos == (eos in f.tokens)
+        attach_caches(model, args, len(prompt), NEW, classes=TOKEN_CLASSES)
+        assert generate(model, prompt, NEW, eos_ids=[eos]).tokens == s.tokens
+        expected = cache_statistics(model.caches())
+        for key in ("tokens_held_per_head", "evictions_per_layer", "compression_ratio"):
+            assert ours[key] == expected[key], key
+        if strategy.startswith("debug_"):
+            assert ours["attention_loss_mean"] == pytest.approx(expected["attention_loss_mean"], abs=1e-5)
 
 
 def test_every_buffer_has_the_row_first_or_is_declared_shared():
