@@ -314,11 +314,11 @@ class KVCache(nn.Module):
         carried = self.carry_over(n)
         self.reset()
         self.take_over(carried)
-        self.scored_pos = positions
+        self.scored_pos, self.scored_end = positions, int(input_pos[-1]) + 1
         try:
             self.prefill(positions, keys, values, queries, stored)
         finally:
-            self.scored_pos = None
+            self.scored_pos, self.scored_end = None, None
         self.inserted.copy_(seen)
         self.keep_chunk_queries(queries, positions)
 
@@ -372,8 +372,11 @@ class KVCache(nn.Module):
         return torch.arange(k.shape[2], device=k.device).view(1, 1, -1).expand(k.shape[0], 1, -1)
 
     def scored_length(self, k: Tensor) -> int:
-        """The position after the last prompt token scored (the prompt's length for a prefill)."""
-        return int(self.scored_positions(k).max()) + 1
+        """The position after the last prompt token scored (the prompt's length for a prefill). A Python int
+        known without reading a tensor: the one-shot prefill stays free of host syncs (and runs on meta)."""
+        if self.scored_pos is not None and self.scored_pos.shape[-1] == k.shape[2]:
+            return self.scored_end
+        return k.shape[2]
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]); return (keys, values,
@@ -479,6 +482,7 @@ class KVCache(nn.Module):
     # the virtual prompt a re-prefill scores (scored_positions).
     chunk_queries: Tensor | None = None
     scored_pos: Tensor | None = None
+    scored_end: int | None = None
 
     def configure(self, **settings: object) -> None:
         """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""
