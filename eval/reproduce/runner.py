@@ -227,6 +227,8 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     start = time.perf_counter()
     check_experiment(experiment, profile, runs_dir, overrides)
     print(f"\n== {experiment.name}: {experiment.paper}\nclaim: {experiment.claim}", file=sys.stderr)
+    if experiment.prepare is not None:
+        experiment.prepare()
     done: dict[str, ArmResult] = {}
     arms = ordered_arms(experiment)
     with tqdm(total=len(arms), desc=experiment.name, unit="arm") as bar:
