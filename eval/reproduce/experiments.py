@@ -262,9 +262,10 @@ register(Experiment(
           "cache than the same pattern on randomly chosen or inversely ranked heads, and than a uniform "
           "StreamingLLM cache at the same measured compression.",
     task="fidelity", metric="kl_mean", higher_is_better=False,
-    # 4 sinks and a 32-token window on 160-token windows with a 64-token prompt: a streaming head holds 36
-    # of up to 159 tokens, so half of the heads streaming compresses the cache by about a third.
-    common=("--global_tokens", "4", "--recent_window", "32"),
+    # The calibration's pattern (4 sinks + a 64-token window) on 224-token windows with a 128-token prompt:
+    # a streaming head holds 68 of up to 223 tokens, so half of the heads streaming compresses the cache by
+    # about 0.3 over the scored steps.
+    common=("--global_tokens", "4", "--recent_window", "64"),
     unread={"recent_window": ("streamingllm",)},
     arms=(Arm("duo", _DUO),
           Arm("random heads", (*_DUO, "--duo_heads_path", str(duo_controls.RANDOM_PATH))),
@@ -274,7 +275,7 @@ register(Experiment(
                  Comparison("duo", "inverse ranking", "inverse roles"),
                  Comparison("duo", "streamingllm", "uniform")),
     varies=frozenset({"duo_heads_path", "cache_strategy", "max_cache_length"}),
-    profiles={"quick": ("--seq_len", "160", "--prefill_tokens", "64", "--limit", "8"),
+    profiles={"quick": ("--seq_len", "224", "--prefill_tokens", "128", "--limit", "8"),
               "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")},
     extra_metrics=FIDELITY_EXTRAS,
     prepare=duo_controls.write_control_files,
@@ -286,8 +287,10 @@ register(Experiment(
            "StreamingLLM spreads the same measured compression uniformly over the heads (the paper's baseline).",
            "Roles come from the shipped calibration (duo/SmolLM2-135M-Instruct.json: attention mass a sinks + "
            "64-token window misses, per head, on the training split), the profiling form the paper compares its "
-           "learned gates with; the streaming heads here keep a 32-token window, on windows too short for 64 to "
-           "evict much.",
+           "learned gates with; the streaming heads keep that same pattern. A first run streamed with a 32-token "
+           "window on 160-token windows (docs/reproduce_2026-12-01/first_window/duoattention), a pattern the "
+           "roles were not ranked for: INCONCLUSIVE, the calibrated roles beating random ones and losing, "
+           "within the interval, to the inverse ranking and to StreamingLLM.",
            "The random and inverse head files are written to the temp directory by eval.reproduce before the arms "
            "run (random: seed 0; inverse: the shipped scores negated); their content is part of each run's "
            "identity.",
