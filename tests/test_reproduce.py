@@ -205,6 +205,12 @@ def test_duo_controls_change_only_which_heads_retrieve(tmp_path: Path) -> None:
         assert args.duo_heads_path == str(path)
 
 
+def test_duoattention_refuses_another_model_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="duoattention runs on the bundled model only"):
+        cli.main(["duoattention", "--checkpoint_path", str(tmp_path / "model"), "--runs_dir", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_dry_run_prepares_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     def refuse() -> None:
         raise AssertionError("prepare ran on a dry run")

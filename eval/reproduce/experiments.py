@@ -65,6 +65,8 @@ class Experiment:
     notes: tuple[str, ...] = field(default_factory=tuple)  # how this setup departs from the paper, and why
     # Writes the files the arms' flags name (a control's derived inputs) before they run; never on a dry run.
     prepare: Callable[[], None] | None = None
+    # Why the experiment runs on the bundled model only (its inputs are derived from that model's files), or "".
+    bundled_model_only: str = ""
 
     def arm(self, label: str) -> Arm:
         for arm in self.arms:
@@ -279,6 +281,8 @@ register(Experiment(
               "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")},
     extra_metrics=FIDELITY_EXTRAS,
     prepare=duo_controls.write_control_files,
+    bundled_model_only="its control head files are derived from the bundled model's calibration "
+                       "(duo/SmolLM2-135M-Instruct.json: 30 layers of 3 KV heads)",
     notes=("Pass criterion: the calibrated roles must beat each control on KL over the same windows (the verdict "
            "is the conjunction of the three comparisons). 'Little loss' has no threshold that carries over from "
            "the paper's long-context benchmarks; a claim that the roles matter is one the controls can refute: "
