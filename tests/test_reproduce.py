@@ -82,7 +82,8 @@ def test_a_claim_with_several_comparisons_needs_them_all(verdicts: list[str], ex
 
 
 def test_the_papers_claims_are_registered() -> None:
-    assert {"streamingllm", "h2o", "snapkv", "pyramidkv", "fastgen", "kivi", "duoattention"} <= set(EXPERIMENTS)
+    assert {"streamingllm", "h2o", "snapkv", "pyramidkv", "fastgen", "kivi", "duoattention",
+            "duoattention_needle"} <= set(EXPERIMENTS)
     for exp in EXPERIMENTS.values():
         assert "arXiv " in exp.paper and exp.claim.endswith(".")
         assert exp.task in TASKS and set(exp.profiles) == set(PROFILES)
@@ -205,9 +206,10 @@ def test_duo_controls_change_only_which_heads_retrieve(tmp_path: Path) -> None:
         assert args.duo_heads_path == str(path)
 
 
-def test_duoattention_refuses_another_model_before_anything_runs(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="duoattention runs on the bundled model only"):
-        cli.main(["duoattention", "--checkpoint_path", str(tmp_path / "model"), "--runs_dir", str(tmp_path / "runs")])
+@pytest.mark.parametrize("name", ["duoattention", "duoattention_needle"])
+def test_duoattention_refuses_another_model_before_anything_runs(name: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=f"{name} runs on the bundled model only"):
+        cli.main([name, "--checkpoint_path", str(tmp_path / "model"), "--runs_dir", str(tmp_path / "runs")])
     assert not (tmp_path / "runs").exists()
 
 
