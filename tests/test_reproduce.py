@@ -16,13 +16,14 @@ import pytest
 
 from errors import UserError
 from eval import cli as eval_cli
-from eval.reproduce import cli, runner
+from eval.reproduce import cli, duo_controls, runner
 from eval.reproduce.experiments import EXPERIMENTS, PROFILES, Arm, Comparison, Experiment
 from eval.reproduce.report import common_text
 from eval.reproduce.runner import FAIL, INCONCLUSIVE, PASS, combine, verdict
 from eval.tasks import TASKS
 from eval.uncertainty import Interval, paired_difference
 from strategies import CACHE_STRATEGIES, get_strategy
+from strategies.duo_attention import SHIPPED, retrieval_heads
 from tests.conftest import ROOT
 
 RUNS = Path("/nonexistent-runs")  # parsing never writes; a path that cannot exist shows it
@@ -80,8 +81,9 @@ def test_a_claim_with_several_comparisons_needs_them_all(verdicts: list[str], ex
 # ---- the experiments' arms --------------------------------------------------------------------------------
 
 
-def test_the_six_claims_are_registered() -> None:
-    assert {"streamingllm", "h2o", "snapkv", "pyramidkv", "fastgen", "kivi"} <= set(EXPERIMENTS)
+def test_the_papers_claims_are_registered() -> None:
+    assert {"streamingllm", "h2o", "snapkv", "pyramidkv", "fastgen", "kivi", "duoattention",
+            "duoattention_needle"} <= set(EXPERIMENTS)
     for exp in EXPERIMENTS.values():
         assert "arXiv " in exp.paper and exp.claim.endswith(".")
         assert exp.task in TASKS and set(exp.profiles) == set(PROFILES)
@@ -170,6 +172,54 @@ def test_the_matched_budget_equals_the_mean_compression_over_the_scored_steps() 
     steps = range(256, 1024)
     held = held_by_fixed_budget(tokens, steps)
     assert sum(1 - h / t for h, t in zip(held, steps, strict=True)) / len(steps) == pytest.approx(0.18, abs=2e-3)
+
+
+def test_duo_controls_change_only_which_heads_retrieve(tmp_path: Path) -> None:
+    """The inverse file makes the shipped calibration's least lossy half of the heads the retrieval heads, the
+    random file a seeded half; both keep the calibration's shape, so the strategy takes them for the model."""
+    shipped = json.loads(SHIPPED.read_text())
+    flat = [s for layer in shipped["scores"] for s in layer]
+    half = round(0.5 * len(flat))
+    ranked = sorted(range(len(flat)), key=lambda i: -flat[i])  # written from the definition, not the strategy
+    assert flat[ranked[half - 1]] != flat[ranked[half]]  # no tie at the boundary: the halves are well defined
+    calibrated, least_lossy = set(ranked[:half]), set(ranked[half:])
+    paths = duo_controls.write_control_files(SHIPPED, tmp_path)
+    assert [p.name for p in paths] == [duo_controls.INVERSE_PATH.name, duo_controls.RANDOM_PATH.name]
+
+    def retrieval(path: Path) -> set[int]:
+        data = json.loads(path.read_text())
+        assert {k: v for k, v in data.items() if k not in ("scores", "measure")} == \
+            {k: v for k, v in shipped.items() if k not in ("scores", "measure")}
+        roles = retrieval_heads(data["scores"], 0.5)
+        assert [len(layer) for layer in roles] == [len(layer) for layer in shipped["scores"]]
+        return {i for i, r in enumerate(r for layer in roles for r in layer) if r}
+
+    assert retrieval(paths[0]) == least_lossy
+    random_roles = retrieval(paths[1])
+    assert len(random_roles) == half and random_roles not in (calibrated, least_lossy)
+    first = paths[1].read_bytes()
+    duo_controls.write_control_files(SHIPPED, tmp_path)
+    assert paths[1].read_bytes() == first  # seeded: the same control every run
+    exp = EXPERIMENTS["duoattention"]
+    for label, path in (("inverse ranking", duo_controls.INVERSE_PATH), ("random heads", duo_controls.RANDOM_PATH)):
+        args = eval_cli.parse_args(runner.arm_argv(exp, exp.arm(label), "quick", RUNS, []))
+        assert args.duo_heads_path == str(path)
+
+
+@pytest.mark.parametrize("name", ["duoattention", "duoattention_needle"])
+def test_duoattention_refuses_another_model_before_anything_runs(name: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=f"{name} runs on the bundled model only"):
+        cli.main([name, "--checkpoint_path", str(tmp_path / "model"), "--runs_dir", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_prepares_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def refuse() -> None:
+        raise AssertionError("prepare ran on a dry run")
+
+    monkeypatch.setitem(EXPERIMENTS, "duoattention", dataclasses.replace(EXPERIMENTS["duoattention"], prepare=refuse))
+    cli.main(["duoattention", "--dry_run", "--runs_dir", str(RUNS)])
+    assert "--duo_heads_path" in capsys.readouterr().out
 
 
 def test_a_matched_arm_needs_a_task_whose_scored_steps_are_known() -> None:

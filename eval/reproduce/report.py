@@ -155,7 +155,9 @@ def markdown(outcome: Outcome, runs_dir: Path, plot_name: str = "plot.png") -> s
     if any(a.arm.match_compression_of for a in outcome.arms):
         lines += [f"**Matching rule.** {MATCHING_RULE}", ""]
     lines += ["## Rerun", "", "```bash", outcome.command, "```", "",
-              "Each arm as a plain eval run (same run directories, reused when finished):", "", "```bash",
+              "Each arm as a plain eval run (same run directories, reused when finished"
+              + ("; the files its flags name are written by `python -m eval.reproduce` before the arms run"
+                 if exp.prepare is not None else "") + "):", "", "```bash",
               *[f"python -m eval {' '.join(a.argv)}" for a in outcome.arms], "```", "",
               f"![{exp.name}]({plot_name})", ""]
     return "\n".join(lines)

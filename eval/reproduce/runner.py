@@ -134,6 +134,8 @@ def check_experiment(experiment: Experiment, profile: str, runs_dir: Path, overr
     """Every arm's flags through eval's own parser (and task checks), before anything runs or loads."""
     if profile not in experiment.profiles:
         raise UserError(f"{experiment.name} has no profile {profile!r}; profiles: {', '.join(experiment.profiles)}")
+    if experiment.bundled_model_only and "--checkpoint_path" in overrides:
+        raise UserError(f"{experiment.name} runs on the bundled model only: {experiment.bundled_model_only}")
     labels = [a.label for a in experiment.arms]
     for c in experiment.comparisons:
         for label in (c.treatment, c.control):
@@ -227,6 +229,8 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     start = time.perf_counter()
     check_experiment(experiment, profile, runs_dir, overrides)
     print(f"\n== {experiment.name}: {experiment.paper}\nclaim: {experiment.claim}", file=sys.stderr)
+    if experiment.prepare is not None:
+        experiment.prepare()
     done: dict[str, ArmResult] = {}
     arms = ordered_arms(experiment)
     with tqdm(total=len(arms), desc=experiment.name, unit="arm") as bar:
