@@ -22,12 +22,14 @@ setup: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(PY) generate.py --prompt "$(PROMPT)" --max_new_tokens 64
 
+# Two worker processes of one torch thread each (tests/conftest.py), a test file per worker at a time (its
+# module fixtures are built once; the Ray and signal tests of one file never overlap).
 test: $(VENV)/.dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Everything but the tests marked slow (end-to-end runs, the compiled strategy matrix).
 test-fast: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check .
