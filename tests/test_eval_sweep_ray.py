@@ -5,6 +5,7 @@ the other backend's flags, no GPU for --gpus_per_run)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -176,10 +177,11 @@ def test_the_driver_refuses_a_run_filed_elsewhere_or_computed_from_other_inputs(
     source = reference / path.relative_to(tmp_path)
     reply = {"run_dir": str(path.relative_to(tmp_path)), "config": json.loads((source / "config.json").read_text()),
              "predictions": [json.loads(line) for line in (source / "predictions.jsonl").read_text().splitlines()],
-             "metrics": json.loads((source / "metrics.json").read_text())}
+             "metrics": json.loads((source / "metrics.json").read_text()),
+             "items": results.read_items(source)}  # as a worker sends them: a run without them is damaged
     error = sweep_ray.record(tmp_path, job, path, {**reply, "run_dir": "tiny/fidelity/elsewhere"})
     assert error.startswith("the worker computed run directory tiny/fidelity/elsewhere") and not path.exists()
-    other_code = json.loads(json.dumps(reply))
+    other_code = copy.deepcopy(reply)
     other_code["config"]["inputs"]["code"]["sources_sha256"] = "0" * 64
     other_code["metrics"]["identity"] = "0" * 16
     error = sweep_ray.record(tmp_path, job, path, other_code)
