@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> Path:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    windows = training_windows(tokenizer, args.seq_len, None)
+    windows = training_windows(tokenizer, args.seq_len, None, model.args.context_length)
     chosen = torch.linspace(0, len(windows) - 1, min(args.windows, len(windows))).round().long().tolist()
     per_window = [window_losses(model, windows[i].view(1, -1), args) for i in chosen]
     scores = [[round(sum(w[layer][h] for w in per_window) / len(per_window), 5)

@@ -24,7 +24,7 @@ import torch
 
 from atomic_files import check_writable, write_json_atomic
 from checkpoint import add_checkpoint_argument, load_checkpoint
-from errors import CliParser, UserError, run_cli
+from errors import CliParser, run_cli
 from flag_types import THREADS, count
 from strategies.kvzip import capture_queries
 from strategies.qfilters import QFILTERS_DIR, principal_directions, query_moments
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> Path:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    if args.seq_len > model.args.context_length:
-        raise UserError(f"--seq_len {args.seq_len} exceeds the model's context of {model.args.context_length}")
-    windows = training_windows(tokenizer, args.seq_len, None)
+    windows = training_windows(tokenizer, args.seq_len, None, model.args.context_length)
     chosen = torch.linspace(0, len(windows) - 1, min(args.windows, len(windows))).round().long().tolist()
     filters = query_filters(model, [windows[i].view(1, -1) for i in chosen])
     payload = {

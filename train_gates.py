@@ -106,8 +106,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
 
 
-def training_windows(tokenizer, seq_len: int, max_tokens: int | None) -> Tensor:
-    """Non-overlapping windows [N, seq_len] of the training split."""
+def training_windows(tokenizer, seq_len: int, max_tokens: int | None, context: int) -> Tensor:
+    """Non-overlapping windows [N, seq_len] of the training split; a window longer than the model's
+    `context` is refused (RoPE has no rows past it)."""
+    if seq_len > context:
+        raise UserError(f"--seq_len {seq_len} exceeds the model's context of {context}")
     ids = tokenizer.encode(pydoc_split(held_out=False))
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> Path:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    windows = training_windows(tokenizer, args.seq_len, args.max_train_tokens)
+    windows = training_windows(tokenizer, args.seq_len, args.max_train_tokens, model.args.context_length)
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(args.seed))
 
     gates = new_gates(model)

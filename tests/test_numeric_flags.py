@@ -98,6 +98,9 @@ AUDIT: list[tuple[str, str, list[str], str, bool]] = [
     # sizes past the tiny model's context (1024 tokens): known only once the checkpoint is read
     ("generate.py", "--max_new_tokens", ["5000"], "exceeds the model's context", False),
     ("python -m eval", "--seq_len", ["100000"], "context", False),
+    ("train_gates.py", "--seq_len", ["5000"], "exceeds the model's context", False),
+    ("calibrate_duo.py", "--seq_len", ["5000"], "exceeds the model's context", False),
+    ("calibrate_qfilters.py", "--seq_len", ["5000"], "exceeds the model's context", False),
 ]
 AUDIT_CASES = [(e, f, v, frag, early) for e, f, values, frag, early in AUDIT for v in values]
 
