@@ -33,7 +33,7 @@ from errors import CliParser, UserError, run_cli
 from flag_types import THREADS, count
 from generate import decode_one_token, prefill
 from strategies.duo_attention import DUO_DIR
-from train_gates import model_name, training_windows
+from train_gates import calibration_windows, model_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,9 +82,8 @@ def main(argv: list[str] | None = None) -> Path:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    windows = training_windows(tokenizer, args.seq_len, None, model.args.context_length)
-    chosen = torch.linspace(0, len(windows) - 1, min(args.windows, len(windows))).round().long().tolist()
-    per_window = [window_losses(model, windows[i].view(1, -1), args) for i in chosen]
+    chosen, windows = calibration_windows(tokenizer, args.seq_len, args.windows, model.args.context_length)
+    per_window = [window_losses(model, window, args) for window in windows]
     scores = [[round(sum(w[layer][h] for w in per_window) / len(per_window), 5)
                for h in range(len(per_window[0][layer]))] for layer in range(len(per_window[0]))]
     payload = {

@@ -28,7 +28,7 @@ from errors import CliParser, run_cli
 from flag_types import THREADS, count
 from strategies.kvzip import capture_queries
 from strategies.qfilters import QFILTERS_DIR, principal_directions, query_moments
-from train_gates import model_name, training_windows
+from train_gates import calibration_windows, model_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,9 +69,8 @@ def main(argv: list[str] | None = None) -> Path:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    windows = training_windows(tokenizer, args.seq_len, None, model.args.context_length)
-    chosen = torch.linspace(0, len(windows) - 1, min(args.windows, len(windows))).round().long().tolist()
-    filters = query_filters(model, [windows[i].view(1, -1) for i in chosen])
+    chosen, windows = calibration_windows(tokenizer, args.seq_len, args.windows, model.args.context_length)
+    filters = query_filters(model, windows)
     payload = {
         "model": name, "n_layer": model.args.n_layer, "n_kv_head": model.args.n_kv_head,
         "head_dim": model.args.head_dim,

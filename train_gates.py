@@ -106,6 +106,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
 
 
+def calibration_windows(tokenizer, seq_len: int, count: int, context: int) -> tuple[list[int], list[Tensor]]:
+    """`count` evenly spaced training windows (their indices, and each as [1, seq_len]): what the
+    calibrations (calibrate_duo.py, calibrate_qfilters.py) measure."""
+    windows = training_windows(tokenizer, seq_len, None, context)
+    chosen = torch.linspace(0, len(windows) - 1, min(count, len(windows))).round().long().tolist()
+    return chosen, [windows[i].view(1, -1) for i in chosen]
+
+
 def training_windows(tokenizer, seq_len: int, max_tokens: int | None, context: int) -> Tensor:
     """Non-overlapping windows [N, seq_len] of the training split; a window longer than the model's
     `context` is refused (RoPE has no rows past it)."""
