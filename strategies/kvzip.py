@@ -149,8 +149,9 @@ def rule_users(caches: list[KVCache | None]) -> list[tuple[int, KVCache]]:
 
 def set_repeat_prompt(caches: list[KVCache], tokenizer) -> None:
     """Give the kvzip caches (one per layer) the token ids of REPEAT_PROMPT, for the reconstruction pass."""
-    ids = tuple(tokenizer.encode(REPEAT_PROMPT))
-    for _, cache in rule_users(caches):
+    users = rule_users(caches)
+    ids = tuple(tokenizer.encode(REPEAT_PROMPT)) if users else ()  # no encoding when no cache uses the rule
+    for _, cache in users:
         cache.kvzip_repeat_ids = ids
 
 
