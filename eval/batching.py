@@ -17,11 +17,8 @@ from torch import Tensor
 
 import cache_setup
 from cache import KVCache
-from cache_spec import LayerCacheSpec, build_caches
+from cache_spec import LayerCacheSpec
 from model import Transformer
-from strategies import get_strategy
-from strategies.hybrid import token_classes
-from strategies.kvzip import set_repeat_prompt
 from tokenizer import Tokenizer
 
 # Strategies whose scores tie exactly across repeats of a token: l2 scores a key by its norm, which RoPE
@@ -62,14 +59,8 @@ def attach_row_caches(model: Transformer, specs: list[LayerCacheSpec], capacity:
     single = model.caches()
     if rows == 1:
         return single, single
-    a, w = model.args, model.tok_embeddings.weight
-    if classes is None and tokenizer is not None and any(get_strategy(s.strategy).needs_token_classes for s in specs):
-        classes = token_classes(tokenizer, a.vocab_size)
-    caches = build_caches(specs, rows, a.n_kv_head, a.head_dim, capacity, w.dtype, w.device, classes)
-    if tokenizer is not None:
-        set_repeat_prompt(caches, tokenizer)  # as cache_setup does: KVzip's reconstruction prompt
-    model.setup_caches(caches)
-    return caches, single
+    cache_setup.setup_caches(model, specs, capacity, tokenizer=tokenizer, classes=classes, batch_size=rows)
+    return model.caches(), single
 
 
 def copy_row(caches: list[KVCache], single: list[KVCache], row: int) -> list[KVCache]:
