@@ -79,3 +79,16 @@ def save_tiny_model(arch: str, directory: Path, seed: int = 0) -> torch.nn.Modul
     model.save_pretrained(str(directory))
     write_tokenizer(directory, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     return model.eval()
+
+
+def add_gguf_shape(writer, config, head_dim: int) -> None:
+    """The hyper-parameter keys every GGUF architecture needs, from a transformers config."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -19,7 +19,7 @@ import torch
 from checkpoint import load_checkpoint, read_gguf_metadata
 from checkpoint_gguf import gguf_model_args
 from errors import UserError
-from tests.arch_helpers import SMALL, VOCAB, WINDOW
+from tests.arch_helpers import SMALL, VOCAB, WINDOW, add_gguf_shape
 from tokenizer import tokenizer_from_gguf_metadata
 
 LOGIT_ATOL = 1e-3
@@ -174,16 +174,8 @@ def write_gemma3_gguf(reference, path, scaled: bool) -> None:
 
     c = reference.config
     writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
+    add_gguf_shape(writer, c, c.head_dim)
     writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_sliding_window(c.sliding_window)
     if scaled:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

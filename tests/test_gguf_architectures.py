@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from tests.arch_helpers import VOCAB, save_tiny_model
+from tests.arch_helpers import VOCAB, add_gguf_shape, save_tiny_model
 
 LOGIT_ATOL = 1e-3
 
@@ -26,17 +26,9 @@ def write_gguf(reference, arch: str, path) -> None:
     c = reference.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    add_gguf_shape(writer, c, head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)))
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     # A byte-level BPE vocabulary of single characters (no merges) of the model's size.
     byte_chars = [chr(b) for b in range(ord("!"), ord("!") + VOCAB)]
