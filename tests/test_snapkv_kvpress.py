@@ -133,6 +133,7 @@ def test_kvpress_snapkv_keeps_kvpress_tokens_and_answers_over_the_compressed_cac
     assert item["output_ids"][0] == first
 
 
+@pytest.mark.slow
 def test_compress_questions_puts_the_question_in_the_compressed_part(bundled):
     """kvpress_compress_questions: the question is in the compressed part (it can be evicted) and the budget
     counts it; the plain kvpress protocol compresses the context alone and feeds the question after."""
