@@ -10,7 +10,8 @@ It also holds the prompt-attention helpers those rules and the caches' initial s
   `l2`: the keys with the lowest L2 norm; `gated`: the highest log_gate × age as the next token arrives.
 - `heavy_hitter`: SnapKV (arXiv 2404.14469): attention from an observation window of the last W prompt
   queries, pooled over neighbouring keys with kernel K (keeps clusters, not isolated spikes), top-k per
-  head; the window is always kept.
+  head; the window is always kept. Its settings also give kvpress's SnapKVPress exactly
+  (configs/snapkv_kvpress.yaml: average pooling per query head, prefix-only votes, W 64, K 5, no sinks).
 - `full`: keeps everything, so it refuses a prompt longer than the budget; `hybrid` (FastGen) profiles
   the prompt itself.
 
@@ -27,16 +28,17 @@ from torch import Tensor
 from errors import UserError
 
 
-def prompt_attention(q: Tensor, k: Tensor, rows: Tensor) -> Tensor:
+def prompt_attention(q: Tensor, k: Tensor, rows: Tensor, per_query_head: bool = False) -> Tensor:
     """Causal attention of the prompt queries at `rows` over the prompt keys k holds (positions 0..S-1,
     S = k.shape[2], at least the last row + 1), averaged over the query heads of each KV group (GQA):
-    [B, n_kv, len(rows), S], float32."""
+    [B, n_kv, len(rows), S], float32; with `per_query_head` not averaged: [B, n_kv, rep, len(rows), S]."""
     B, H, _, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     qc = q[:, :, rows].reshape(B, n_kv, H // n_kv, len(rows), D)
     scores = (qc @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
     scores = scores.masked_fill(torch.arange(S, device=q.device) > rows[:, None], float("-inf"))
-    return torch.softmax(scores, dim=-1).mean(dim=2)
+    attn = torch.softmax(scores, dim=-1)
+    return attn if per_query_head else attn.mean(dim=2)
 
 
 def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
@@ -87,15 +89,44 @@ def prompt_positions(k: Tensor) -> Tensor:
     return torch.arange(k.shape[2], device=k.device).view(1, 1, -1).expand(k.shape[0], 1, -1)
 
 
-def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int) -> Tensor:
-    """SnapKV's votes: attention of the last `window` prompt queries to each key, summed over the window
-    and averaged over each KV group's query heads, max-pooled over `kernel` neighbouring keys: [B, n_kv, T]."""
+SNAPKV_POOLINGS = ("max", "avg")
+
+
+def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int, pooling: str = "max", per_query_head: bool = False,
+                 prefix_only: bool = False) -> Tensor:
+    """SnapKV's votes: attention of the last `window` prompt queries to each key, summed over the window,
+    pooled over `kernel` neighbouring keys (`pooling` max, or avg with zero padding counted, as torch's
+    avg_pool1d and kvpress) and averaged over each KV group's query heads: [B, n_kv, T].
+
+    By default the group mean comes first and the pooling runs over every key, the window's own included
+    (the window's large self-votes then spill into the keys just before it). `per_query_head` pools each
+    query head's votes before the group mean (SnapKV's code and kvpress's SnapKVPress; the same for avg,
+    which is linear). `prefix_only` scores only the keys before the window (votes of the window's queries
+    on the prefix, pooled over the prefix alone) and gives the window the largest prefix score of the
+    batch row, so the window stays (kvpress's SnapKVPress pads it with the score maximum)."""
     T = k.shape[2]
-    rows = torch.arange(T - min(window, T), T, device=k.device)
-    votes = prompt_attention(q, k, rows).sum(dim=2)
-    if kernel > 1:
-        votes = F.max_pool1d(votes, kernel_size=kernel, stride=1, padding=kernel // 2)[..., :T]
+    w = min(window, T)
+    rows = torch.arange(T - w, T, device=k.device)
+    votes = prompt_attention(q, k, rows, per_query_head).sum(dim=-2)  # [B, n_kv, (rep,) T]
+    n = T - w if prefix_only else T
+    if prefix_only and n == 0:  # the whole prompt is the window: nothing to choose from
+        return torch.zeros(k.shape[0], k.shape[1], T, device=k.device)
+    votes = pool_votes(votes[..., :n], kernel, pooling)
+    if per_query_head:
+        votes = votes.mean(dim=2)
+    if prefix_only:
+        top = votes.flatten(1).amax(dim=1).view(-1, 1, 1).expand(-1, votes.shape[1], w)
+        votes = torch.cat([votes, top], dim=-1)
     return votes
+
+
+def pool_votes(votes: Tensor, kernel: int, pooling: str) -> Tensor:
+    """Max- or average-pool the last dimension over `kernel` neighbours (odd), same length out."""
+    if kernel <= 1:
+        return votes
+    flat = votes.reshape(-1, 1, votes.shape[-1])
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    return pool(flat, kernel_size=kernel, stride=1, padding=kernel // 2).view(votes.shape)
 
 
 def compress_prompt(cache, input_pos: Tensor, k: Tensor, q: Tensor) -> Tensor:

@@ -262,9 +262,15 @@ class Answer:
 
 
 def configure_prompt_budget(caches: list, budget: int | None) -> None:
+    """The kvpress protocol's per-item prompt budget (None: not that protocol). Its slots hold the question
+    and answer, so nothing is evicted after the prompt: caches that declare `evicts_after_prompt` are told,
+    and skip the statistics only decode eviction reads."""
     if budget is not None:
         for cache in caches:
             cache.configure(prompt_budget=budget)
+            for layer in cache.modules():  # a debug cache's shadow too
+                if hasattr(type(layer), "evicts_after_prompt"):
+                    layer.configure(evicts_after_prompt=False)
 
 
 def answer_alone(rt: Runtime, job: AnswerJob, max_new_tokens: int, timings: Timings, chunk: bool) -> Answer:

@@ -6,7 +6,13 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, Setting, grouped_mean, register_strategy
-from prompt_compression import above_uniform, prompt_attention, prompt_attention_received, snapkv_votes
+from prompt_compression import (
+    SNAPKV_POOLINGS,
+    above_uniform,
+    prompt_attention,
+    prompt_attention_received,
+    snapkv_votes,
+)
 
 
 @register_strategy
@@ -27,11 +33,26 @@ class HeavyHitterCache(KVCache):
                                  help="prompt compression: last W queries vote (32: SnapKV's LongBench runs; "
                                       "kvpress's SnapKVPress uses 64)"),
         SNAPKV_KERNEL := Setting("snapkv_kernel", 7, low=1, odd=True, prompt_rule=True,
-                                 help="prompt compression: max-pooling kernel over the votes (7, max: SnapKV's "
+                                 help="prompt compression: pooling kernel over the votes (7, max: SnapKV's "
                                       "LongBench runs; kvpress's SnapKVPress average-pools with 5)"),
+        SNAPKV_POOLING := Setting("snapkv_pooling", SNAPKV_POOLINGS[0], type=str, choices=SNAPKV_POOLINGS,
+                                  prompt_rule=True,
+                                  help="prompt compression: max- or average-pool the votes (avg: kvpress's "
+                                       "SnapKVPress, zero padding counted)"),
+        SNAPKV_PER_HEAD := Setting("snapkv_pool_per_query_head", False, type=None, prompt_rule=True,
+                                   help="prompt compression: pool each query head's votes, then average over the "
+                                        "KV group (SnapKV's code, kvpress); default: average, then pool"),
+        SNAPKV_PREFIX := Setting("snapkv_prefix_votes", False, type=None, prompt_rule=True,
+                                 help="prompt compression: score only the keys before the window (the window's "
+                                      "votes on the prefix) and keep the window (kvpress); default: pool over "
+                                      "the window too"),
     )
     head_specific = True
     needs_attention = True
+    # False when nothing is evicted after the prompt (the kvpress protocol sizes the slots for the question
+    # and answer: eval.harness.configure_prompt_budget): the H2O statistics, which only decode eviction reads,
+    # are then neither seeded at prefill (a pass over all T x T prompt attention) nor updated.
+    evicts_after_prompt: bool = True
     # The whole-history attention sum (window 1) and the steps each slot has been attended from.
     slot_buffers = ("attn_sum", "attn_steps")
 
@@ -55,7 +76,9 @@ class HeavyHitterCache(KVCache):
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         """SnapKV (arXiv 2404.14469): the attention the last `snapkv_window` prompt queries give each key,
         pooled over neighbouring keys; the prompt-time form of "the most attended tokens stay"."""
-        return snapkv_votes(q, k, cache.setting(cls.SNAPKV_WINDOW), cache.setting(cls.SNAPKV_KERNEL))
+        return snapkv_votes(q, k, cache.setting(cls.SNAPKV_WINDOW), cache.setting(cls.SNAPKV_KERNEL),
+                            cache.setting(cls.SNAPKV_POOLING), bool(cache.setting(cls.SNAPKV_PER_HEAD)),
+                            bool(cache.setting(cls.SNAPKV_PREFIX)))
 
     @classmethod
     def prompt_protected_window(cls, cache: KVCache) -> int:
@@ -64,6 +87,8 @@ class HeavyHitterCache(KVCache):
         return max(cache.recent_window, min(window, cache.prompt_target() - cache.global_tokens))
 
     def update_state(self, probs: Tensor) -> None:
+        if not self.evicts_after_prompt:
+            return
         attn = grouped_mean(probs)
         if self.thresholding:
             uniform = 1.0 / self.held_tokens().clamp(min=1)[..., None]
@@ -77,6 +102,8 @@ class HeavyHitterCache(KVCache):
             self.attn_sum += attn
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        if not self.evicts_after_prompt:
+            return
         received = prompt_attention_received(q, k, count_above_uniform=self.thresholding)
         T, n = k.shape[2], keep.shape[-1]
         steps = (T - torch.arange(T, device=k.device)).float().expand_as(received)  # queries that saw the key

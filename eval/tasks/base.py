@@ -73,6 +73,18 @@ def item_record(index: int, ids: list[int], n_context: int, n_prefill: int, metr
             "n_prefill": n_prefill, **extra, "kept_positions": kept or []}
 
 
+# --protocol values that compress each context once and evict nothing after (kvpress's pipeline). kvpress:
+# the context alone is compressed, or with --query_aware context and question to the context's budget + the
+# question (the question kept whole); kvpress_compress_questions: kvpress's compress_questions, context and
+# question compressed together to int((context + question) x (1 - ratio)) tokens, the question can be evicted.
+KVPRESS_PROTOCOLS = ("kvpress", "kvpress_compress_questions")
+COMPRESS_QUESTIONS = KVPRESS_PROTOCOLS[1]
+
+
+def is_kvpress(protocol: str | None) -> bool:
+    return protocol in KVPRESS_PROTOCOLS
+
+
 class Task:
     name: ClassVar[str] = ""
     # Scores, best first: the first is the headline in plots and the summary.
@@ -90,6 +102,8 @@ class Task:
         if getattr(args, "protocol", "decode") != "decode" and "protocol" not in self.reads:
             raise UserError(f"{self.name}: --protocol {args.protocol} applies to tasks that answer a question "
                             "after a context (the RULER tasks, qa)")
+        if self.options.get("protocol") == COMPRESS_QUESTIONS:
+            self.options["query_aware"] = True  # compression sees the question: query-aware by definition
         for key, least in (("limit", 1), ("seq_len", 1), ("max_new_tokens", 1), ("prefill_tokens", 1),
                            ("text_offset", 0)):
             value = self.options.get(key)
@@ -137,11 +151,15 @@ def continuation_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return ids
 
 
-def encode_example(tokenizer: Tokenizer, example: Example, chat: bool) -> tuple[list[int], int]:
+def encode_example(tokenizer: Tokenizer, example: Example, chat: bool,
+                   compress_questions: bool = False) -> tuple[list[int], int]:
     """Token ids of the whole prompt, and how many of them are the context.
 
     Context and question are tokenized separately (and concatenated in both modes), so query-aware
-    and query-agnostic runs see the very same tokens.
+    and query-agnostic runs see the very same tokens. With `compress_questions` (kvpress's setting of that
+    name) the "context" is the context and question, tokenized together as kvpress does, and what follows
+    (the chat template's end of turn, the answer prefix) is the rest; with nothing after the question, its
+    last token is the rest, so the first answer token is always computed over the compressed cache.
     """
     user = example.context + example.question
     # In a chat, the answer prefix opens the assistant's turn (no leading newline there).
@@ -149,11 +167,19 @@ def encode_example(tokenizer: Tokenizer, example: Example, chat: bool) -> tuple[
         text = tokenizer.apply_chat_template(user) + example.answer_prefix.lstrip()
     else:
         text = user + example.answer_prefix
-    split = text.rfind(example.question) if example.question else len(text)
+    if compress_questions:
+        split = text.rfind(user) + len(user) if user else len(text)
+        if split < len(user):
+            raise UserError("the chat template rewrote the prompt; pass --no-chat")
+    else:
+        split = text.rfind(example.question) if example.question else len(text)
     if split < 0:
         raise UserError("the chat template rewrote the question; pass --no-chat or --query_aware")
     context = tokenizer.encode(text[:split])
-    return context + continuation_ids(tokenizer, text[split:]), len(context)
+    ids = context + continuation_ids(tokenizer, text[split:])
+    if compress_questions and len(context) == len(ids) > 1:
+        return ids, len(ids) - 1
+    return ids, len(context)
 
 
 def fit_to_length(build: Callable[[int], Example], count: Callable[[Example], int], target: int, most: int,
@@ -199,13 +225,14 @@ class GenerationTask(Task):
         if not examples:
             raise UserError(f"{self.name}: no examples")
         chat = use_chat(rt)
-        encoded = [encode_example(rt.tokenizer, ex, chat) for ex in examples]
+        compress_questions = self.options["protocol"] == COMPRESS_QUESTIONS
+        encoded = [encode_example(rt.tokenizer, ex, chat, compress_questions) for ex in examples]
         max_new = self.options["max_new_tokens"]
         longest = max(len(ids) for ids, _ in encoded)
         if longest + max_new > rt.model.args.context_length:
             raise UserError(f"{self.name}: prompts of {longest} tokens plus {max_new} new tokens exceed the "
                             f"model's context of {rt.model.args.context_length}")
-        kvpress = self.options["protocol"] == "kvpress"
+        kvpress = is_kvpress(self.options["protocol"])
         context_budgets = kvpress_budgets(rt.args, encoded) if kvpress else None
         args = kvpress_cache_args(rt.args, encoded, context_budgets, max_new) if kvpress else rt.args
         specs = cache_specs(rt, args, longest, max_new)
@@ -232,9 +259,11 @@ class GenerationTask(Task):
                    context_budget: int | None) -> AnswerJob:
         """What an item prefills; under the kvpress protocol (a context budget) what that is compressed to:
         the context alone to its budget, the question then appended; query-aware (SnapKV's setting), the
-        whole prompt to the same slots, budget + question."""
+        whole prompt to the same slots, budget + question. Under kvpress_compress_questions the "context"
+        holds the question (encode_example): it is compressed to its budget and the rest appended."""
         if context_budget is not None:
-            n_prefill = len(ids) if self.options["query_aware"] else n_context
+            keep_question = self.options["query_aware"] and self.options["protocol"] != COMPRESS_QUESTIONS
+            n_prefill = len(ids) if keep_question else n_context
             return AnswerJob(ids, n_prefill, kvpress_prompt_budget(context_budget, len(ids), n_prefill, n_context))
         n_prefill = prefill_length(len(ids), n_context, self.options["query_aware"], self.options["decode_first_token"],
                                    prefill_limit(rt, specs))

@@ -28,7 +28,7 @@ from errors import UserError
 from eval import scorers
 from eval.data import LOCAL_FORMATS, load_rows, local_rows
 from eval.harness import Runtime, Timings, average_stats
-from eval.tasks.base import Example, GenerationTask, TaskResult, register_task, use_chat
+from eval.tasks.base import COMPRESS_QUESTIONS, Example, GenerationTask, TaskResult, is_kvpress, register_task, use_chat
 
 TEXT_COLUMNS = ("context", "question", "answer_prefix", "task")
 ANSWER_COLUMNS = ("answer", "answers")  # the RULER copy's name, the LongBench copy's
@@ -181,7 +181,7 @@ class KvpressDataset(GenerationTask):
         super().__init__(args)
         if not self.options["dataset"]:
             raise UserError("kvpress_dataset needs --dataset (a local file in kvpress's layout, or its hub name)")
-        if self.options["protocol"] != "kvpress":
+        if not is_kvpress(self.options["protocol"]):
             raise UserError("kvpress_dataset runs under --protocol kvpress (each context compressed once to its "
                             "budget, as kvpress does); pass it, or use python -m eval.kvpress_runs run")
         self._group: list[Row] = []
@@ -192,10 +192,14 @@ class KvpressDataset(GenerationTask):
     def examples(self, rt: Runtime) -> list[Example]:
         # kvpress without a chat template: `question + "\n" + answer_prefix` (pipeline.py preprocess).
         newline = "" if use_chat(rt) else "\n"
+        # Under compress_questions kvpress compresses context + question and feeds "\n" + answer_prefix after.
+        after = self.options["protocol"] == COMPRESS_QUESTIONS
         out = []
         for row in self._group:
             ex = row.example
-            out.append(Example(ex.context, ex.question + newline, ex.answer_prefix, answers=ex.answers,
+            question, prefix = (ex.question, newline + ex.answer_prefix) if after else (ex.question + newline,
+                                                                                      ex.answer_prefix)
+            out.append(Example(ex.context, question, prefix, answers=ex.answers,
                                meta={"task": row.task, "question": ex.question, "answer_prefix": ex.answer_prefix,
                                      "max_new_tokens": self.options["max_new_tokens"]}))
         return out
