@@ -28,6 +28,7 @@ from errors import CliParser, run_cli
 from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
+from eval.tasks.base import KVPRESS_PROTOCOLS
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
 from flag_types import count
 from generate import compile_decode_step, decode_one_token
@@ -48,14 +49,18 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--query_aware", action=argparse.BooleanOptionalAction, default=False,
                    help="prefill context and question together, so prompt compression sees the question "
                         "(default: query-agnostic, the context is compressed before the question)")
-    g.add_argument("--protocol", choices=["decode", "kvpress"], default="decode",
+    g.add_argument("--protocol", choices=["decode", *KVPRESS_PROTOCOLS], default="decode",
                    help="decode: the cache is sized from the longest prompt + answer and evicts while the question "
                         "and answer go through it (query-agnostic unless --query_aware); kvpress: as kvpress and "
                         "RULER's tables: each item's context is compressed once to the budget (a fraction of that "
                         "context, or tokens), the question is appended uncompressed in one forward step, and "
                         "nothing is evicted while answering (generation tasks); with --query_aware, the SnapKV "
                         "paper's setting: context and question are compressed together to the context's budget + "
-                        "the question's length (the same slots), then nothing is evicted while answering")
+                        "the question's length (the same slots), then nothing is evicted while answering; "
+                        "kvpress_compress_questions: kvpress's compress_questions (query-aware as kvpress means it): "
+                        "context and question are compressed together to int((context + question) x budget) "
+                        "tokens (the question can be evicted), then the chat template's end of turn and the answer "
+                        "prefix are appended, so the first answer token is computed over the compressed cache")
     g.add_argument("--decode_first_token", action="store_true",
                    help="feed the last prompt token through the decode path, so the first answer token "
                         "is computed over the compressed cache")

@@ -20,7 +20,7 @@ from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.harness import Runtime, Timings, attach_caches, cache_specs, greedy_answer
 from eval.tasks import get_task
-from eval.tasks.base import Example, GenerationTask, kvpress_budgets, kvpress_prompt_budget
+from eval.tasks.base import Example, GenerationTask, is_kvpress, kvpress_budgets, kvpress_prompt_budget
 from flag_types import count
 
 
@@ -48,7 +48,7 @@ def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: ob
         raise UserError(f"replay supports generation tasks, not {task.name}")
     item, max_new = items[index], task.options["max_new_tokens"]
     ids = item["context_ids"] + item["question_ids"]
-    kvpress = task.options.get("protocol") == "kvpress"
+    kvpress = is_kvpress(task.options.get("protocol"))
     if kvpress:  # this item's context budget, in caches of the run's slots (sized from all its items)
         n_context = len(item["context_ids"])
         budget = kvpress_prompt_budget(kvpress_budgets(args, [(ids, n_context)])[0], len(ids), item["n_prefill"],
