@@ -350,7 +350,9 @@ class Attention(nn.Module):
             mask = sliding_causal_mask(T, self.sliding_window, x.device) if window else None
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window, enable_gqa=True)
         else:
-            held = cache.keys()
+            held, held_v = cache.keys(), cache.values()
+            if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
+                held, held_v = (t.expand(B, self.n_kv_head, -1, -1) for t in (held, held_v))
             if rerotate:
                 held = rope_at(held, cache.pos)
             pos = torch.cat([cache.pos.expand(B, self.n_kv_head, -1), input_pos.expand(B, self.n_kv_head, T)], -1)
@@ -360,7 +362,7 @@ class Attention(nn.Module):
             if self.sliding_window:
                 visible &= query_pos - pos[:, :, None, :] < self.sliding_window
             visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
-            y, _ = grouped_attention(q, torch.cat([held, k], 2), torch.cat([cache.values(), v], 2), visible)
+            y, _ = grouped_attention(q, torch.cat([held, k], 2), torch.cat([held_v, v], 2), visible)
         cache.prefill_chunk_tokens(input_pos, k, v, q, k_plain if rerotate else None, rope_at if rerotate else None)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

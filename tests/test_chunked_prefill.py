@@ -128,8 +128,9 @@ def attention_from(q, k, query: int, keys: list[int], h: int) -> torch.Tensor:
     return torch.stack(rows).mean(0)
 
 
-def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list[int]:
-    """The positions a prompt rule keeps out of `cand` (sorted), by its definition."""
+def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tuple[torch.Tensor, int]:
+    """A prompt rule's scores of the positions `cand` (sorted) in KV head h, by its definition, and the number
+    of most recent ones it protects."""
     n = len(cand)
     protected_recent = RECENT
     if rule == "recent_global":
@@ -138,7 +139,7 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
         score = torch.tensor([(p % 2) * 1000.0 + p for p in cand])
     elif rule == "l2":
         score = torch.stack([-k[h, p].norm() for p in cand])
-    elif rule in ("tova", "critical_kv"):
+    elif rule in ("tova", "critical_kv", "critical_kv_attention"):
         score = attention_from(q, k, cand[-1], cand, h)
         if rule == "critical_kv":
             score = score * torch.stack([v[h, p].norm() for p in cand])
@@ -149,6 +150,13 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
             votes[: i + 1] += attention_from(q, k, cand[i], cand[: i + 1], h)
         score = torch.stack([votes[max(0, i - kernel // 2) : i + kernel // 2 + 1].max() for i in range(n)])
         protected_recent = max(RECENT, min(window, budget - GLOBAL))
+    return score, protected_recent
+
+
+def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list[int]:
+    """The positions a prompt rule keeps out of `cand` (sorted), by its definition."""
+    n = len(cand)
+    score, protected_recent = naive_scores(rule, cand, budget, q, k, v, h)
     protected = set(range(GLOBAL)) | set(range(n - protected_recent, n))
     order = sorted(range(n), key=lambda i: (i not in protected, -float(score[i])))
     return sorted(cand[i] for i in order[:budget])
@@ -335,7 +343,6 @@ def test_compiled_decoding_after_a_chunked_prefill_equals_eager(strategy):
       for s in CHUNK_REFUSED],
     (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
      "cannot compress a prompt chunk by chunk"),
-    (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"], "adakv"),
 ])
 def test_bad_chunk_flags_are_refused(flags, message):
     with pytest.raises(UserError, match=message):
