@@ -241,19 +241,25 @@ class PooledCache(KVCache):
                                cat(self.chunk_queries[b, :, held], q[b, h * rep : (h + 1) * rep], 1), carried)
         seen = self.inserted + T
         self.reset()
-        keep = self.chunk_pairs(heads, end)  # (b, h) -> sorted indices into its virtual prompt
+        keep = self.chunk_pairs(heads, end, T)  # (b, h) -> sorted indices into its virtual prompt
         self.write_pairs(heads, keep, seen)
+        chunk = T
         for (b, h), (positions, keys, _, queries, carried) in heads.items():
             slot_token = torch.zeros(self.pool_slots, dtype=torch.long, device=k.device)
             start = int(self.offset[b, h])
             slot_token[start : start + len(keep[b, h])] = keep[b, h]
             with self.head_view(b, h):
-                self.take_over(carried)
-                self.scored_pos, self.scored_end = positions.view(1, 1, -1), end
+                self.virtual_prompt(carried, positions, end, len(positions) - chunk)
                 self.after_prefill(slot_token.view(1, 1, -1), positions.view(1, 1, -1), keys[None, None],
                                    queries[None])
 
-    def chunk_pairs(self, heads: dict, end: int) -> dict[tuple[int, int], Tensor]:
+    def virtual_prompt(self, carried: object, positions: Tensor, end: int, held: int) -> None:
+        """Inside a head view: the head's carried inputs, and its virtual prompt's positions, end and held count
+        (what `scored_positions`, `scored_length` and `scored_held_tokens` answer)."""
+        self.take_over(carried)
+        self.scored_pos, self.scored_end, self.scored_held = positions.view(1, 1, -1), end, held
+
+    def chunk_pairs(self, heads: dict, end: int, chunk: int) -> dict[tuple[int, int], Tensor]:
         """The (head, token) pairs kept out of every head's virtual prompt: (b, h) -> sorted indices."""
         sizes = {len(p) for p, *_ in heads.values()}
         target = self.prompt_target()
@@ -266,8 +272,7 @@ class PooledCache(KVCache):
         scores = torch.full((B, H, longest), float("-inf"), device=self.pos.device)  # −inf: past a head's prompt
         for (b, h), (positions, keys, _, queries, carried) in heads.items():
             with self.head_view(b, h):
-                self.take_over(carried)
-                self.scored_pos, self.scored_end = positions.view(1, 1, -1), end
+                self.virtual_prompt(carried, positions, end, len(positions) - chunk)
                 got = rule.prompt_scores(self, keys[None, None], queries[None])
             if got is None or got.shape[1] != 1:
                 raise UserError(f"--budget_allocation adakv needs head-specific prompt scores; prompt compression "

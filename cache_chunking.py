@@ -30,10 +30,11 @@ class ChunkedPrefill:
     # Why this strategy cannot compress a prompt chunk by chunk (None: it can; cache_spec refuses the flag).
     chunked_prefill_refusal: ClassVar[str | None] = None
     # During a chunked prefill: the held tokens' queries (prefill_chunk_tokens), and the true positions of
-    # the virtual prompt a re-prefill scores (scored_positions).
+    # the virtual prompt a re-prefill scores (scored_positions), its end and its held tokens' count.
     chunk_queries: Tensor | None = None
     scored_pos: Tensor | None = None
     scored_end: int | None = None
+    scored_held: int = 0
 
     def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None,
                              rope: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
@@ -80,11 +81,11 @@ class ChunkedPrefill:
         carried = self.carry_over(n)
         self.reset()
         self.take_over(carried)
-        self.scored_pos, self.scored_end = positions, int(input_pos[-1]) + 1
+        self.scored_pos, self.scored_end, self.scored_held = positions, int(input_pos[-1]) + 1, n
         try:
             self.prefill(positions, keys, values, queries, stored)
         finally:
-            self.scored_pos, self.scored_end = None, None
+            self.scored_pos, self.scored_end, self.scored_held = None, None, 0
         self.inserted.copy_(seen)
         self.keep_chunk_queries(queries, positions)
 
@@ -136,6 +137,16 @@ class ChunkedPrefill:
         if self.scored_pos is not None and self.scored_pos.shape[-1] == k.shape[2]:
             return self.scored_pos
         return torch.arange(k.shape[2], device=k.device).view(1, 1, -1).expand(k.shape[0], 1, -1)
+
+    def scored_held_tokens(self, k: Tensor) -> int:
+        """How many of the prompt tokens being scored are held tokens ahead of a chunk (0 for a prefill): a
+        re-prefill's first n entries, whose queries attended in earlier chunks. A strategy whose statistics
+        accumulate over the prompt's queries (H2O's attention sums) carries the held tokens' sums over
+        (`carry_over` / `take_over`) and adds what the chunk's queries, entries n.., give them; one whose
+        statistics are those of the latest queries (SnapKV's window, TOVA's last query) recomputes them."""
+        if self.scored_pos is not None and self.scored_pos.shape[-1] == k.shape[2]:
+            return self.scored_held
+        return 0
 
     def scored_length(self, k: Tensor) -> int:
         """The position after the last prompt token scored (the prompt's length for a prefill). A Python int
