@@ -37,13 +37,14 @@ slots of one head and its residual flushes per head, which a pool of mixed heads
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from cache import KVCache, row_positions
+from cache_chunking import Rerotation
 from errors import UserError
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES, get_strategy
@@ -217,13 +218,12 @@ class PooledCache(KVCache):
             for key, value in saved.items():
                 setattr(self, key, value)
 
-    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None,
-                  rope: Callable[[Tensor, Tensor], Tensor] | None) -> None:
+    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, rerotation: Rerotation | None) -> None:
         """Ada-KV after a chunk: head h's virtual prompt is the tokens it holds (its own count) followed by the
         chunk; its rule scores it alone (a head view), and the layer's n_kv·target slots go to the best
         (head, token) pairs over all heads, protected tokens and the per-head floor as at a prefill
         (`adaptive_prompt_tokens`); then every head's `after_prefill` runs over its own virtual prompt."""
-        if k_store is not None:
+        if rerotation is not None:
             raise ValueError("a pooled cache does not store keys for re-rotation")
         B, H, T, D = k.shape
         end, rep = int(input_pos[-1]) + 1, q.shape[1] // H

@@ -15,10 +15,21 @@ one token is a decode step. Strategies whose prefill cannot take a virtual promp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Rerotation:
+    """A chunk's keys and queries before RoPE and `rope(x, ranks)`, which rotates x [B, heads, N, D] at ranks
+    [1 or B, 1 or heads, N] (--rerotate_positions: model.Attention.forward_chunk passes them)."""
+
+    k_plain: Tensor
+    q_plain: Tensor
+    rope: Callable[[Tensor, Tensor], Tensor]
 
 
 class ChunkedPrefill:
@@ -36,31 +47,33 @@ class ChunkedPrefill:
     scored_end: int | None = None
     scored_held: int = 0
 
-    def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None,
-                             rope: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+    def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor,
+                             rerotation: Rerotation | None = None) -> None:
         """One chunk of a prompt fed `prefill_chunk` tokens at a time (input_pos [T] true positions; k, v, q
         as `prefill`). The first chunk is a prefill. Every later one re-prefills the layer with a virtual
         prompt: the tokens it holds (their K, V, queries and true positions, in position order) followed by
         the chunk, so the strategy's own prompt rule and `after_prefill` choose what stays and set its
         per-slot state, exactly as if that virtual prompt had been the whole prompt. Memory is the budget
-        plus one chunk (and the held tokens' queries until `end_chunked_prefill`). `rope(keys, pos)` rotates
-        stored keys at their positions when they are stored before RoPE (--rerotate_positions), for scoring."""
+        plus one chunk (and the held tokens' queries until `end_chunked_prefill`). With `rerotation`
+        (--rerotate_positions) keys and queries are kept before RoPE and the virtual prompt is rotated at its
+        ranks 0..n+T−1, so no position past the budget plus a chunk reaches RoPE (the prompt may exceed the
+        model's context)."""
         if self.chunk_queries is None:
-            self.prefill(input_pos, k, v, q, k_store)
+            self.prefill(input_pos, k, v, q, None if rerotation is None else rerotation.k_plain)
+            kept = q if rerotation is None else rerotation.q_plain
             for cache in self.modules():
                 if isinstance(cache, ChunkedPrefill):
-                    cache.keep_chunk_queries(q, input_pos.view(1, 1, -1).expand(k.shape[0], cache.pos.shape[1], -1))
+                    cache.keep_chunk_queries(kept, input_pos.view(1, 1, -1).expand(k.shape[0], cache.pos.shape[1], -1))
             return
         shadows = [c for c in self.children() if isinstance(c, ChunkedPrefill)]
         for shadow in shadows:  # a debug cache's shadow compresses as it would alone
-            shadow.prefill_chunk_tokens(input_pos, k, v, q, k_store, rope)
+            shadow.prefill_chunk_tokens(input_pos, k, v, q, rerotation)
         if shadows or self.name == "full":  # never compresses: the chunk goes into the next empty slots
-            self.write_chunk(input_pos, k if k_store is None else k_store, v)
+            self.write_chunk(input_pos, k if rerotation is None else rerotation.k_plain, v)
             return
-        self.reprefill(input_pos, k, v, q, k_store, rope)
+        self.reprefill(input_pos, k, v, q, rerotation)
 
-    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None,
-                  rope: Callable[[Tensor, Tensor], Tensor] | None) -> None:
+    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, rerotation: Rerotation | None) -> None:
         """`prefill` over the held tokens (slots 0..n−1, in position order: every prefill writes them so)
         followed by the chunk; `inserted` then counts every token seen."""
         B, _, T, _ = k.shape
@@ -71,12 +84,16 @@ class ChunkedPrefill:
         P = self.pos.shape[1]
         held_pos = self.pos[:, :, :n]
         stored_k, held_v = self.keys()[:, :, :n], self.values()[:, :, :n]
-        scored_k = stored_k if rope is None or k_store is None else rope(stored_k, held_pos)
         # The virtual prompt, copied out of the buffers before the reset clears them.
         positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, P, T)], dim=2)
-        queries = torch.cat([self.chunk_queries, q], dim=2)
-        keys, values = torch.cat([scored_k, k], 2), torch.cat([held_v, v], 2)
-        stored = None if k_store is None else torch.cat([stored_k, k_store], 2)
+        values = torch.cat([held_v, v], 2)
+        if rerotation is None:
+            keys, queries, stored, kept = torch.cat([stored_k, k], 2), torch.cat([self.chunk_queries, q], 2), None, None
+        else:  # before RoPE: scored at the ranks 0..n+T−1 of the virtual prompt, kept unrotated
+            stored = torch.cat([stored_k, rerotation.k_plain], 2)
+            kept = torch.cat([self.chunk_queries, rerotation.q_plain], 2)
+            ranks = torch.arange(n + T, device=k.device).view(1, 1, -1)
+            keys, queries = rerotation.rope(stored, ranks), rerotation.rope(kept, ranks)
         seen = self.inserted + T
         carried = self.carry_over(n)
         self.reset()
@@ -87,7 +104,7 @@ class ChunkedPrefill:
         finally:
             self.scored_pos, self.scored_end, self.scored_held = None, None, 0
         self.inserted.copy_(seen)
-        self.keep_chunk_queries(queries, positions)
+        self.keep_chunk_queries(queries if kept is None else kept, positions)
 
     def keep_chunk_queries(self, q: Tensor, positions: Tensor) -> None:
         """The queries of the tokens this cache now holds (found by position in `positions` [B, pos_heads, T],

@@ -9,8 +9,8 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
   chunk, and for a one-layer model the logits after the prompt (the last chunk attending over the held
   tokens and itself);
 - batching (rows each prefilled in their row context equal each row alone), the kvpress protocol (the
-  context chunked, the question appended), re-rotated positions (kept positions unchanged; decoding past
-  the context), compiled decoding afterwards, and bad input (one error: line, exit 2).
+  context chunked, the question appended), compiled decoding afterwards, and bad input (one error: line,
+  exit 2). Re-rotated positions: test_chunked_rerotation.py; head-adaptive budgets: test_chunked_adakv.py.
 """
 
 from __future__ import annotations
@@ -301,21 +301,6 @@ def test_kvpress_protocol_chunked_context_then_the_question_appended(strategy):
     chunked, held = run("6")
     assert torch.isfinite(chunked).all()
     assert all(set(range(20, PROMPT)) <= h for layer in held for h in layer)  # the question, whole
-
-
-@pytest.mark.parametrize("strategy", ["heavy_hitter", "recent_global", "tova", "l2"])
-def test_rerotated_positions_keep_the_same_tokens_and_decode_past_the_context(strategy):
-    """Scoring sees keys at their true positions with or without --rerotate_positions (stored before RoPE,
-    rotated back for scoring), so the kept positions are the same; decoding then runs past a context of 32."""
-    model = make_tiny_model(context_length=32)
-    ids = token_ids()
-    attach(model, cache_args(strategy, BUDGET, "dense", "--prefill_chunk", "7"))
-    plain = run_prompt(model, ids, 7, steps=0)
-    attach(model, cache_args(strategy, BUDGET, "dense", "--prefill_chunk", "7", "--rerotate_positions"))
-    rotated = run_prompt(model, ids, 7, steps=NEW)
-    assert rotated[2] == plain[2]
-    torch.testing.assert_close(rotated[0][0], plain[0][0], atol=ATOL, rtol=0)  # the prompt's own attention
-    assert torch.isfinite(rotated[0]).all()  # positions 24..39: past the context
 
 
 @pytest.mark.slow
