@@ -2,14 +2,24 @@
 tokens at a time, as a mixin of `cache.KVCache`.
 
 The prompt goes through the model N tokens at a time. The first chunk is a prefill; for each later one the
-chunk's queries attend over the held tokens and the chunk (causally, at true positions:
-`model.Attention.forward_chunk`), then the layer is re-prefilled with a virtual prompt, the held tokens (K,
-V, their queries, true positions) followed by the chunk, so its own prompt rule keeps at most the budget and
-its `after_prefill` recomputes its per-slot state over that virtual prompt (attention statistics come from
-the held tokens' and the chunk's queries: those of evicted tokens are gone). The prompt rule, not the decode
-rule, because it is the rule each strategy defines for choosing among many new tokens at once; a chunk of
-one token is a decode step. Strategies whose prefill cannot take a virtual prompt declare
-`chunked_prefill_refusal` (FastGen's hybrid).
+chunk's queries attend over the held tokens and the chunk (causally: `model.Attention.forward_chunk`), then
+the layer is re-prefilled with a virtual prompt, the held tokens (K, V, their queries, true positions)
+followed by the chunk, so its own prompt rule keeps at most the budget and its `after_prefill` sets its
+per-slot state over that virtual prompt. The prompt rule, not the decode rule, because it is the rule each
+strategy defines for choosing among many new tokens at once; a chunk of one token is a decode step.
+
+- Positions: rules read them through `scored_positions` / `scored_length`, never the index.
+- Statistics: by default recomputed over the virtual prompt's queries (the held tokens' and the chunk's;
+  those of evicted tokens are gone), which is the method for statistics of the latest queries (SnapKV's
+  window, TOVA's last query). Statistics that accumulate over every query (H2O's sums) carry the held
+  tokens' values over (`carry_over` / `take_over`) and add what the chunk's queries give, the entries from
+  `scored_held_tokens` on; LagKV keeps a partition's score once scored.
+- Head-adaptive budgets (budget_allocation.PooledCache) override `reprefill`: each head's own held tokens
+  + the chunk, the pool shared over all heads' pairs.
+- Re-rotation (`Rerotation`): keys and queries are kept before RoPE and the virtual prompt is rotated at its
+  ranks, so the prompt may run past the model's context at a fixed budget.
+- Strategies whose prefill cannot take a virtual prompt declare `chunked_prefill_refusal` (FastGen's
+  hybrid profiles the whole prompt; KVzip scores it with a reconstruction pass).
 """
 
 from __future__ import annotations
