@@ -471,11 +471,15 @@ class Transformer(nn.Module):
                 # Its ranks would index past the RoPE tables (cache_setup.check_budgets says so to users, earlier).
                 raise ValueError(f"layer {i}: a re-rotating cache of {cache.max_cache_length} tokens exceeds the "
                                  f"model's context of {self.args.context_length}")
-            if cache.rerotate_positions and cache.max_cache_length + cache.prefill_chunk > self.args.context_length:
-                # A chunk's queries sit at ranks up to the held tokens + the chunk (forward_chunk).
-                raise ValueError(f"layer {i}: a re-rotating cache of {cache.max_cache_length} tokens with chunks of "
-                                 f"{cache.prefill_chunk} puts ranks past the model's context of "
-                                 f"{self.args.context_length}")
+            # A chunk's queries sit at ranks up to the held tokens + the chunk (forward_chunk) in a cache that
+            # compresses (a debug_ twin's shadow; its full reference holds ranks = positions, checked above).
+            for c in (m for m in cache.modules() if isinstance(m, KVCache) and m.name != "full"):
+                if any(isinstance(x, KVCache) for x in c.children()) or not c.rerotate_positions:
+                    continue
+                if c.max_cache_length + c.prefill_chunk > self.args.context_length:
+                    raise ValueError(f"layer {i}: a re-rotating cache of {c.max_cache_length} tokens with chunks of "
+                                     f"{c.prefill_chunk} puts ranks past the model's context of "
+                                     f"{self.args.context_length}")
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = cache
 

@@ -145,3 +145,30 @@ def test_a_chunk_whose_ranks_would_pass_the_context_is_refused():
         rotated_caches(model, "recent_global", 28, "--prefill_chunk", "8")
     with pytest.raises(UserError):
         rotated_caches(model, "recent_global", 40)  # a budget past the context (cache_setup.check_budgets)
+
+
+WHOLE = [s for s in CHUNKABLE if s not in FITS]  # hold the whole sequence: it must fit the context
+
+
+@pytest.mark.parametrize("strategy", WHOLE)
+def test_caches_holding_the_whole_sequence_take_rerotated_chunks_within_the_context(strategy):
+    """debug_ twins (the shadow compresses at ranks, the full reference holds every token at its position) and
+    the full cache: a 24-token prompt in chunks of 7 within a context of 32; the first chunk is the prefill."""
+    model = make_tiny_model(context_length=CONTEXT)
+    ids = long_ids()
+    args = cache_config(["--cache_strategy", strategy, "--max_cache_length", "10", "--global_tokens", str(GLOBAL),
+                         "--recent_window", str(RECENT), "--rerotate_positions", "--prefill_chunk", "7",
+                         *MATRIX_FLAGS.get(strategy.removeprefix("debug_"), [])])
+    if model.layers[0].attention.gate is None:
+        attach_random_gates(model, seed=0)
+    attach_caches(model, args, 24, NEW, classes=TOKEN_CLASSES)
+    with torch.inference_mode():
+        model.reset_caches()
+        out = [prefill(model, ids[:, :24])]
+        for p in range(24, 24 + NEW):
+            out.append(decode_one_token(model, out[-1].argmax(-1, keepdim=True), torch.tensor([p])))
+    assert torch.isfinite(torch.stack(out)).all()
+    for cache in model.caches():
+        shadow = getattr(cache, "shadow", None)
+        if shadow is not None and shadow.name != "full":
+            assert int(shadow.held_tokens().max()) <= 10 and int(shadow.inserted.min()) == 24 + NEW
