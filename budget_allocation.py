@@ -37,11 +37,14 @@ slots of one head and its residual flushes per head, which a pool of mixed heads
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from cache import KVCache, row_positions
+from cache_chunking import Rerotation
 from errors import UserError
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES, get_strategy
@@ -168,6 +171,138 @@ class PooledCache(KVCache):
         self.filled += (self.filled < self.quota).long()
         self.after_insert(slot, input_pos, k)
         return self.keys(), self.values(), self.mask
+
+
+    # ---- chunked prefill (--prefill_chunk): each head's own held tokens + the chunk ------------------------
+
+    def keep_chunk_queries(self, q: Tensor, positions: Tensor) -> None:
+        """The queries of the token each pool slot holds, those of its owner head's group: [B, rep, P, D],
+        the bytes of the uniform cache's held queries (positions [B, n_kv, T], sorted, as in the base)."""
+        B, n_head, T, D = q.shape
+        H, P = self.n_kv_heads, self.pool_slots
+        rep = n_head // H
+        index = torch.searchsorted(positions.contiguous(), self.pos.clamp(min=0).contiguous()).clamp(max=T - 1)
+        owner = self.owned().long().argmax(dim=1)  # [B, P]: the head owning each slot (Σ quota = P: all owned)
+        grouped = q.reshape(B, H, rep, T, D)
+        rows = owner[:, None, :].expand(B, rep, P) * rep + torch.arange(rep, device=q.device)[None, :, None]
+        token = index.gather(1, owner[:, None, :])[:, 0]  # [B, P]: the slot's token, in its owner's row
+        flat = grouped.reshape(B, H * rep, T, D)
+        self.chunk_queries = flat[torch.arange(B, device=q.device)[:, None, None], rows, token[:, None, :]]
+
+    @contextmanager
+    def head_view(self, b: int, h: int, slots: slice | None = None) -> Iterator[PooledCache]:
+        """Inside it the cache is row b's head h alone (n_kv = 1): every [B, n_kv, ...] buffer and tensor
+        attribute is viewed at [b, h] (in-place writes land in the pool's buffers), and with `slots` the
+        per-slot buffers (pos, mask, the strategy's slot buffers) at the head's slots, so hooks that read
+        slots 0..n−1 (`carry_over`) read the head's held tokens. Attributes set inside are undone on exit."""
+        B, H = self.inserted.shape
+        per_slot = {"pos", "mask", *self.slot_buffers}
+        swapped, saved = [], {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        for name, buf in list(self._buffers.items()):
+            if buf is None or buf.dim() < 2 or buf.shape[:2] != (B, H) or name in self.row_shared_buffers:
+                continue
+            view = buf[b : b + 1, h : h + 1]
+            self._buffers[name] = view[..., slots] if slots is not None and name in per_slot else view
+            swapped.append((name, buf))
+        for key, value in saved.items():
+            if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (B, H):
+                setattr(self, key, value[b : b + 1, h : h + 1])
+        self.n_kv_heads = 1
+        try:
+            yield self
+        finally:
+            for name, buf in swapped:
+                self._buffers[name] = buf
+            for key in [key for key in vars(self) if not key.startswith("_") and key not in saved]:
+                delattr(self, key)
+            for key, value in saved.items():
+                setattr(self, key, value)
+
+    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, rerotation: Rerotation | None) -> None:
+        """Ada-KV after a chunk: head h's virtual prompt is the tokens it holds (its own count) followed by the
+        chunk; its rule scores it alone (a head view), and the layer's n_kv·target slots go to the best
+        (head, token) pairs over all heads, protected tokens and the per-head floor as at a prefill
+        (`adaptive_prompt_tokens`); then every head's `after_prefill` runs over its own virtual prompt."""
+        if rerotation is not None:
+            raise ValueError("a pooled cache does not store keys for re-rotation")
+        B, H, T, D = k.shape
+        end, rep = int(input_pos[-1]) + 1, q.shape[1] // H
+        counts, offsets = self.filled.tolist(), self.offset.tolist()
+        pool_k, pool_v = self.keys()[:, 0], self.values()[:, 0]  # [B, P, D]
+        heads = {}  # (b, h) -> positions [N], keys [N, D], values [N, D], queries [rep, N, D], carried inputs
+        for b in range(B):
+            for h in range(H):
+                held = slice(offsets[b][h], offsets[b][h] + counts[b][h])
+                with self.head_view(b, h, held):
+                    carried = self.carry_over(counts[b][h])
+                cat = lambda held_part, chunk_part, dim=0: torch.cat([held_part, chunk_part], dim)  # noqa: E731
+                heads[b, h] = (cat(self.pos[b, h, held], input_pos), cat(pool_k[b, held], k[b, h]),
+                               cat(pool_v[b, held], v[b, h]),
+                               cat(self.chunk_queries[b, :, held], q[b, h * rep : (h + 1) * rep], 1), carried)
+        seen = self.inserted + T
+        self.reset()
+        keep = self.chunk_pairs(heads, end, T)  # (b, h) -> sorted indices into its virtual prompt
+        self.write_pairs(heads, keep, seen)
+        chunk = T
+        for (b, h), (positions, keys, _, queries, carried) in heads.items():
+            slot_token = torch.zeros(self.pool_slots, dtype=torch.long, device=k.device)
+            start = int(self.offset[b, h])
+            slot_token[start : start + len(keep[b, h])] = keep[b, h]
+            with self.head_view(b, h):
+                self.virtual_prompt(carried, positions, end, len(positions) - chunk)
+                self.after_prefill(slot_token.view(1, 1, -1), positions.view(1, 1, -1), keys[None, None],
+                                   queries[None])
+
+    def virtual_prompt(self, carried: object, positions: Tensor, end: int, held: int) -> None:
+        """Inside a head view: the head's carried inputs, and its virtual prompt's positions, end and held count
+        (what `scored_positions`, `scored_length` and `scored_held_tokens` answer)."""
+        self.take_over(carried)
+        self.scored_pos, self.scored_end, self.scored_held = positions.view(1, 1, -1), end, held
+
+    def chunk_pairs(self, heads: dict, end: int, chunk: int) -> dict[tuple[int, int], Tensor]:
+        """The (head, token) pairs kept out of every head's virtual prompt: (b, h) -> sorted indices."""
+        sizes = {len(p) for p, *_ in heads.values()}
+        target = self.prompt_target()
+        if len(sizes) == 1 and sizes.pop() <= target:  # every head holds the whole prompt so far, and it fits
+            return {key: torch.arange(len(p), device=p.device) for key, (p, *_) in heads.items()}
+        rule = self.prompt_compressor
+        window = rule.prompt_protected_window(self)
+        B, H = self.inserted.shape
+        longest = max(len(p) for p, *_ in heads.values())
+        scores = torch.full((B, H, longest), float("-inf"), device=self.pos.device)  # −inf: past a head's prompt
+        for (b, h), (positions, keys, _, queries, carried) in heads.items():
+            with self.head_view(b, h):
+                self.virtual_prompt(carried, positions, end, len(positions) - chunk)
+                got = rule.prompt_scores(self, keys[None, None], queries[None])
+            if got is None or got.shape[1] != 1:
+                raise UserError(f"--budget_allocation adakv needs head-specific prompt scores; prompt compression "
+                                f"'{rule.name}' gives none")
+            protected = (positions < self.global_tokens) | (positions >= end - window)
+            scores[b, h, : len(positions)] = got[0, 0].float().masked_fill(protected, float("inf"))
+        chosen = adaptive_prompt_tokens(scores, 0, 0, target, int(self.floor_fraction * target))
+        return {(b, h): chosen[b, h, : len(p)].nonzero()[:, 0] for (b, h), (p, *_) in heads.items()}
+
+    def write_pairs(self, heads: dict, keep: dict, seen: Tensor) -> None:
+        """The kept pairs into the pool, head h from its new offset, in position order; quotas as at a
+        prefill: what each head keeps plus an equal share of the slots left for what follows the prompt."""
+        B, H = self.inserted.shape
+        counts = torch.tensor([[len(keep[b, h]) for h in range(H)] for b in range(B)], device=self.pos.device)
+        self.quota.copy_(counts + self.max_cache_length - counts.sum(-1, keepdim=True) // H)
+        self.offset.copy_(self.quota.cumsum(-1) - self.quota)
+        rep, D = heads[0, 0][3].shape[0], heads[0, 0][3].shape[-1]
+        queries = heads[0, 0][3].new_zeros(B, rep, self.pool_slots, D)
+        for (b, h), (positions, keys, values, head_queries, _) in heads.items():
+            index = keep[b, h]
+            start = int(self.offset[b, h])
+            slots = torch.arange(start, start + len(index), device=index.device)
+            with self.row(b):
+                self.storage.write(slots.view(1, 1, -1), keys[index][None, None], values[index][None, None])
+            self.pos[b, h, slots] = positions[index]
+            self.mask[b, h, 0, slots] = True
+            queries[b, :, slots] = head_queries[:, index]
+        self.filled.copy_(counts)
+        self.inserted.copy_(seen)
+        self.chunk_queries = queries
 
 
 def adakv_strategy(inner: type[KVCache]) -> type[KVCache]:

@@ -30,15 +30,7 @@ seed: cache_spec.py) and declares its own (`settings`, each a `Setting`: flag, d
 Slots are chosen with tensor ops only (the next empty slot, else the argmin score), so the decode step
 has no host syncs or data-dependent shapes.
 
-Chunked prefill (`--prefill_chunk N`, `prefill_chunk_tokens`): the prompt goes through the model N tokens
-at a time. The first chunk is a prefill; for each later one the chunk's queries attend over the held tokens
-and the chunk (causally, at true positions), then the layer is re-prefilled with a virtual prompt, the held
-tokens (K, V, their queries, true positions) followed by the chunk, so its own prompt rule keeps at most the
-budget and its `after_prefill` recomputes its per-slot state over that virtual prompt (attention statistics
-come from the held tokens' and the chunk's queries: those of evicted tokens are gone). The prompt rule, not
-the decode rule, because it is the rule each strategy defines for choosing among many new tokens at once;
-a chunk of one token is a decode step. Strategies whose prefill cannot take a virtual prompt declare
-`chunked_prefill_refusal` (FastGen's hybrid).
+Chunked prefill (`--prefill_chunk N`) is the `ChunkedPrefill` mixin of cache_chunking.py.
 """
 
 from __future__ import annotations
@@ -53,6 +45,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from cache_chunking import ChunkedPrefill
 from errors import UserError
 from kv_storage import DENSE, Storage, StorageSpec, make_storage
 from prompt_compression import compress_prompt
@@ -119,7 +112,7 @@ class Setting:
             raise UserError(f"--{self.name} must be {'>' if self.low_open else '≥'} {self.low:g}, got {value:g}")
 
 
-class KVCache(nn.Module):
+class KVCache(ChunkedPrefill, nn.Module):
     name: ClassVar[str] = ""
     registered: ClassVar[bool] = False  # set by @register_strategy
     # Names of the shared cache_spec flags this strategy reads (global_tokens, recent_window, seed); its own
@@ -267,117 +260,6 @@ class KVCache(nn.Module):
         self.filled.fill_(n)
         self.after_prefill(keep, input_pos, k, q)
 
-    # ---- chunked prefill (--prefill_chunk; docs in the section's first method) ------------------------------
-
-    def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None,
-                             rope: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
-        """One chunk of a prompt fed `prefill_chunk` tokens at a time (input_pos [T] true positions; k, v, q
-        as `prefill`). The first chunk is a prefill. Every later one re-prefills the layer with a virtual
-        prompt: the tokens it holds (their K, V, queries and true positions, in position order) followed by
-        the chunk, so the strategy's own prompt rule and `after_prefill` choose what stays and set its
-        per-slot state, exactly as if that virtual prompt had been the whole prompt. Memory is the budget
-        plus one chunk (and the held tokens' queries until `end_chunked_prefill`). `rope(keys, pos)` rotates
-        stored keys at their positions when they are stored before RoPE (--rerotate_positions), for scoring."""
-        if self.chunk_queries is None:
-            self.prefill(input_pos, k, v, q, k_store)
-            for cache in self.modules():
-                if isinstance(cache, KVCache):
-                    cache.keep_chunk_queries(q, input_pos.view(1, 1, -1).expand(k.shape[0], cache.pos.shape[1], -1))
-            return
-        shadows = [c for c in self.children() if isinstance(c, KVCache)]
-        for shadow in shadows:  # a debug cache's shadow compresses as it would alone
-            shadow.prefill_chunk_tokens(input_pos, k, v, q, k_store, rope)
-        if shadows or self.name == "full":  # never compresses: the chunk goes into the next empty slots
-            self.write_chunk(input_pos, k if k_store is None else k_store, v)
-            return
-        self.reprefill(input_pos, k, v, q, k_store, rope)
-
-    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None,
-                  rope: Callable[[Tensor, Tensor], Tensor] | None) -> None:
-        """`prefill` over the held tokens (slots 0..n−1, in position order: every prefill writes them so)
-        followed by the chunk; `inserted` then counts every token seen."""
-        B, _, T, _ = k.shape
-        n = int(self.filled.max())
-        if int(self.filled.min()) != n or int(self.held_tokens().min()) != n:
-            raise ValueError(f"a chunked prefill needs every head of the {self.name} cache to hold the same tokens "
-                             "count after a chunk")
-        P = self.pos.shape[1]
-        held_pos = self.pos[:, :, :n]
-        stored_k, held_v = self.keys()[:, :, :n], self.values()[:, :, :n]
-        scored_k = stored_k if rope is None or k_store is None else rope(stored_k, held_pos)
-        # The virtual prompt, copied out of the buffers before the reset clears them.
-        positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, P, T)], dim=2)
-        queries = torch.cat([self.chunk_queries, q], dim=2)
-        keys, values = torch.cat([scored_k, k], 2), torch.cat([held_v, v], 2)
-        stored = None if k_store is None else torch.cat([stored_k, k_store], 2)
-        seen = self.inserted + T
-        carried = self.carry_over(n)
-        self.reset()
-        self.take_over(carried)
-        self.scored_pos, self.scored_end = positions, int(input_pos[-1]) + 1
-        try:
-            self.prefill(positions, keys, values, queries, stored)
-        finally:
-            self.scored_pos, self.scored_end = None, None
-        self.inserted.copy_(seen)
-        self.keep_chunk_queries(queries, positions)
-
-    def keep_chunk_queries(self, q: Tensor, positions: Tensor) -> None:
-        """The queries of the tokens this cache now holds (found by position in `positions` [B, pos_heads, T],
-        sorted), for the next chunk's virtual prompt: [B, n_head, n, D]. A cache with a shadow (debug_) keeps
-        none: its own part never compresses."""
-        if any(isinstance(c, KVCache) for c in self.children()):
-            self.chunk_queries = q[:, :, :0]
-            return
-        B, H, T, D = q.shape
-        n = int(self.filled.max())
-        index = torch.searchsorted(positions.contiguous(), self.pos[:, :, :n].contiguous())  # [B, pos_heads, n]
-        grouped = q.reshape(B, self.n_kv_heads, H // self.n_kv_heads, T, D)
-        index = index[:, :, None, :, None].expand(B, self.n_kv_heads, H // self.n_kv_heads, n, D)
-        self.chunk_queries = grouped.gather(3, index).reshape(B, H, n, D)
-
-    def end_chunked_prefill(self) -> None:
-        """The prompt is in: drop the held tokens' queries (decoding never reads them)."""
-        for cache in self.modules():
-            if isinstance(cache, KVCache):
-                cache.chunk_queries = None
-
-    def write_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """The chunk into the next empty slots, nothing evicted (a cache that never compresses)."""
-        B, H, T, _ = k.shape
-        start = int(self.filled.max())
-        if start + T > self.pos.shape[-1]:
-            raise ValueError(f"a {self.name} cache of {self.pos.shape[-1]} slots has no room for a chunk of {T}")
-        slots = torch.arange(start, start + T, device=k.device).view(1, 1, T).expand(B, H, T)
-        self.storage.write(slots, k, v)
-        self.pos[:, :, start : start + T] = input_pos
-        self.mask[:, :, 0, start : start + T] = True
-        self.inserted += T
-        self.filled += T
-
-    def carry_over(self, n: int) -> object:
-        """Hook: per-token inputs of the n held tokens a re-prefill needs besides K/V/queries (read before the
-        cache is reset); `take_over` gets them back after the reset."""
-        return None
-
-    def take_over(self, carried: object) -> None:
-        """Hook: see `carry_over`."""
-
-    def scored_positions(self, k: Tensor) -> Tensor:
-        """True positions of the prompt tokens being scored, [B, 1 or pos_heads, T]: 0..T−1 for a prefill,
-        the held tokens' and the chunk's during a chunked prefill's re-prefill (prompt rules that read
-        positions use this, not the index)."""
-        if self.scored_pos is not None and self.scored_pos.shape[-1] == k.shape[2]:
-            return self.scored_pos
-        return torch.arange(k.shape[2], device=k.device).view(1, 1, -1).expand(k.shape[0], 1, -1)
-
-    def scored_length(self, k: Tensor) -> int:
-        """The position after the last prompt token scored (the prompt's length for a prefill). A Python int
-        known without reading a tensor: the one-shot prefill stays free of host syncs (and runs on meta)."""
-        if self.scored_pos is not None and self.scored_pos.shape[-1] == k.shape[2]:
-            return self.scored_end
-        return k.shape[2]
-
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]); return (keys, values,
         mask) to attend over."""
@@ -474,15 +356,6 @@ class KVCache(nn.Module):
     # Keys are stored before RoPE and the layer rotates them by rank at each step (--rerotate_positions,
     # rerotation.py): the cache itself only stores what it is given.
     rerotate_positions: bool = False
-    # --prefill_chunk (cache_spec): the prompt goes through the model this many tokens at a time (0: at once).
-    prefill_chunk: int = 0
-    # Why this strategy cannot compress a prompt chunk by chunk (None: it can; cache_spec refuses the flag).
-    chunked_prefill_refusal: ClassVar[str | None] = None
-    # During a chunked prefill: the held tokens' queries (prefill_chunk_tokens), and the true positions of
-    # the virtual prompt a re-prefill scores (scored_positions).
-    chunk_queries: Tensor | None = None
-    scored_pos: Tensor | None = None
-    scored_end: int | None = None
 
     def configure(self, **settings: object) -> None:
         """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cache import KVCache
+from cache_chunking import Rerotation
 from errors import UserError
 from rerotation import query_ranks, slot_ranks
 
@@ -324,8 +325,10 @@ class Attention(nn.Module):
 
     def forward_chunk(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, input_pos: Tensor) -> Tensor:
         """A prompt chunk (--prefill_chunk, KVCache.prefill_chunk_tokens): the first is a prefill; the queries
-        of a later one attend over the held tokens and the chunk itself, causally, at true positions (as a
-        one-shot prefill's would, minus what was evicted), then the cache compresses held + chunk."""
+        of a later one attend over the held tokens and the chunk itself, causally (as a one-shot prefill's
+        would, minus what was evicted), then the cache compresses held + chunk. RoPE is at true positions, or
+        with re-rotation (rerotation.py) at ranks: the held tokens of each head at 0..n−1 in order of
+        position and the chunk at n..n+T−1, so the prompt may run past the context."""
         B, T, _ = x.shape
         cache = self.kv_cache
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
@@ -333,35 +336,48 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_plain = k
-        q, k = (apply_rope(t, cos_table[input_pos], sin_table[input_pos]) for t in (q, k))
-        if self.q_rescale != 1.0:
-            q = q * self.q_rescale
         if cache.needs_gates:
             cache.observe_gates(self.gate(x))
-        rerotate = cache.rerotate_positions
+        rep = self.n_head // self.n_kv_head
 
-        def rope_at(keys: Tensor, pos: Tensor) -> Tensor:  # stored (pre-RoPE) keys at their true positions
-            at = pos.clamp(min=0)
-            return apply_rope(keys, F.embedding(at, cos_table), F.embedding(at, sin_table))
+        def rope_at(t: Tensor, at: Tensor) -> Tensor:  # t [B, heads, N, D] at positions or ranks [1|B, 1|heads, N]
+            if at.shape[1] not in (1, t.shape[1]):  # per KV head: each query head at its KV head's
+                at = at.repeat_interleave(rep, dim=1)
+            return apply_rope(t, F.embedding(at.clamp(min=0), cos_table), F.embedding(at.clamp(min=0), sin_table))
 
-        if cache.chunk_queries is None:  # the first chunk: a prefill
+        first = cache.chunk_queries is None
+        rerotation = None
+        if cache.rerotate_positions:
+            # The first chunk starts the prompt: its positions are its ranks. A later one follows the n held.
+            at = input_pos.view(1, 1, T)
+            if not first:
+                at = query_ranks(cache.pos, input_pos) + torch.arange(T, device=x.device)
+            q_plain = q * self.q_rescale if self.q_rescale != 1.0 else q
+            rerotation = Rerotation(k, q_plain, rope_at)
+            q, k = rope_at(q, at), rope_at(k, at)
+        else:
+            q, k = (apply_rope(t, cos_table[input_pos], sin_table[input_pos]) for t in (q, k))
+        if self.q_rescale != 1.0:
+            q = q * self.q_rescale
+        if first:  # a prefill
             window = self.sliding_window and T > self.sliding_window
             mask = sliding_causal_mask(T, self.sliding_window, x.device) if window else None
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window, enable_gqa=True)
         else:
-            held = cache.keys()
-            if rerotate:
-                held = rope_at(held, cache.pos)
+            held, held_v = cache.keys(), cache.values()
+            if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
+                held, held_v = (t.expand(B, self.n_kv_head, -1, -1) for t in (held, held_v))
+            if rerotation is not None:
+                held = rope_at(held, slot_ranks(cache.pos))
             pos = torch.cat([cache.pos.expand(B, self.n_kv_head, -1), input_pos.expand(B, self.n_kv_head, T)], -1)
             valid = torch.cat([cache.mask[:, :, 0], pos.new_ones(B, self.n_kv_head, T, dtype=torch.bool)], -1)
             query_pos = input_pos.view(1, 1, T, 1)
             visible = valid[:, :, None, :] & (pos[:, :, None, :] <= query_pos)  # [B, n_kv, T, L + T]
             if self.sliding_window:
                 visible &= query_pos - pos[:, :, None, :] < self.sliding_window
-            visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
-            y, _ = grouped_attention(q, torch.cat([held, k], 2), torch.cat([cache.values(), v], 2), visible)
-        cache.prefill_chunk_tokens(input_pos, k, v, q, k_plain if rerotate else None, rope_at if rerotate else None)
+            visible = visible.repeat(1, 1, rep, 1)
+            y, _ = grouped_attention(q, torch.cat([held, k], 2), torch.cat([held_v, v], 2), visible)
+        cache.prefill_chunk_tokens(input_pos, k, v, q, rerotation)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -455,6 +471,15 @@ class Transformer(nn.Module):
                 # Its ranks would index past the RoPE tables (cache_setup.check_budgets says so to users, earlier).
                 raise ValueError(f"layer {i}: a re-rotating cache of {cache.max_cache_length} tokens exceeds the "
                                  f"model's context of {self.args.context_length}")
+            # A chunk's queries sit at ranks up to the held tokens + the chunk (forward_chunk) in a cache that
+            # compresses (a debug_ twin's shadow; its full reference holds ranks = positions, checked above).
+            for c in (m for m in cache.modules() if isinstance(m, KVCache) and m.name != "full"):
+                if any(isinstance(x, KVCache) for x in c.children()) or not c.rerotate_positions:
+                    continue
+                if c.max_cache_length + c.prefill_chunk > self.args.context_length:
+                    raise ValueError(f"layer {i}: a re-rotating cache of {c.max_cache_length} tokens with chunks of "
+                                     f"{c.prefill_chunk} puts ranks past the model's context of "
+                                     f"{self.args.context_length}")
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.attention.kv_cache = cache
 

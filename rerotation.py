@@ -14,6 +14,10 @@ How it is done here (docs/DESIGN.md §4):
   the number of held tokens before it (its own rank when it is held itself);
 - ranks come from the cache's `pos` (per head for head-specific caches) with one sort per row: fixed
   shapes, no host synchronisation, so the compiled decode step and CUDA graphs work unchanged.
+- a prompt fed in chunks (--prefill_chunk; `model.Attention.forward_chunk`, cache_chunking.py) is at
+  ranks after its first chunk: each head's held tokens at 0..n−1, the chunk at n..n+T−1, for the chunk's
+  attention and for the prompt rule's scoring of the virtual prompt, so the prompt itself may exceed the
+  context (the budget plus a chunk must fit it); --feed_long_prompts does the same one token at a time.
 
 Rotating the stored keys at every step, rather than storing rotated keys and correcting them when a
 token leaves, keeps the cache contract as it is (a slot's K never changes after it is written, so

@@ -24,6 +24,11 @@ Heads that share a pool (--budget_allocation adakv) need scores comparable acros
 own prefill: another cache using `lagkv` as its --prompt_compression_strategy, and a pooled cache
 (--budget_allocation adakv), score the prompt's keys alone. A channel whose reference range is 0 is divided
 by 1e-6. The standard deviation is the sample one (n − 1), as the reference implementation's torch.std.
+
+With --prefill_chunk a re-prefill's virtual prompt (the held tokens + the chunk) is partitioned by true
+position, a partition is scored against the tokens of the next one that are present once that one is
+complete, and a held token keeps the score its partition got in an earlier chunk: a partition is scored
+once, as at decode (its tokens are all present then, unless the unscored tail outgrew the budget).
 """
 
 from __future__ import annotations
@@ -82,6 +87,32 @@ def partition_lag_scores(states: list[Tensor], target: Tensor, ref: Tensor, lag:
     return key.argsort(dim=-1).argsort(dim=-1).float() / lag  # targets sort first: their rank among themselves
 
 
+def virtual_lag_scores(states: list[Tensor], positions: Tensor, end: int, sinks: int, lag: int, ranked: bool,
+                       carried: Tensor | None) -> Tensor:
+    """`prompt_lag_scores` of a virtual prompt whose tokens sit at `positions` [B, 1 or H, N] (sorted, with gaps)
+    out of `end` seen: partitions are cut by position, and partition p is scored against the tokens of p + 1
+    present once p + 1 is complete (rank / lag among p's present tokens). `carried` [B, H, n]: the scores of
+    the first n tokens (held ones) from earlier chunks, −1 where unscored; a scored one keeps its score."""
+    B, H, N, _ = states[0].shape
+    pos = positions.expand(B, H, N)
+    scores = 1 + pos.float() / (end + 1)
+    part = torch.div(pos - sinks, lag, rounding_mode="floor")
+    body = pos >= sinks
+    fresh = torch.ones_like(body)
+    if carried is not None:
+        fresh[:, :, : carried.shape[-1]] = carried < 0
+    for p in range((end - sinks) // lag - 1):  # partitions followed by a complete one
+        target = body & (part == p) & fresh
+        if not bool(target.any()):
+            continue
+        ranks = partition_lag_scores(states, target, body & (part == p + 1), lag, ranked)
+        scores = torch.where(target, ranks, scores)
+    if carried is not None:
+        n = carried.shape[-1]
+        scores[:, :, :n] = torch.where(carried >= 0, carried, scores[:, :, :n])
+    return scores
+
+
 @register_strategy
 class LagKVCache(KVCache):
     name = "lagkv"
@@ -90,10 +121,10 @@ class LagKVCache(KVCache):
     head_specific = True
     # Each slot's rank score once its partition is scored; −1 while it waits in the tail.
     slot_buffers = ("lag_score",)
-    # --prefill_chunk (where the contract has it): partitions are cut by position from a contiguous prompt;
-    # a virtual prompt of held tokens (gaps) would be partitioned by index instead.
-    chunked_prefill_refusal = ("its prompt rule cuts a contiguous prompt into partitions by position; the held "
-                               "tokens of a chunked prefill have gaps")
+    # --prefill_chunk: a re-prefill's virtual prompt (held tokens + the chunk) is partitioned by true position
+    # (`virtual_lag_scores`), and a held token whose partition was scored in an earlier chunk keeps that
+    # score (`carried_lag`): LagKV scores a partition once, when the next one is complete, as at decode.
+    carried_lag: Tensor | None = None
 
     # The scores of the last prompt this cache prefilled, from its keys and values, [B, n_kv, T] (eager; T
     # floats per head, kept until the next prefill or reset): the prompt rule needs the values, which reach
@@ -105,8 +136,25 @@ class LagKVCache(KVCache):
         self.lag = int(self.setting(LAG))
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
-        self.prompt_lag = prompt_lag_scores([k, v], self.global_tokens, self.lag, ranked=not self.pooled)
+        self.prompt_lag = self.lag_scores(self, [k, v])
         super().prefill(input_pos, k, v, q, k_store)
+
+    @staticmethod
+    def lag_scores(cache: KVCache, states: list[Tensor]) -> Tensor:
+        """The prompt rule's scores of `cache`'s prompt (a chunked prefill's virtual prompt: by position)."""
+        lag, ranked = int(cache.setting(LAG)), not cache.pooled
+        held = cache.scored_held_tokens(states[0])
+        if not held:
+            return prompt_lag_scores(states, cache.global_tokens, lag, ranked)
+        carried = getattr(cache, "carried_lag", None)
+        return virtual_lag_scores(states, cache.scored_positions(states[0]), cache.scored_length(states[0]),
+                                  cache.global_tokens, lag, ranked, carried if isinstance(cache, LagKVCache) else None)
+
+    def carry_over(self, n: int) -> object:
+        return self.lag_score[:, :, :n].clone()
+
+    def take_over(self, carried: object) -> None:
+        self.carried_lag = carried
 
     def reset(self) -> None:
         super().reset()
@@ -117,7 +165,7 @@ class LagKVCache(KVCache):
         own = getattr(cache, "prompt_lag", None)
         if own is not None and own.shape == k.shape[:3]:
             return own
-        return prompt_lag_scores([k], cache.global_tokens, int(cache.setting(LAG)), ranked=not cache.pooled)
+        return cls.lag_scores(cache, [k])
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         tail = 1 + self.pos.float() / (row_positions(input_pos).float() + 1)

@@ -9,8 +9,8 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
   chunk, and for a one-layer model the logits after the prompt (the last chunk attending over the held
   tokens and itself);
 - batching (rows each prefilled in their row context equal each row alone), the kvpress protocol (the
-  context chunked, the question appended), re-rotated positions (kept positions unchanged; decoding past
-  the context), compiled decoding afterwards, and bad input (one error: line, exit 2).
+  context chunked, the question appended), compiled decoding afterwards, and bad input (one error: line,
+  exit 2). Re-rotated positions: test_chunked_rerotation.py; head-adaptive budgets: test_chunked_adakv.py.
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def attention_from(q, k, query: int, keys: list[int], h: int) -> torch.Tensor:
     return torch.stack(rows).mean(0)
 
 
-def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list[int]:
-    """The positions a prompt rule keeps out of `cand` (sorted), by its definition."""
+def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tuple[torch.Tensor, int]:
+    """A prompt rule's scores of the positions `cand` (sorted) in KV head h, by its definition, and the number
+    of most recent ones it protects."""
     n = len(cand)
     protected_recent = RECENT
     if rule == "recent_global":
@@ -138,7 +139,7 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
         score = torch.tensor([(p % 2) * 1000.0 + p for p in cand])
     elif rule == "l2":
         score = torch.stack([-k[h, p].norm() for p in cand])
-    elif rule in ("tova", "critical_kv"):
+    elif rule in ("tova", "critical_kv", "critical_kv_attention"):
         score = attention_from(q, k, cand[-1], cand, h)
         if rule == "critical_kv":
             score = score * torch.stack([v[h, p].norm() for p in cand])
@@ -149,6 +150,13 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
             votes[: i + 1] += attention_from(q, k, cand[i], cand[: i + 1], h)
         score = torch.stack([votes[max(0, i - kernel // 2) : i + kernel // 2 + 1].max() for i in range(n)])
         protected_recent = max(RECENT, min(window, budget - GLOBAL))
+    return score, protected_recent
+
+
+def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list[int]:
+    """The positions a prompt rule keeps out of `cand` (sorted), by its definition."""
+    n = len(cand)
+    score, protected_recent = naive_scores(rule, cand, budget, q, k, v, h)
     protected = set(range(GLOBAL)) | set(range(n - protected_recent, n))
     order = sorted(range(n), key=lambda i: (i not in protected, -float(score[i])))
     return sorted(cand[i] for i in order[:budget])
@@ -295,21 +303,6 @@ def test_kvpress_protocol_chunked_context_then_the_question_appended(strategy):
     assert all(set(range(20, PROMPT)) <= h for layer in held for h in layer)  # the question, whole
 
 
-@pytest.mark.parametrize("strategy", ["heavy_hitter", "recent_global", "tova", "l2"])
-def test_rerotated_positions_keep_the_same_tokens_and_decode_past_the_context(strategy):
-    """Scoring sees keys at their true positions with or without --rerotate_positions (stored before RoPE,
-    rotated back for scoring), so the kept positions are the same; decoding then runs past a context of 32."""
-    model = make_tiny_model(context_length=32)
-    ids = token_ids()
-    attach(model, cache_args(strategy, BUDGET, "dense", "--prefill_chunk", "7"))
-    plain = run_prompt(model, ids, 7, steps=0)
-    attach(model, cache_args(strategy, BUDGET, "dense", "--prefill_chunk", "7", "--rerotate_positions"))
-    rotated = run_prompt(model, ids, 7, steps=NEW)
-    assert rotated[2] == plain[2]
-    torch.testing.assert_close(rotated[0][0], plain[0][0], atol=ATOL, rtol=0)  # the prompt's own attention
-    assert torch.isfinite(rotated[0]).all()  # positions 24..39: past the context
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "gated"])
 def test_compiled_decoding_after_a_chunked_prefill_equals_eager(strategy):
@@ -335,7 +328,6 @@ def test_compiled_decoding_after_a_chunked_prefill_equals_eager(strategy):
       for s in CHUNK_REFUSED],
     (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
      "cannot compress a prompt chunk by chunk"),
-    (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"], "adakv"),
 ])
 def test_bad_chunk_flags_are_refused(flags, message):
     with pytest.raises(UserError, match=message):

@@ -1,0 +1,154 @@
+"""Chunked prefill with head-adaptive budgets (--prefill_chunk with --budget_allocation adakv): after every chunk
+each head's virtual prompt is what it holds (its own count) followed by the chunk, scored by the rule per head,
+and the layer's n_kv·L slots go to the best (head, token) pairs over all heads (budget_allocation.PooledCache).
+
+- one chunk (the prompt fits it) equals the one-shot pooled prefill, every poolable chunkable strategy and twin,
+  dense and 4-bit storage: logits (atol 1e-5), greedy tokens and kept positions;
+- several chunks against a naive Ada-KV written here (per-head rule scores from test_chunked_prefill's naive
+  rules, protected tokens, the 0.2·L floor, the top n_kv·L pairs): layer 0's kept positions after every chunk,
+  and a one-layer model's logits after the prompt;
+- every case, several chunks: the pool's invariants after each chunk, decoding afterwards.
+Caches are built without --prefill_chunk and fed by chunked_prefill directly (the flag only tells
+generate.prefill the chunk size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from generate import chunked_prefill, decode_one_token
+from tests.conftest import make_tiny_model
+from tests.strategy_matrix import (
+    ADAKV,
+    ADAKV_STORAGES,
+    CHUNKABLE,
+    GLOBAL,
+    PROMPT,
+    attach,
+    cache_args,
+    held_positions,
+    inner,
+    token_ids,
+)
+from tests.test_chunked_prefill import ATOL, BUDGET, layer0_qkv, naive_scores, run_prompt
+
+CASES = [s for s in ADAKV if s in CHUNKABLE]
+POOLED = ["--budget_allocation", "adakv", "--snapkv_window", "4", "--snapkv_kernel", "1"]
+FLOOR = 0.2
+
+
+def pooled_args(strategy: str, storage: str = "dense"):
+    return cache_args(strategy, BUDGET, storage, *POOLED)
+
+
+@pytest.mark.parametrize("storage", ADAKV_STORAGES)
+@pytest.mark.parametrize("strategy", CASES)
+def test_adakv_one_chunk_equals_the_one_shot_pooled_prefill(strategy, storage):
+    model = make_tiny_model()
+    attach(model, pooled_args(strategy, storage))
+    chunked = run_prompt(model, token_ids(), PROMPT)
+    whole = run_prompt(model, token_ids(), None)
+    torch.testing.assert_close(chunked[0], whole[0], atol=ATOL, rtol=0)
+    assert chunked[1:] == whole[1:]
+
+
+def naive_adaptive_chunks(rule: str, q, k, v, chunk: int, budget: int, heads: int, prompt: int = PROMPT):
+    """Ada-KV chunk by chunk, from its definition: head h's candidates are what it holds + the chunk; when the
+    layer's candidates exceed heads·budget, the protected ones (sinks, the rule's recent window) and each head's
+    floor·budget best stay, and the best pairs over all heads fill heads·budget."""
+    held = [[] for _ in range(heads)]
+    history = []
+    for start in range(0, prompt, chunk):
+        new = list(range(start, min(start + chunk, prompt)))
+        cands = [held[h] + new for h in range(heads)]
+        if len({len(c) for c in cands}) == 1 and len(cands[0]) <= budget:
+            held = cands
+        else:
+            pairs = []  # (priority, score, head, position): priority 1 for protected and floor pairs
+            for h, cand in enumerate(cands):
+                score, recent = naive_scores(rule, cand, budget, q, k, v, h)
+                n = len(cand)
+                protected = {i for i in range(n) if cand[i] < GLOBAL or i >= n - recent}
+                ranked = sorted(range(n), key=lambda i: (i not in protected, -float(score[i])))
+                floor = set(ranked[: int(FLOOR * budget)]) | protected
+                pairs += [(i in floor, float(score[i]), h, cand[i]) for i in range(n)]
+            chosen = sorted(pairs, key=lambda p: (not p[0], -p[1]))[: heads * budget]
+            held = [sorted(p[3] for p in chosen if p[2] == h) for h in range(heads)]
+        history.append([set(x) for x in held])
+    return history
+
+
+ADAKV_RULES = {"tova": "tova", "l2": "l2", "heavy_hitter": "heavy_hitter",
+               # pooled, critical_kv's prompt rule has no values (budget_allocation.py): attention alone
+               "critical_kv": "critical_kv_attention"}
+
+
+@pytest.mark.parametrize("chunk", [5, 6, 9])
+@pytest.mark.parametrize("strategy", sorted(ADAKV_RULES))
+def test_adakv_layer0_keeps_the_naive_adaptive_choice_after_every_chunk(strategy, chunk):
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, pooled_args(strategy))
+    with torch.inference_mode():
+        q, k, v = layer0_qkv(model, ids[:, :PROMPT])
+        expected = naive_adaptive_chunks(ADAKV_RULES[strategy], q, k, v, chunk, int(BUDGET), model.args.n_kv_head)
+        for n in range(chunk, PROMPT + chunk, chunk):  # the same prompt cut after each chunk
+            model.reset_caches()
+            chunked_prefill(model, ids[:, : min(n, PROMPT)], chunk, decode_one_token)
+            assert held_positions(caches[0]) == expected[n // chunk - 1], n
+    assert any(len({len(h) for h in step}) > 1 for step in expected)  # the heads really hold different counts
+
+
+@pytest.mark.parametrize("strategy", ["tova", "l2"])
+def test_adakv_one_layer_logits_equal_a_naive_chunked_forward(strategy):
+    """n_layer = 1: the last chunk's last query of query head j attends over what its KV head held before that
+    chunk (its own count) and the chunk, then the rest of the block (written out here)."""
+    chunk = 6
+    model = make_tiny_model(n_layer=1)
+    ids = token_ids()
+    attach(model, pooled_args(strategy))
+    with torch.inference_mode():
+        model.reset_caches()
+        got = chunked_prefill(model, ids[:, :PROMPT], chunk, decode_one_token)
+        q, k, v = layer0_qkv(model, ids[:, :PROMPT])
+        heads = model.args.n_kv_head
+        before_last = naive_adaptive_chunks(strategy, q, k, v, chunk, int(BUDGET), heads, prompt=PROMPT - chunk)[-1]
+        assert len({len(h) for h in before_last}) > 1
+        a, rep, last = model.layers[0].attention, q.shape[0] // k.shape[0], PROMPT - 1
+        outs = []
+        for j in range(q.shape[0]):
+            h = j // rep
+            keys = sorted(before_last[h] | set(range(PROMPT - chunk, PROMPT)))
+            logits = torch.stack([q[j, last] @ k[h, p] for p in keys]) / math.sqrt(q.shape[-1])
+            outs.append(torch.softmax(logits, 0) @ v[h, keys])
+        x = model.tok_embeddings(ids[:, last])[0]
+        block = model.layers[0]
+        h1 = x + a.wo(torch.cat(outs))
+        want = model.output(model.norm(h1 + block.feed_forward(block.ffn_norm(h1))))
+    torch.testing.assert_close(got[0], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("storage", ADAKV_STORAGES)
+@pytest.mark.parametrize("strategy", CASES)
+def test_adakv_every_chunk_keeps_the_pool_and_decoding_follows(strategy, storage):
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, pooled_args(strategy, storage))
+    L = int(BUDGET)
+    with torch.inference_mode():
+        for n in range(10, PROMPT, 5):
+            model.reset_caches()
+            chunked_prefill(model, ids[:, :n], 5, decode_one_token)
+            for cache in caches:
+                c = inner(cache)
+                assert int(c.quota.sum()) == c.pool_slots and bool((c.filled <= c.quota).all())
+                assert int(c.held_tokens().sum()) == c.n_kv_heads * min(n, L) and int(c.inserted.min()) == n
+                outside = c.mask[:, :, 0] & ~c.owned()
+                assert not bool(outside.any())
+                for h in held_positions(cache):
+                    assert set(range(GLOBAL)) <= h and set(range(n - 4, n)) <= h
+        logits, tokens, _ = run_prompt(model, ids, 5, steps=4)
+    assert torch.isfinite(logits).all() and len(tokens) == 4
