@@ -90,6 +90,13 @@ def cache_specs(config: argparse.Namespace, model_args: ModelArgs, prompt_length
                         "tokens (a chunk goes through the model at once)")
     specs = apply_model_layer_policies(specs, model_args, prompt_length, max_new_tokens, quiet=quiet)
     check_budgets(specs, model_args.context_length, prompt_length + max_new_tokens)
+    for spec in specs:  # a chunk's queries sit at ranks up to the budget + the chunk (a full cache: positions)
+        ranks = spec.max_cache_length + (chunk or 0)
+        compresses = spec.strategy.removeprefix("debug_") != "full"
+        if chunk and spec.rerotate_positions and compresses and ranks > model_args.context_length:
+            raise UserError(f"layer {spec.layer}: with --rerotate_positions a chunk's queries sit at ranks up to the "
+                            f"budget plus the chunk, {spec.max_cache_length} + {chunk}, more than the model's context "
+                            f"of {model_args.context_length}; use a smaller --prefill_chunk or budget")
     return specs
 
 

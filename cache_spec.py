@@ -294,9 +294,6 @@ def check_prefill_chunk(args: argparse.Namespace) -> None:
         raise UserError(f"--prefill_chunk must be ≥ 1 token, got {chunk}")
     if args.feed_long_prompts:
         raise UserError("--prefill_chunk and --feed_long_prompts both choose how the prompt is fed; give one")
-    if getattr(args, "budget_allocation", "uniform") != "uniform":
-        raise UserError("--prefill_chunk with --budget_allocation adakv: the pool's heads hold different numbers of "
-                        "tokens after a chunk, which the next chunk's prompt rule cannot score together; use uniform")
     for name in dict.fromkeys([*args.cache_strategy, *args.prompt_compression_strategy]):
         if name == "auto":
             continue

@@ -428,13 +428,17 @@ def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool | None) -> list[in
 
 
 def check_lengths(prompt_length: int, max_new_tokens: int, context_length: int,
-                  rerotate_positions: bool = False) -> None:
+                  rerotate_positions: bool = False, fed_in_pieces: bool = False) -> None:
     """The sequence must fit the model's context, unless positions are re-rotated: then only the prompt
-    (prefilled at its own positions) must, and rerotation.check_budgets checks every layer's budget."""
+    (prefilled at its own positions) must, and cache_setup.check_budgets checks every layer's budget. A
+    prompt fed in pieces (`fed_in_pieces`: --prefill_chunk or --feed_long_prompts) with re-rotation is at
+    ranks after its first piece, so it may exceed the context too."""
     if max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    if prompt_length > context_length:
-        raise UserError(f"the prompt ({prompt_length} tokens) exceeds the model's context of {context_length} tokens")
+    if prompt_length > context_length and not (rerotate_positions and fed_in_pieces):
+        raise UserError(f"the prompt ({prompt_length} tokens) exceeds the model's context of {context_length} tokens"
+                        + ("; --rerotate_positions with --prefill_chunk goes past it at a fixed budget"
+                           if rerotate_positions else ""))
     if prompt_length + max_new_tokens > context_length and not rerotate_positions:
         raise UserError(
             f"the prompt ({prompt_length} tokens) plus --max_new_tokens ({max_new_tokens}) exceeds the "
@@ -470,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict:
     load_seconds = time.perf_counter() - t0
     prompts = [encode_prompt(tokenizer, text, args.chat) for text in prompt_texts]
     for ids in prompts:  # every prompt before any decoding: a bad one fails the run before it starts
-        check_lengths(len(ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions)
+        check_lengths(len(ids), args.max_new_tokens, model.args.context_length, args.rerotate_positions,
+                      bool(args.prefill_chunk) or args.feed_long_prompts)
     if len(prompts) > 1:
         return main_rows(args, model, tokenizer, prompts, load_seconds)
     prompt_ids = prompts[0]

@@ -47,9 +47,11 @@ def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
     return (attn >= 1.0 / (rows[:, None] + 1)).float() * (keys <= rows[:, None])
 
 
-def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256) -> Tensor:
-    """Attention each prompt key receives from all prompt queries, averaged over the query heads of each
-    KV group and summed over queries: [B, n_kv, T].
+def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256,
+                              first_query: int = 0) -> Tensor:
+    """Attention each prompt key receives from all prompt queries (from `first_query` on: a chunked
+    prefill's re-prefill counts only the chunk's), averaged over the query heads of each KV group and
+    summed over queries: [B, n_kv, T].
 
     With `count_above_uniform`, the number of queries that gave the key at least uniform attention
     (1 / number of keys the query sees) instead. Computed in query chunks, each over the keys it can see
@@ -58,7 +60,7 @@ def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = 
     """
     B, _, T, _ = q.shape
     received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
-    for start in range(0, T, chunk):
+    for start in range(first_query, T, chunk):
         end = min(start + chunk, T)
         rows = torch.arange(start, end, device=q.device)
         attn = prompt_attention(q, k[:, :, :end], rows)  # [B, n_kv, rows, end]: the keys these rows can see

@@ -101,12 +101,24 @@ class HeavyHitterCache(KVCache):
         else:
             self.attn_sum += attn
 
+    # A chunked prefill's held tokens' sums from the earlier chunks (carry_over), added to the chunk's.
+    carried_attn_sum: Tensor | None = None
+
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         if not self.evicts_after_prompt:
             return
-        received = prompt_attention_received(q, k, count_above_uniform=self.thresholding)
+        # H2O's sums accumulate over every query: in a chunked prefill's re-prefill (held tokens + the chunk) a
+        # held token keeps its sum from the earlier chunks and gains what the chunk's queries give it, rather
+        # than what the held tokens' own queries give it over the held tokens (recomputing would re-score them
+        # with attention restricted to what survived). The history window (W > 1) is the latest W queries' and
+        # is recomputed: exact when the chunk has at least W tokens.
+        held = self.scored_held_tokens(k)
+        received = prompt_attention_received(q, k, count_above_uniform=self.thresholding, first_query=held)
+        if held:
+            received[:, :, :held] += self.carried_attn_sum
         T, n = k.shape[2], keep.shape[-1]
-        steps = (T - torch.arange(T, device=k.device)).float().expand_as(received)  # queries that saw the key
+        # queries that saw the key: those at or after its position (every earlier chunk's, then the chunk's)
+        steps = (self.scored_length(k) - self.scored_positions(k)).float().expand_as(received)
         self.attn_sum[:, :, :n] = received.gather(2, keep)
         self.attn_steps[:, :, :n] = steps.gather(2, keep)
         if self.window > 1:
@@ -121,6 +133,12 @@ class HeavyHitterCache(KVCache):
             self.attn_history[:, :, :n, :w] = attn.gather(3, keep[:, :, None, :].expand(-1, -1, w, -1)).transpose(2, 3)
             self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)
             self.step.fill_(w % self.window)
+
+    def carry_over(self, n: int) -> object:
+        return self.attn_sum[:, :, :n].clone()
+
+    def take_over(self, carried: object) -> None:
+        self.carried_attn_sum = carried
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         index = slot[..., None]

@@ -14,11 +14,13 @@ generate.prefill the chunk size).
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+import generate
 from generate import chunked_prefill, decode_one_token
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
@@ -152,3 +154,20 @@ def test_adakv_every_chunk_keeps_the_pool_and_decoding_follows(strategy, storage
                     assert set(range(GLOBAL)) <= h and set(range(n - 4, n)) <= h
         logits, tokens, _ = run_prompt(model, ids, 5, steps=4)
     assert torch.isfinite(logits).all() and len(tokens) == 4
+
+
+def test_generate_runs_adakv_chunks_and_one_chunk_is_the_one_shot_run(tiny_dir, tmp_path):
+    """The flags end to end: generate.py with the tiny checkpoint, a 27-byte prompt, 8 slots per head."""
+    base = ["--checkpoint_path", str(tiny_dir), "--prompt", "a prompt of twenty-seven by", "--max_new_tokens", "4",
+            "--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv", "--snapkv_window", "2",
+            "--max_cache_length", "8", "--recent_window", "2", "--no-chat"]
+    runs = {}
+    chunks = {"one_shot": [], "one_chunk": ["--prefill_chunk", "64"], "chunks": ["--prefill_chunk", "5"]}
+    for name, extra in chunks.items():
+        path = tmp_path / f"{name}.json"
+        generate.main([*base, *extra, "--stats_json", str(path)])
+        runs[name] = json.loads(path.read_text())
+    assert runs["one_chunk"]["tokens"] == runs["one_shot"]["tokens"]
+    assert runs["chunks"]["config"]["prefill_chunk"] == 5
+    for layer in runs["chunks"]["cache_budget_per_head"]:
+        assert sum(layer) == 8 * len(layer)

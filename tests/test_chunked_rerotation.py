@@ -14,11 +14,14 @@ Prompts of 60 tokens through a model whose context is 32:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+import generate
 from cache_setup import attach_caches, cache_config
-from errors import UserError
+from errors import UserError, run_cli
 from gates import attach_random_gates
 from generate import chunked_prefill, decode_one_token, prefill
 from model import apply_rope
@@ -172,3 +175,20 @@ def test_caches_holding_the_whole_sequence_take_rerotated_chunks_within_the_cont
         shadow = getattr(cache, "shadow", None)
         if shadow is not None and shadow.name != "full":
             assert int(shadow.held_tokens().max()) <= 10 and int(shadow.inserted.min()) == 24 + NEW
+
+
+def test_generate_prefills_a_prompt_past_the_context_in_rerotated_chunks(tiny_dir, tmp_path, capsys):
+    """End to end: a prompt of 1100 bytes through the tiny checkpoint's context of 1024 tokens, 256 at a time
+    into a budget of 64; without chunks (or with ranks past the context) the same prompt is one error line."""
+    prompt = "".join(chr(97 + (i * 7) % 26) for i in range(1100))
+    base = ["--checkpoint_path", str(tiny_dir), "--prompt", prompt, "--max_new_tokens", "3", "--no-chat",
+            "--cache_strategy", "recent_global", "--max_cache_length", "64", "--rerotate_positions"]
+    stats = tmp_path / "stats.json"
+    generate.main([*base, "--prefill_chunk", "256", "--stats_json", str(stats)])
+    run = json.loads(stats.read_text())
+    assert run["prompt_tokens"] > 1024 and max(max(h) for h in run["tokens_held_per_head"]) <= 64
+    for flags, message in [([], "exceeds the model's context"), (["--prefill_chunk", "980"], "ranks up to")]:
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(generate.main, [*base, *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and message in err[0]
