@@ -24,7 +24,7 @@ import torch
 
 from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset, storage_spec
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
-from errors import CliParser, run_cli
+from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
@@ -88,9 +88,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TASK_GROUP = "tasks"
+
+
+def task_flags(parser: argparse.ArgumentParser | None = None) -> dict[str, argparse.Action]:
+    """The task flags (add_task_arguments) by destination: each is read by some tasks only (Task.reads)."""
+    parser = parser or build_parser()
+    group = next(g for g in parser._action_groups if g.title == TASK_GROUP)
+    return {a.dest: a for a in group._group_actions}
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations of the flags typed in `argv` (given a value, default or not)."""
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    return {by_option[w.split("=", 1)[0]].dest for w in argv if w.split("=", 1)[0] in by_option}
+
+
+def check_task_flags_read(tasks: list[str], explicit: set[str], parser: argparse.ArgumentParser | None = None) -> None:
+    """A task flag typed explicitly that none of `tasks` reads would be ignored without a word: refuse it."""
+    for dest, action in task_flags(parser).items():
+        if dest in explicit and not any(dest in get_task(name).reads for name in tasks):
+            readers = [name for name, cls in TASKS.items() if dest in cls.reads]
+            others = [name for name in TASKS if name not in readers]
+            which = f"every task but {', '.join(others)}" if len(others) < len(readers) else ", ".join(readers)
+            raise UserError(f"{action.option_strings[0]} is read by none of the selected tasks ({', '.join(tasks)}): "
+                            f"it would be ignored; it applies to {which or 'no task'}")
+
+
+def without_flags(argv: list[str], dests: set[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """`argv` without the flags whose destination is in `dests`, and their values."""
+    parser = parser or build_parser()
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    out: list[str] = []
+    skip: int | None = 0  # value words still to drop (None: all up to the next flag)
+    for word in argv:
+        option = word.split("=", 1)[0]
+        if option in by_option:
+            action = by_option[option]
+            if action.dest not in dests:
+                skip = 0
+                out.append(word)
+                continue
+            nargs = action.nargs
+            skip = 0 if nargs == 0 or "=" in word else None if nargs in ("+", "*") else 1 if nargs is None else nargs
+        elif skip is None or skip > 0:
+            skip = None if skip is None else skip - 1
+        else:
+            out.append(word)
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags (with --cache_config merged in), checked before anything is loaded."""
-    args = parse_args_with_preset(build_parser(), argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parse_args_with_preset(parser, argv)
+    for name in args.tasks:
+        get_task(name)  # an unknown task: fail first
+    check_task_flags_read(args.tasks, explicit_dests(parser, argv), parser)
     check_cache_flags(args)
     args.device = resolve_device(args.device)
     for name in args.tasks:

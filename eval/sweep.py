@@ -4,7 +4,8 @@
         --tasks fidelity niah_single --seq_len 1024 --limit 10 --workers 2
     python -m eval.sweep --grid grid.yaml --devices cuda:0,cuda:1 --workers 2
 
-Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters).
+Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters); a
+task flag only to the runs of the tasks that read it, and one that no task of the sweep reads is refused.
 A grid file holds the same keys (strategies, budgets, tasks, seeds, cache_configs) plus `args:`, a mapping
 of eval flags; values are typed by the flags' own definitions (cache_spec.mapping_to_argv) and flags
 typed on the command line win. `cache_configs` adds one configuration per preset.
@@ -123,6 +124,10 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         if flag in rest:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
     sweep_ray.check_flags(sweep)
+    eval_parser = cli.build_parser()
+    for task in sweep.tasks:
+        cli.get_task(task)
+    cli.check_task_flags_read(sweep.tasks, cli.explicit_dests(eval_parser, rest), eval_parser)
     return sweep, sweep_ray.worker_flags(sweep, rest) if sweep.backend == "ray" else local_flags(sweep, rest)
 
 
@@ -141,13 +146,16 @@ def local_flags(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
 
 
 def grid_jobs(sweep: argparse.Namespace, rest: list[str]) -> list[list[str]]:
-    """The eval argv of every grid point: the full cache once per (task, seed), then the others."""
+    """The eval argv of every grid point: the full cache once per (task, seed), then the others. A run gets
+    only the task flags its task reads (eval refuses one it would ignore; another task of the sweep reads it)."""
     common = [*rest, "--out_dir", sweep.out_dir, "--no-baseline"] + (["--overwrite"] if sweep.overwrite else [])
+    parser = cli.build_parser()
+    unread = {task: set(cli.task_flags(parser)) - set(cli.get_task(task).reads) for task in sweep.tasks}
     configs = [["--cache_strategy", "full"]]
     configs += [["--cache_strategy", s, "--max_cache_length", f"{b:g}"]
                 for s in dict.fromkeys(sweep.strategies) if s != "full" for b in sweep.budgets]
     configs += [["--cache_config", preset] for preset in sweep.cache_configs]
-    return [[*common, "--tasks", task, "--seed", str(seed), *config]
+    return [[*cli.without_flags(common, unread[task], parser), "--tasks", task, "--seed", str(seed), *config]
             for task in sweep.tasks for seed in sweep.seeds for config in configs]
 
 
