@@ -29,7 +29,7 @@ from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
-from flag_types import count
+from flag_types import count, explicit_dests
 from generate import compile_decode_step, decode_one_token
 from model import Transformer
 from tokenizer import Tokenizer
@@ -96,12 +96,6 @@ def task_flags(parser: argparse.ArgumentParser | None = None) -> dict[str, argpa
     parser = parser or build_parser()
     group = next(g for g in parser._action_groups if g.title == TASK_GROUP)
     return {a.dest: a for a in group._group_actions}
-
-
-def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Destinations of the flags typed in `argv` (given a value, default or not)."""
-    by_option = {o: a for a in parser._actions for o in a.option_strings}
-    return {by_option[w.split("=", 1)[0]].dest for w in argv if w.split("=", 1)[0] in by_option}
 
 
 def check_task_flags_read(tasks: list[str], explicit: set[str], parser: argparse.ArgumentParser | None = None) -> None:

@@ -35,7 +35,7 @@ from cache_spec import mapping_to_argv, read_yaml
 from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
-from flag_types import NON_NEGATIVE, POSITIVE, SEED, count
+from flag_types import NON_NEGATIVE, POSITIVE, SEED, count, explicit_dests
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
 # Runs a sweep starts without --yes: past this a mistyped grid (one more seed list, a budget too many) is
@@ -127,7 +127,7 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     eval_parser = cli.build_parser()
     for task in sweep.tasks:
         cli.get_task(task)
-    cli.check_task_flags_read(sweep.tasks, cli.explicit_dests(eval_parser, rest), eval_parser)
+    cli.check_task_flags_read(sweep.tasks, explicit_dests(eval_parser, rest), eval_parser)
     return sweep, sweep_ray.worker_flags(sweep, rest) if sweep.backend == "ray" else local_flags(sweep, rest)
 
 

@@ -101,7 +101,10 @@ AUDIT: list[tuple[str, str, list[str], str, bool]] = [
     ("train_gates.py", "--seq_len", ["5000"], "exceeds the model's context", False),
     ("calibrate_duo.py", "--seq_len", ["5000"], "exceeds the model's context", False),
     ("calibrate_qfilters.py", "--seq_len", ["5000"], "exceeds the model's context", False),
+    ("python -m eval.bench", "--batch_context", ["1023", "5000"], "exceeds the model's context", False),
 ]
+# The rest of a command that makes an AUDIT flag mean something (--batch_context sizes --batch_sizes rows only).
+AUDIT_MODE = {"python -m eval.bench": ["--batch_sizes", "1", "--new_tokens", "2"]}
 AUDIT_CASES = [(e, f, v, frag, early) for e, f, values, frag, early in AUDIT for v in values]
 
 
@@ -109,7 +112,7 @@ def _with_tiny(entry: str, argv: list[str], tiny: Path) -> list[str]:
     extra = ["--checkpoint_path", str(tiny)]
     if entry == "python -m eval":
         extra += ["--text_file", str(PYDOC_EXCERPT)]
-    return extra + argv
+    return extra + AUDIT_MODE.get(entry, []) + argv
 
 
 @pytest.mark.parametrize(("entry", "flag", "value", "fragment", "early"), AUDIT_CASES,
@@ -130,13 +133,7 @@ def test_every_numeric_flag_has_a_range():
 PROBES = probes()
 
 
-def _marks(probe):
-    if probe.pending:
-        return [pytest.mark.xfail(strict=True, reason="refused once eval/bench/cli.py types the flag with its range")]
-    return []
-
-
-@pytest.mark.parametrize("probe", [pytest.param(p, marks=_marks(p)) for p in PROBES], ids=[p.id for p in PROBES])
+@pytest.mark.parametrize("probe", PROBES, ids=[p.id for p in PROBES])
 def test_generated_probe(probe, tmp_path, capsys, monkeypatch):
     line = refused(probe.entry, probe.argv(tmp_path), tmp_path, capsys, monkeypatch)
     assert probe.flag in line, line
