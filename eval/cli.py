@@ -30,7 +30,7 @@ from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
 from flag_types import count, explicit_dests
-from generate import compile_decode_step, decode_one_token
+from generate import check_typed_flags, compile_decode_step, decode_one_token
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -272,7 +272,11 @@ def headline(task: Task, metrics: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # Typed flags this configuration ignores: refused here, not in parse_args, which also reads the runs of a
+    # sweep or an experiment, whose shared flags reach runs that ignore some (the sweep checks them whole).
+    check_typed_flags(build_parser(), args, argv)
     out_dir = results.check_out_dir(args.out_dir)
     done = []
     for task, config, path in plan(args):

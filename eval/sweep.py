@@ -36,6 +36,7 @@ from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
 from flag_types import NON_NEGATIVE, POSITIVE, SEED, count, explicit_dests
+from generate import cache_flags_read, check_cache_flags_read, check_storage_flags_read
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
 # Runs a sweep starts without --yes: past this a mistyped grid (one more seed list, a budget too many) is
@@ -170,6 +171,16 @@ def plan_jobs(jobs: list[list[str]]) -> list[tuple[list[str], Path]]:
     return planned
 
 
+def check_flags_read(rest: list[str], jobs: list[list[str]]) -> None:
+    """A strategy flag passed to every run that no run of the grid reads would be ignored: refuse it (one
+    that some runs read reaches the others harmlessly: a run's identity leaves out what it does not read)."""
+    typed = explicit_dests(cli.build_parser(), rest)
+    read = set().union(*(cache_flags_read(cli.parse_args(job)) for job in jobs))
+    check_cache_flags_read(typed, read, "the grid")
+    if jobs:
+        check_storage_flags_read(typed, cli.parse_args(jobs[0]))
+
+
 def _die_with_parent() -> None:
     """Workers must not outlive a killed sweep: Linux delivers SIGKILL to them when the parent dies."""
     try:
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> Path:
     devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
         else [None]
     planned = plan_jobs(grid_jobs(sweep, rest))
+    check_flags_read(rest, [job for job, _ in planned])
     pending = pending_jobs(planned, sweep.overwrite)
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
     if len(pending) > CONFIRM_ABOVE and not sweep.yes:
