@@ -15,12 +15,15 @@ traceback, before any model is loaded, and leave the workspace as it was (tests/
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 import calibrate_duo
 import calibrate_qfilters
@@ -29,6 +32,7 @@ import train_gates
 from benchmarks import gated_fidelity, streaming_past_context
 from cache import finite_float
 from cache_spec import strategy_settings
+from errors import run_cli
 from eval import cli, kvpress_runs, plot, replay, sweep
 from eval.bench import cli as bench_cli
 from eval.bench import measure as bench_measure
@@ -183,3 +187,33 @@ def script_files(root: Path) -> set[str]:
 def registered_files(root: Path) -> set[str]:
     return {Path(inspect.getsourcefile(e.main)).resolve().relative_to(root).as_posix()
             for e in ENTRY_POINTS.values()}
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def tripwire(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a model was loaded before the flags were checked")
+
+
+def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, early: bool = True) -> str:
+    """Run the entry point in-process; assert the refusal contract and return its error line."""
+    cli.load_model.cache_clear()
+    if early:
+        for module in ENTRY_POINTS[entry].loaders:
+            for name in ("load_checkpoint", "load_model"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, tripwire)
+    (workspace / "existing.json").write_text('{"old": true}\n')  # an existing output no refusal may touch
+    before = snapshot(workspace)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(ENTRY_POINTS[entry].main, argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2, err
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert snapshot(workspace) == before, "a refused command wrote files"
+    return errors[0]

@@ -9,7 +9,6 @@ its declared range implies. In-process through errors.run_cli; one subprocess ca
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from errors import run_cli
-from eval import cli
 from tests.bad_input_matrix import (
     ENTRY_POINTS,
     NOT_PROBED,
     probes,
+    refused,
     registered_files,
     script_files,
     unranged_flags,
@@ -30,36 +28,6 @@ from tests.bad_input_matrix import (
 from tests.eval_helpers import PYDOC_EXCERPT
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def tripwire(*args: object, **kwargs: object) -> None:
-    raise AssertionError("a model was loaded before the flags were checked")
-
-
-def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, early: bool = True) -> str:
-    """Run the entry point in-process; assert the refusal contract and return its error line."""
-    cli.load_model.cache_clear()
-    if early:
-        for module in ENTRY_POINTS[entry].loaders:
-            for name in ("load_checkpoint", "load_model"):
-                if hasattr(module, name):
-                    monkeypatch.setattr(module, name, tripwire)
-    (workspace / "existing.json").write_text('{"old": true}\n')  # an existing output no refusal may touch
-    before = snapshot(workspace)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(ENTRY_POINTS[entry].main, argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert exit_info.value.code == 2, err
-    assert len(errors) == 1 and "Traceback" not in err, err
-    assert snapshot(workspace) == before, "a refused command wrote files"
-    return errors[0]
 
 
 # (entry point, flag, bad values, fragment of the error line, refused before the model loads)
