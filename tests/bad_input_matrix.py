@@ -105,7 +105,6 @@ RANGES_ELSEWHERE: dict[str, Number] = {
     "--max_new_tokens": count(),
     "--top_k": count(),
     "--temperature": NON_NEGATIVE,
-    "--smooth": count(),  # eval.plot
 }
 _PLAIN_NUMBER_TYPES = {int, float, finite_float}
 
