@@ -134,12 +134,7 @@ def without_flags(argv: list[str], dests: set[str], parser: argparse.ArgumentPar
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags (with --cache_config merged in), checked before anything is loaded."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parse_args_with_preset(parser, argv)
-    for name in args.tasks:
-        get_task(name)  # an unknown task: fail first
-    check_task_flags_read(args.tasks, explicit_dests(parser, argv), parser)
+    args = parse_args_with_preset(build_parser(), argv)
     check_cache_flags(args)
     args.device = resolve_device(args.device)
     for name in args.tasks:
@@ -274,9 +269,11 @@ def headline(task: Task, metrics: dict) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    # Typed flags this configuration ignores: refused here, not in parse_args, which also reads the runs of a
+    # Typed flags this command would ignore: refused here, not in parse_args, which also reads the runs of a
     # sweep or an experiment, whose shared flags reach runs that ignore some (the sweep checks them whole).
-    check_typed_flags(build_parser(), args, argv)
+    parser = build_parser()
+    check_task_flags_read(args.tasks, explicit_dests(parser, argv), parser)
+    check_typed_flags(parser, args, argv)
     out_dir = results.check_out_dir(args.out_dir)
     done = []
     for task, config, path in plan(args):

@@ -5,8 +5,10 @@ configuration reads (its strategies' hyper-parameters, its prompt rules' setting
 storage, a sampling flag under greedy decoding, a flag of another mode of the same command.
 
 CONFLICTS is the table: (entry point, argv after the entry point's valid prefix, fragment of the error line).
-The sweep and the experiments pass shared flags to every run; they pass a run only the task flags its task
-reads, and a strategy flag that some run of the grid reads reaches the others harmlessly (the tests at the end).
+Refused on the command line (eval's main, not its parse_args, which also reads the runs of a sweep or an
+experiment): the sweep checks its flags against the whole grid, passes a run only the task flags its task
+reads, and lets a strategy flag that some run of the grid reads reach the others, whose identity leaves it
+out (the tests at the end).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (EVAL, ["--query_aware"], "--query_aware is read by none"),
     (EVAL, ["--no-chat"], "--chat is read by none"),
     (EVAL, ["--haystack", "noise"], "--haystack is read by none"),
-    (EVAL, ["--protocol", "kvpress"], "--protocol is read by none"),
+    (EVAL, ["--protocol", "kvpress"], "fidelity: --protocol kvpress applies to tasks that answer"),
+    (EVAL, ["--protocol", "decode"], "--protocol is read by none"),
     (EVAL, ["--tasks", "niah_single", "qa", "--text_offset", "3"], "--text_offset is read by none of the selected "
      "tasks (niah_single, qa)"),
     (EVAL, ["--tasks", "multiple_choice", "--max_new_tokens", "4"], "--max_new_tokens is read by none"),
