@@ -141,3 +141,10 @@ def test_flags_the_configuration_reads_pass(argv, tmp_path: Path):
     full = [*ENTRY_POINTS[EVAL].prefix(tmp_path), *argv]
     args = cli.parse_args(full)
     check_typed_flags(cli.build_parser(), args, full)
+
+
+def test_without_flags_drops_the_flags_and_their_values_only():
+    argv = ["--seq_len", "64", "--haystack", "noise", "--no-chat", "--max_cache_length", "0.5", "0.25",
+            "--text_file=notes.txt", "--limit", "3", "--budget_allocation", "adakv"]
+    kept = cli.without_flags(argv, {"haystack", "chat", "text_file", "limit", "max_cache_length"})
+    assert kept == ["--seq_len", "64", "--budget_allocation", "adakv"]
