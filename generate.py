@@ -472,6 +472,9 @@ def check_typed_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     typed = explicit_dests(parser, argv)
     check_cache_flags_read(typed, cache_flags_read(args), f"--cache_strategy {' '.join(args.cache_strategy)}")
     check_storage_flags_read(typed, args)
+    if "max_cache_length" in typed and all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
+        raise UserError("--max_cache_length would be ignored: the full cache keeps every token (choose a "
+                        "--cache_strategy)")
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool | None) -> list[int]:

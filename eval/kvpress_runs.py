@@ -82,7 +82,11 @@ def run(argv: list[str]) -> list[dict]:
     if any(a.startswith(("--max_cache_length", "--protocol")) for a in rest):
         raise UserError("run sets --max_cache_length (1 - --compression_ratio) and --protocol kvpress itself")
     tasks = [] if "--tasks" in rest else ["--tasks", TASK]
-    return cli.main([*tasks, *rest, "--protocol", "kvpress", "--max_cache_length", repr(1 - ratio)])
+    strategies = cli.build_parser().parse_known_args(rest)[0].cache_strategy
+    # the full cache keeps every token: a budget would be ignored (and eval refuses one typed for it)
+    budget = [] if all(s.removeprefix("debug_") == "full" for s in strategies) else ["--max_cache_length",
+                                                                                     repr(1 - ratio)]
+    return cli.main([*tasks, *rest, "--protocol", "kvpress", *budget])
 
 
 # ---- export ---------------------------------------------------------------------------------------------

@@ -125,6 +125,8 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         if flag in rest:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
     sweep_ray.check_flags(sweep)
+    if "budgets" in explicit_dests(parser, argv) and set(sweep.strategies) == {"full"}:
+        raise UserError("--budgets would be ignored: --strategies is full alone, which keeps every token")
     eval_parser = cli.build_parser()
     for task in sweep.tasks:
         cli.get_task(task)

@@ -35,6 +35,9 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (GEN, ["--cache_strategy", "l2", "--duo_retrieval_fraction", "0.3"], "--duo_retrieval_fraction would be ignored"),
     (GEN, ["--cache_strategy", "heavy_hitter", "--chunk_size", "4"], "--chunk_size would be ignored"),
     (GEN, ["--adakv_floor", "0.3"], "--adakv_floor applies to --budget_allocation adakv only"),
+    (GEN, ["--max_cache_length", "0.25"], "--max_cache_length would be ignored: the full cache keeps every token"),
+    (EVAL, ["--max_cache_length", "0.25"], "--max_cache_length would be ignored"),
+    (SWEEP, ["--strategies", "full", "--budgets", "0.5"], "--budgets would be ignored: --strategies is full alone"),
     (EVAL, ["--cache_strategy", "l2", "--lag_size", "8"], "--lag_size would be ignored"),
     (SWEEP, ["--strategies", "l2", "heavy_hitter", "--lag_size", "8"], "--lag_size would be ignored: no cache of "
      "the grid reads it"),
