@@ -6,7 +6,9 @@
 
 `--batch_size N` decodes N fidelity windows together (one length, shared positions), or N items of any
 other task (a row each, refilled as items finish; records as at batch 1). Every cache flag is shared
-with generate.py (defined once in cache_spec.py). Results land in `--out_dir` (see eval/results.py); a
+with generate.py (defined once in cache_spec.py). A flag typed that the run would ignore is refused: a task
+flag none of the selected tasks reads (Task.reads), a strategy flag no cache of the configuration reads
+(generate.check_typed_flags). Results land in `--out_dir` (see eval/results.py); a
 finished run is skipped unless --overwrite, and run again when the model file, data files or code it was
 computed with have changed.
 """
