@@ -72,7 +72,7 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (BENCH, ["--kv_memory_gb", "1"], "--kv_memory_gb would be ignored: it applies to --batch_sizes only"),
     (BENCH, ["--batch_context", "64"], "--batch_context would be ignored: it applies to --batch_sizes only"),
     (REPRODUCE, ["--summarize"], "--runs_dir would be ignored: --summarize only rebuilds"),
-    (REPRODUCE, ["--list"], "would be ignored: --list only lists the experiments"),
+    (REPRODUCE, ["--list"], "--list takes no experiment names"),
     (REPRODUCE, ["--out_dir", "reports"], "--out_dir would be ignored: --dry_run prints"),
     (GATED, ["--strategies", "l2", "--gates_path", "g.safetensors"], "--gates_path would be ignored"),
     # ---- sizes that leave a benchmark nothing to measure ---------------------------------------------------
@@ -151,3 +151,13 @@ def test_without_flags_drops_the_flags_and_their_values_only():
             "--text_file=notes.txt", "--limit", "3", "--budget_allocation", "adakv"]
     kept = cli.without_flags(argv, {"haystack", "chat", "text_file", "limit", "max_cache_length"})
     assert kept == ["--seq_len", "64", "--budget_allocation", "adakv"]
+
+
+def test_reproduce_list_refuses_the_flags_it_ignores(capsys):
+    from errors import UserError
+    from eval.reproduce import cli as reproduce_cli
+
+    with pytest.raises(UserError, match="--profile would be ignored: --list only lists the experiments"):
+        reproduce_cli.main(["--list", "--profile", "full"])
+    reproduce_cli.main(["--list"])
+    assert "streamingllm" in capsys.readouterr().out

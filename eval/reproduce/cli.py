@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.list and args.names:
+        raise UserError("--list takes no experiment names")
     check_modes(parser, args, argv)
     if args.list:
-        if args.names:
-            raise UserError("--list takes no experiment names")
         list_experiments()
         return []
     if args.summarize:
