@@ -102,3 +102,20 @@ POSITIVE = real(low=0, low_open=True)  # a learning rate, a budget, a capacity, 
 NON_NEGATIVE = real(low=0)
 # torch threads: 0 is torch's own choice; past a few thousand, set_num_threads fails (or the machine does).
 THREADS = count(0, 4096)
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations of the flags typed in `argv` (with any value, the default included): what a check of
+    flags that would be ignored asks about, as a default it cannot tell from a typed value."""
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    return {by_option[w.split("=", 1)[0]].dest for w in argv if w.split("=", 1)[0] in by_option}
+
+
+def refuse_unused(parser: argparse.ArgumentParser, explicit: set[str], dests: tuple[str, ...], why: str) -> None:
+    """A UserError naming the first flag of `dests` typed explicitly: `why` says what ignores it."""
+    from errors import UserError
+
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings}
+    for dest in dests:
+        if dest in explicit:
+            raise UserError(f"{by_dest[dest].option_strings[0]} would be ignored: {why}")

@@ -14,11 +14,13 @@ import time
 
 import torch
 
-from atomic_files import write_json_atomic
+from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics
 from cache_setup import attach_caches, cache_config
 from checkpoint import load_checkpoint
+from errors import CliParser, run_cli
 from eval.data import pydoc_corpus
+from flag_types import POSITIVE, count
 from generate import decode_one_token, prefill
 
 
@@ -50,14 +52,25 @@ def measure(model, tokenizer, ids: list[int], strategy: str, budget: float, allo
             "decode_ms_per_step": round(1000 * out["seconds"] / steps, 1), "attention_mass_kept": round(1 - loss, 5)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--strategy", default="heavy_hitter")
-    parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--prompt_tokens", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=32, help="teacher-forced decode steps after the prompt")
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="python -m benchmarks.adakv_allocation", description=__doc__.split("\n")[0],
+                       allow_abbrev=False)
+    parser.add_argument("--strategy", default="heavy_hitter", help="a head-specific strategy (adakv pools its heads)")
+    parser.add_argument("--budget", type=POSITIVE, default=0.25, help="a fraction of the sequence (≤ 1) or tokens")
+    parser.add_argument("--prompt_tokens", type=count(), default=1024)
+    parser.add_argument("--steps", type=count(), default=32, help="teacher-forced decode steps after the prompt")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    for allocation in ("uniform", "adakv"):  # the strategy and budget checked for both runs before the model loads
+        cache_config(cache_strategy=[args.strategy], max_cache_length=[float(args.budget)],
+                     budget_allocation=allocation)
+    if args.out:
+        check_writable(args.out, args.overwrite, "--out")
     torch.manual_seed(0)
     model, tokenizer = load_checkpoint(None, "cpu", torch.float32)
     ids = tokenizer.encode(pydoc_corpus())[: args.prompt_tokens + args.steps]
@@ -71,8 +84,9 @@ def main() -> None:
             for layer, quota in enumerate(row["budget_per_head"]):
                 print(f"layer {layer:2d}: {' '.join(f'{q:4.0f}' for q in quota)}")
     if args.out:
-        write_json_atomic(args.out, report, overwrite=True)
+        write_json_atomic(args.out, report, overwrite=args.overwrite)
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

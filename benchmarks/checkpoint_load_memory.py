@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from errors import CliParser, run_cli  # no torch: the measured child imports it after its baseline
+
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     # Llama 3.2 1B: 1.24 B parameters with tied embeddings.
@@ -117,7 +119,7 @@ def measure(directory: Path, dtype_name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CliParser(prog="python -m benchmarks.checkpoint_load_memory", description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
@@ -144,4 +146,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -13,6 +13,7 @@ import torch
 
 from cache_setup import attach_caches, cache_config
 from checkpoint import load_checkpoint
+from errors import CliParser, run_cli
 from eval.data import pydoc_corpus
 from generate import compile_decode_step, decode_one_token, generate, prefill
 
@@ -22,7 +23,8 @@ def corpus_ids(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(text[: 8 * n])[:n]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    CliParser(prog="python -m benchmarks.foundation_speed", description=__doc__.split("\n")[0]).parse_args(argv)
     steps = 32
     for dtype in (torch.float32, torch.bfloat16):
         t = time.perf_counter()
@@ -53,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -25,6 +25,7 @@ from atomic_files import write_json_atomic
 from cache_setup import attach_caches, cache_config
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
+from flag_types import POSITIVE, THREADS, count
 from generate import decode_one_token, prefill
 from train_gates import pydoc_split
 
@@ -32,12 +33,13 @@ from train_gates import pydoc_split
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="gated_fidelity.py", description=__doc__.split("\n")[0])
     p.add_argument("--strategies", nargs="+", default=["gated", "heavy_hitter", "l2", "recent_global"])
-    p.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.25])
-    p.add_argument("--seq_len", type=int, default=1024)
-    p.add_argument("--prefill_tokens", type=int, default=128)
-    p.add_argument("--windows", type=int, default=1, help="consecutive windows of held-out text")
+    p.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.1, 0.25],
+                   help="fractions of the window (≤ 1) or tokens (> 1)")
+    p.add_argument("--seq_len", type=count(2), default=1024, help="tokens per window (prefilled + scored)")
+    p.add_argument("--prefill_tokens", type=count(), default=128, help="tokens prefilled (fewer than --seq_len)")
+    p.add_argument("--windows", type=count(), default=1, help="consecutive windows of held-out text")
     p.add_argument("--gates_path", default=None, help="gates file for `gated` (default: the shipped one)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=THREADS, default=None, help="torch threads (0: torch's choice)")
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
     add_model_arguments(p, compile_flag=False, batch_flag=False)
@@ -77,9 +79,14 @@ def summarize(trace: dict[str, list[float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
+    if args.prefill_tokens >= args.seq_len:
+        raise UserError(f"--prefill_tokens {args.prefill_tokens} leaves no token of the --seq_len {args.seq_len} "
+                        "window to score")
+    if args.gates_path and "gated" not in args.strategies:
+        raise UserError("--gates_path would be ignored: it applies to the gated strategy, not in --strategies")
     if args.out and Path(args.out).exists() and not args.overwrite:
         raise UserError(f"{args.out} exists; pass --overwrite to replace it")
-    if args.threads:
+    if args.threads:  # 0: torch's own choice
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device),

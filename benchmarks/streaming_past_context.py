@@ -27,16 +27,17 @@ from cache_setup import attach_caches, cache_config
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
+from flag_types import count
 from generate import check_lengths, compile_decode_step, decode_one_token
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="streaming_past_context.py", description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=None, help="tokens teacher-forced (default: 2× the context)")
-    p.add_argument("--text_offset", type=int, default=0, help="first token of the pydoc text used")
-    p.add_argument("--budget", type=int, default=1024, help="recent_global budget in tokens (≤ the context)")
-    p.add_argument("--global_tokens", type=int, nargs="+", default=[4, 0], help="one run per value (sinks)")
-    p.add_argument("--segment", type=int, default=1024, help="tokens per reported perplexity")
+    p.add_argument("--tokens", type=count(3), default=None, help="tokens teacher-forced (default: 2× the context)")
+    p.add_argument("--text_offset", type=count(0), default=0, help="first token of the pydoc text used")
+    p.add_argument("--budget", type=count(2), default=1024, help="recent_global budget in tokens (≤ the context)")
+    p.add_argument("--global_tokens", type=count(0), nargs="+", default=[4, 0], help="one run per value (sinks)")
+    p.add_argument("--segment", type=count(), default=1024, help="tokens per reported perplexity")
     p.add_argument("--no_reference", action="store_true", help="skip the full-attention reference")
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
@@ -94,8 +95,11 @@ def per_segment(nll: torch.Tensor, segment: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.budget < 2 or args.segment < 1:
-        raise UserError("--budget must be ≥ 2 and --segment ≥ 1")
+    if args.tokens is not None and args.tokens <= args.budget:
+        raise UserError(f"--tokens {args.tokens} must exceed --budget {args.budget}: nothing would stream past it")
+    for g in args.global_tokens:
+        if g >= args.budget:
+            raise UserError(f"--global_tokens {g} leaves no slot of the --budget {args.budget} for recent tokens")
     device = resolve_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device),
                                        allow_non_finite=args.allow_non_finite_weights)

@@ -6,7 +6,9 @@
 
 `--batch_size N` decodes N fidelity windows together (one length, shared positions), or N items of any
 other task (a row each, refilled as items finish; records as at batch 1). Every cache flag is shared
-with generate.py (defined once in cache_spec.py). Results land in `--out_dir` (see eval/results.py); a
+with generate.py (defined once in cache_spec.py). A flag typed that the run would ignore is refused: a task
+flag none of the selected tasks reads (Task.reads), a strategy flag no cache of the configuration reads
+(generate.check_typed_flags). Results land in `--out_dir` (see eval/results.py); a
 finished run is skipped unless --overwrite, and run again when the model file, data files or code it was
 computed with have changed.
 """
@@ -24,14 +26,14 @@ import torch
 
 from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset, storage_spec
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
-from errors import CliParser, run_cli
+from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
 from eval.tasks import TASKS, Task, get_task
 from eval.tasks.base import KVPRESS_PROTOCOLS
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
-from flag_types import count
-from generate import compile_decode_step, decode_one_token
+from flag_types import count, explicit_dests
+from generate import check_typed_flags, compile_decode_step, decode_one_token
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -91,6 +93,50 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     add_cache_arguments(parser)
     return parser
+
+
+TASK_GROUP = "tasks"
+
+
+def task_flags(parser: argparse.ArgumentParser | None = None) -> dict[str, argparse.Action]:
+    """The task flags (add_task_arguments) by destination: each is read by some tasks only (Task.reads)."""
+    parser = parser or build_parser()
+    group = next(g for g in parser._action_groups if g.title == TASK_GROUP)
+    return {a.dest: a for a in group._group_actions}
+
+
+def check_task_flags_read(tasks: list[str], explicit: set[str], parser: argparse.ArgumentParser | None = None) -> None:
+    """A task flag typed explicitly that none of `tasks` reads would be ignored without a word: refuse it."""
+    for dest, action in task_flags(parser).items():
+        if dest in explicit and not any(dest in get_task(name).reads for name in tasks):
+            readers = [name for name, cls in TASKS.items() if dest in cls.reads]
+            others = [name for name in TASKS if name not in readers]
+            which = f"every task but {', '.join(others)}" if len(others) < len(readers) else ", ".join(readers)
+            raise UserError(f"{action.option_strings[0]} is read by none of the selected tasks ({', '.join(tasks)}): "
+                            f"it would be ignored; it applies to {which or 'no task'}")
+
+
+def without_flags(argv: list[str], dests: set[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """`argv` without the flags whose destination is in `dests`, and their values."""
+    parser = parser or build_parser()
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    out: list[str] = []
+    skip: int | None = 0  # value words still to drop (None: all up to the next flag)
+    for word in argv:
+        option = word.split("=", 1)[0]
+        if option in by_option:
+            action = by_option[option]
+            if action.dest not in dests:
+                skip = 0
+                out.append(word)
+                continue
+            nargs = action.nargs
+            skip = 0 if nargs == 0 or "=" in word else None if nargs in ("+", "*") else 1 if nargs is None else nargs
+        elif skip is None or skip > 0:
+            skip = None if skip is None else skip - 1
+        else:
+            out.append(word)
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -228,7 +274,13 @@ def headline(task: Task, metrics: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # Typed flags this command would ignore: refused here, not in parse_args, which also reads the runs of a
+    # sweep or an experiment, whose shared flags reach runs that ignore some (the sweep checks them whole).
+    parser = build_parser()
+    check_task_flags_read(args.tasks, explicit_dests(parser, argv), parser)
+    check_typed_flags(parser, args, argv)
     out_dir = results.check_out_dir(args.out_dir)
     done = []
     for task, config, path in plan(args):

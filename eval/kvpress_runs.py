@@ -36,6 +36,7 @@ from atomic_files import atomic_write, replace_dir, temp_dir_beside
 from errors import CliParser, UserError, run_cli
 from eval import results, scorers
 from eval.tasks.kvpress_datasets import SCORE, SCORER_FLAVOR, list_literal, score_key
+from flag_types import real
 
 TASK = "kvpress_dataset"
 BENCHMARKS = ("ruler", "longbench")
@@ -65,18 +66,27 @@ def run_name(dataset: str, data_dir: str | None, model: str, press: str, ratio: 
 # ---- run: python -m eval with kvpress's compression ratio ------------------------------------------------
 
 
+def run_parser() -> argparse.ArgumentParser:
+    """The run subcommand's own flags (the rest are python -m eval's)."""
+    parser = CliParser(prog="python -m eval.kvpress_runs run", allow_abbrev=False)
+    parser.add_argument("--compression_ratio", type=real(0, 1, high_open=True), required=True,
+                        help="kvpress's: the fraction of each context removed, in [0, 1)")
+    return parser
+
+
 def run(argv: list[str]) -> list[dict]:
     from eval import cli
 
-    parser = CliParser(prog="python -m eval.kvpress_runs run", allow_abbrev=False)
-    parser.add_argument("--compression_ratio", type=float, required=True,
-                        help="kvpress's: the fraction of each context removed, in [0, 1)")
-    known, rest = parser.parse_known_args(argv)
+    known, rest = run_parser().parse_known_args(argv)
     ratio = check_ratio(known.compression_ratio, "--compression_ratio")
     if any(a.startswith(("--max_cache_length", "--protocol")) for a in rest):
         raise UserError("run sets --max_cache_length (1 - --compression_ratio) and --protocol kvpress itself")
     tasks = [] if "--tasks" in rest else ["--tasks", TASK]
-    return cli.main([*tasks, *rest, "--protocol", "kvpress", "--max_cache_length", repr(1 - ratio)])
+    strategies = cli.build_parser().parse_known_args(rest)[0].cache_strategy
+    # the full cache keeps every token: a budget would be ignored (and eval refuses one typed for it)
+    budget = [] if all(s.removeprefix("debug_") == "full" for s in strategies) else ["--max_cache_length",
+                                                                                     repr(1 - ratio)]
+    return cli.main([*tasks, *rest, "--protocol", "kvpress", *budget])
 
 
 # ---- export ---------------------------------------------------------------------------------------------

@@ -28,13 +28,14 @@ from eval import kvpress_runs, results
 from eval.compare import format_interval, paired_vs, pooled
 from eval.tasks import TASKS
 from eval.uncertainty import Interval
+from flag_types import count
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="python -m eval.plot", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--out_dir", default="results", help="the results directory of eval / eval.sweep")
     parser.add_argument("--plots_dir", default=None, help="where figures go (default: <out_dir>/plots)")
-    parser.add_argument("--smooth", type=int, default=32, help="moving-average window of KL vs position")
+    parser.add_argument("--smooth", type=count(), default=32, help="moving-average window of KL vs position")
     return parser
 
 
@@ -294,8 +295,6 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = build_parser().parse_args(argv)
-    if args.smooth < 1:
-        raise UserError(f"--smooth must be ≥ 1, got {args.smooth}")
     out_dir = Path(args.out_dir)
     if not out_dir.is_dir():
         raise UserError(f"results directory not found: {out_dir}")

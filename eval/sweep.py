@@ -4,7 +4,8 @@
         --tasks fidelity niah_single --seq_len 1024 --limit 10 --workers 2
     python -m eval.sweep --grid grid.yaml --devices cuda:0,cuda:1 --workers 2
 
-Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters).
+Every other flag is passed to each `python -m eval` run (task options, model, cache hyper-parameters); a
+task flag only to the runs of the tasks that read it, and one that no task of the sweep reads is refused.
 A grid file holds the same keys (strategies, budgets, tasks, seeds, cache_configs) plus `args:`, a mapping
 of eval flags; values are typed by the flags' own definitions (cache_spec.mapping_to_argv) and flags
 typed on the command line win. `cache_configs` adds one configuration per preset.
@@ -34,7 +35,8 @@ from cache_spec import mapping_to_argv, read_yaml
 from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
-from flag_types import NON_NEGATIVE, POSITIVE, SEED, count
+from flag_types import NON_NEGATIVE, POSITIVE, SEED, count, explicit_dests
+from generate import cache_flags_read, check_cache_flags_read, check_storage_flags_read
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
 # Runs a sweep starts without --yes: past this a mistyped grid (one more seed list, a budget too many) is
@@ -123,6 +125,12 @@ def parse_sweep(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         if flag in rest:
             raise UserError(f"{flag} is set by the sweep's grid (use --strategies/--budgets/--seeds)")
     sweep_ray.check_flags(sweep)
+    if "budgets" in explicit_dests(parser, argv) and set(sweep.strategies) == {"full"}:
+        raise UserError("--budgets would be ignored: --strategies is full alone, which keeps every token")
+    eval_parser = cli.build_parser()
+    for task in sweep.tasks:
+        cli.get_task(task)
+    cli.check_task_flags_read(sweep.tasks, explicit_dests(eval_parser, rest), eval_parser)
     return sweep, sweep_ray.worker_flags(sweep, rest) if sweep.backend == "ray" else local_flags(sweep, rest)
 
 
@@ -141,13 +149,16 @@ def local_flags(sweep: argparse.Namespace, rest: list[str]) -> list[str]:
 
 
 def grid_jobs(sweep: argparse.Namespace, rest: list[str]) -> list[list[str]]:
-    """The eval argv of every grid point: the full cache once per (task, seed), then the others."""
+    """The eval argv of every grid point: the full cache once per (task, seed), then the others. A run gets
+    only the task flags its task reads (eval refuses one it would ignore; another task of the sweep reads it)."""
     common = [*rest, "--out_dir", sweep.out_dir, "--no-baseline"] + (["--overwrite"] if sweep.overwrite else [])
+    parser = cli.build_parser()
+    unread = {task: set(cli.task_flags(parser)) - set(cli.get_task(task).reads) for task in sweep.tasks}
     configs = [["--cache_strategy", "full"]]
     configs += [["--cache_strategy", s, "--max_cache_length", f"{b:g}"]
                 for s in dict.fromkeys(sweep.strategies) if s != "full" for b in sweep.budgets]
     configs += [["--cache_config", preset] for preset in sweep.cache_configs]
-    return [[*common, "--tasks", task, "--seed", str(seed), *config]
+    return [[*cli.without_flags(common, unread[task], parser), "--tasks", task, "--seed", str(seed), *config]
             for task in sweep.tasks for seed in sweep.seeds for config in configs]
 
 
@@ -160,6 +171,16 @@ def plan_jobs(jobs: list[list[str]]) -> list[tuple[list[str], Path]]:
             seen.add(path)
             planned.append((job, path))
     return planned
+
+
+def check_flags_read(rest: list[str], jobs: list[list[str]]) -> None:
+    """A strategy flag passed to every run that no run of the grid reads would be ignored: refuse it (one
+    that some runs read reaches the others harmlessly: a run's identity leaves out what it does not read)."""
+    typed = explicit_dests(cli.build_parser(), rest)
+    read = set().union(*(cache_flags_read(cli.parse_args(job)) for job in jobs))
+    check_cache_flags_read(typed, read, "the grid")
+    if jobs:
+        check_storage_flags_read(typed, cli.parse_args(jobs[0]))
 
 
 def _die_with_parent() -> None:
@@ -246,6 +267,7 @@ def main(argv: list[str] | None = None) -> Path:
     devices: list[str | None] = [resolve_device(d.strip()) for d in sweep.devices.split(",")] if sweep.devices \
         else [None]
     planned = plan_jobs(grid_jobs(sweep, rest))
+    check_flags_read(rest, [job for job, _ in planned])
     pending = pending_jobs(planned, sweep.overwrite)
     print(f"{len(planned)} runs in the grid, {len(planned) - len(pending)} already finished", file=sys.stderr)
     if len(pending) > CONFIRM_ABOVE and not sweep.yes:

@@ -15,6 +15,7 @@ traceback, before any model is loaded, and leave the workspace as it was (tests/
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import re
 from collections.abc import Callable
@@ -22,13 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 import calibrate_duo
 import calibrate_qfilters
 import generate
 import train_gates
+from benchmarks import adakv_allocation, gated_fidelity, streaming_past_context
 from cache import finite_float
 from cache_spec import strategy_settings
-from eval import cli, plot, replay, sweep
+from errors import run_cli
+from eval import cli, kvpress_runs, plot, replay, sweep
 from eval.bench import cli as bench_cli
 from eval.bench import measure as bench_measure
 from eval.reproduce import cli as reproduce_cli
@@ -66,19 +71,28 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
     EntryPoint("calibrate_qfilters.py", calibrate_qfilters.main, calibrate_qfilters.build_parser,
                lambda w: ["--out", str(w / "qfilters.json")], (calibrate_qfilters,)),
     EntryPoint("python -m eval.plot", plot.main, plot.build_parser, lambda w: ["--out_dir", str(w)], ()),
+    # its run subcommand's own flags; the flags it passes on are python -m eval's, probed above (export,
+    # import and table take no numbers; ruler_file passes every flag but --to on to python -m eval)
+    EntryPoint("python -m eval.kvpress_runs run", kvpress_runs.main, kvpress_runs.run_parser,
+               lambda w: ["run", "--compression_ratio", "0.5", "--out_dir", str(w / "results"), "--no-baseline"],
+               (cli,)),
+    EntryPoint("python -m benchmarks.gated_fidelity", gated_fidelity.main, gated_fidelity.build_parser,
+               lambda w: ["--out", str(w / "gated.json")], (gated_fidelity,)),
+    EntryPoint("python -m benchmarks.streaming_past_context", streaming_past_context.main,
+               streaming_past_context.build_parser, lambda w: ["--out", str(w / "streaming.json")],
+               (streaming_past_context,)),
+    EntryPoint("python -m benchmarks.adakv_allocation", adakv_allocation.main, adakv_allocation.build_parser,
+               lambda w: ["--out", str(w / "adakv.json")], (adakv_allocation,)),
 ]}
 # Command-line scripts outside this matrix, each with the reason; any other module that runs `run_cli` must
 # join ENTRY_POINTS (test_every_command_line_script_is_in_the_matrix).
-NOT_PROBED = {
-    "benchmarks/streaming_past_context.py": "a research script: its flags are typed without ranges",
-    "benchmarks/gated_fidelity.py": "a research script: its flags are typed without ranges",
-    # subcommands (run, export, import): this matrix walks one parser level; its `run --compression_ratio`
-    # is a plain float, not probed yet
-    "eval/kvpress_runs.py": "subcommands, not walked yet",
+NOT_PROBED: dict[str, str] = {
+    "benchmarks/foundation_speed.py": "takes no flags (its parser refuses any word)",
+    "benchmarks/checkpoint_load_memory.py": "no numeric flags (--size has choices, --dir is a path)",
 }
 
 # Ranges of flags typed `int` or `finite_float` in modules that do not declare one yet (cache_spec's shared
-# cache flags, generate.py's sampling flags, the bench's sizes): what the entry point's own checks enforce.
+# cache flags, generate.py's sampling flags): what the entry point's own checks enforce.
 RANGES_ELSEWHERE: dict[str, Number] = {
     "--max_cache_length": POSITIVE,
     "--global_tokens": count(0),
@@ -91,24 +105,7 @@ RANGES_ELSEWHERE: dict[str, Number] = {
     "--max_new_tokens": count(),
     "--top_k": count(),
     "--temperature": NON_NEGATIVE,
-    # the bench
-    "--contexts": count(), "--bound_contexts": count(), "--strategy_contexts": count(),
-    "--speedup_contexts": count(), "--speedup_budget": POSITIVE, "--new_tokens": count(2),
-    "--budgets": POSITIVE, "--recompile_steps": count(0), "--overhead_blocks": count(),
-    "--kv_memory_gb": POSITIVE, "--batch_context": count(),
-    "--smooth": count(),  # eval.plot
 }
-# Probes (Probe.id) that fail while the bench types these flags without a range (plain int / float): strict
-# xfails until then; once the parser declares the flag's range (a flag_types.Number) they run as they are.
-_BENCH = "python -m eval.bench"
-PENDING_PATCH: set[str] = {
-    *(f"{_BENCH} --{flag} 0" for flag in ("contexts", "bound_contexts", "strategy_contexts", "speedup_contexts",
-                                           "batch_context")),
-    *(f"{_BENCH} --{flag} {v}" for flag in ("speedup_budget", "budgets") for v in ("nan", "inf", "-inf", "1e999",
-                                                                                    "0.0")),
-    f"{_BENCH} --recompile_steps -1", f"{_BENCH} --kv_memory_gb 0.0",
-}
-
 _PLAIN_NUMBER_TYPES = {int, float, finite_float}
 
 
@@ -147,11 +144,6 @@ class Probe:
     entry: str
     flag: str
     value: str
-    declared_by_parser: bool = True  # the flag's type is a flag_types.Number
-
-    @property
-    def pending(self) -> bool:
-        return self.id in PENDING_PATCH and not self.declared_by_parser
 
     @property
     def id(self) -> str:
@@ -172,7 +164,7 @@ def probes() -> list[Probe]:
                 continue
             number, extra = declared
             for value in dict.fromkeys(number.bad_values() + extra):
-                found.append(Probe(name, action.option_strings[0], value, isinstance(action.type, Number)))
+                found.append(Probe(name, action.option_strings[0], value))
     return found
 
 
@@ -199,3 +191,33 @@ def script_files(root: Path) -> set[str]:
 def registered_files(root: Path) -> set[str]:
     return {Path(inspect.getsourcefile(e.main)).resolve().relative_to(root).as_posix()
             for e in ENTRY_POINTS.values()}
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def tripwire(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a model was loaded before the flags were checked")
+
+
+def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, early: bool = True) -> str:
+    """Run the entry point in-process; assert the refusal contract and return its error line."""
+    cli.load_model.cache_clear()
+    if early:
+        for module in ENTRY_POINTS[entry].loaders:
+            for name in ("load_checkpoint", "load_model"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, tripwire)
+    (workspace / "existing.json").write_text('{"old": true}\n')  # an existing output no refusal may touch
+    before = snapshot(workspace)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(ENTRY_POINTS[entry].main, argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2, err
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert snapshot(workspace) == before, "a refused command wrote files"
+    return errors[0]

@@ -233,7 +233,7 @@ BAD_BATCH_INPUT = {
 def test_bad_batch_input_is_one_error_line_and_writes_nothing(tmp_path, case):
     flags, message = BAD_BATCH_INPUT[case]
     out = tmp_path / "bench"
-    argv = ["--batch_sizes", "1", "4", "--batch_context", "2048", "--strategies", "recent_global", "--no_hf",
+    argv = ["--batch_sizes", "1", "4", "--batch_context", "2048", "--strategies", "recent_global",
             "--random_weights", "smollm2-135m", *flags, "--out_dir", str(out)]
     proc = subprocess.run([sys.executable, "-m", "eval.bench", *argv], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)

@@ -71,9 +71,13 @@ def test_cache_config_preset_and_explicit_flags(tiny_dir, tmp_path):
 
 
 def test_full_cache_ignores_budget_flags_in_its_identity(tiny_dir, tmp_path):
+    """A sweep's shared flags reach its full-cache runs: they leave such a run's identity (its directory) as it
+    is. Typed on the command line of a full-cache run, --global_tokens is refused (tests/test_flag_conflicts.py)."""
     cli.main(fidelity_flags(tiny_dir, tmp_path))
-    cli.main(fidelity_flags(tiny_dir, tmp_path) + ["--max_cache_length", "0.5", "--global_tokens", "7"])
-    assert len(run_dirs(tmp_path)) == 1
+    shared = fidelity_flags(tiny_dir, tmp_path) + ["--max_cache_length", "0.5", "--global_tokens", "7"]
+    assert [path for _, _, path in cli.plan(cli.parse_args(shared))] == run_dirs(tmp_path)
+    with pytest.raises(UserError, match="--global_tokens would be ignored"):
+        cli.main(shared)
 
 
 BAD_INPUTS = {

@@ -9,7 +9,6 @@ its declared range implies. In-process through errors.run_cli; one subprocess ca
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,12 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from errors import run_cli
-from eval import cli
 from tests.bad_input_matrix import (
     ENTRY_POINTS,
     NOT_PROBED,
     probes,
+    refused,
     registered_files,
     script_files,
     unranged_flags,
@@ -30,36 +28,6 @@ from tests.bad_input_matrix import (
 from tests.eval_helpers import PYDOC_EXCERPT
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def tripwire(*args: object, **kwargs: object) -> None:
-    raise AssertionError("a model was loaded before the flags were checked")
-
-
-def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, early: bool = True) -> str:
-    """Run the entry point in-process; assert the refusal contract and return its error line."""
-    cli.load_model.cache_clear()
-    if early:
-        for module in ENTRY_POINTS[entry].loaders:
-            for name in ("load_checkpoint", "load_model"):
-                if hasattr(module, name):
-                    monkeypatch.setattr(module, name, tripwire)
-    (workspace / "existing.json").write_text('{"old": true}\n')  # an existing output no refusal may touch
-    before = snapshot(workspace)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(ENTRY_POINTS[entry].main, argv)
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert exit_info.value.code == 2, err
-    assert len(errors) == 1 and "Traceback" not in err, err
-    assert snapshot(workspace) == before, "a refused command wrote files"
-    return errors[0]
 
 
 # (entry point, flag, bad values, fragment of the error line, refused before the model loads)
@@ -101,7 +69,10 @@ AUDIT: list[tuple[str, str, list[str], str, bool]] = [
     ("train_gates.py", "--seq_len", ["5000"], "exceeds the model's context", False),
     ("calibrate_duo.py", "--seq_len", ["5000"], "exceeds the model's context", False),
     ("calibrate_qfilters.py", "--seq_len", ["5000"], "exceeds the model's context", False),
+    ("python -m eval.bench", "--batch_context", ["1023", "5000"], "exceeds the model's context", False),
 ]
+# The rest of a command that makes an AUDIT flag mean something (--batch_context sizes --batch_sizes rows only).
+AUDIT_MODE = {"python -m eval.bench": ["--batch_sizes", "1", "--new_tokens", "2"]}
 AUDIT_CASES = [(e, f, v, frag, early) for e, f, values, frag, early in AUDIT for v in values]
 
 
@@ -109,7 +80,7 @@ def _with_tiny(entry: str, argv: list[str], tiny: Path) -> list[str]:
     extra = ["--checkpoint_path", str(tiny)]
     if entry == "python -m eval":
         extra += ["--text_file", str(PYDOC_EXCERPT)]
-    return extra + argv
+    return extra + AUDIT_MODE.get(entry, []) + argv
 
 
 @pytest.mark.parametrize(("entry", "flag", "value", "fragment", "early"), AUDIT_CASES,
@@ -130,13 +101,7 @@ def test_every_numeric_flag_has_a_range():
 PROBES = probes()
 
 
-def _marks(probe):
-    if probe.pending:
-        return [pytest.mark.xfail(strict=True, reason="refused once eval/bench/cli.py types the flag with its range")]
-    return []
-
-
-@pytest.mark.parametrize("probe", [pytest.param(p, marks=_marks(p)) for p in PROBES], ids=[p.id for p in PROBES])
+@pytest.mark.parametrize("probe", PROBES, ids=[p.id for p in PROBES])
 def test_generated_probe(probe, tmp_path, capsys, monkeypatch):
     line = refused(probe.entry, probe.argv(tmp_path), tmp_path, capsys, monkeypatch)
     assert probe.flag in line, line

@@ -76,7 +76,10 @@ def batch_plan(args: argparse.Namespace, strategies: list[str], model_args: Mode
     fit --kv_memory_gb, or (no cap) a row per batch size. A configuration with no batch size that fits
     is a UserError, before anything runs."""
     new = args.new_tokens
-    context = min(args.batch_context, model_args.context_length - new)
+    context = args.batch_context
+    if context + new > model_args.context_length:
+        raise UserError(f"--batch_context {context} plus --new_tokens {new} exceeds the model's context of "
+                        f"{model_args.context_length} tokens")
     cap = None if args.kv_memory_gb is None else args.kv_memory_gb * GB
     configs = [("full", 1.0)] + [(s, b) for s in strategies for b in sorted(set(args.budgets))]
     jobs = []

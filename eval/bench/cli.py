@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import platform
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,7 +45,7 @@ from eval.bench.report import (
     summarize_targets,
 )
 from eval.data import pydoc_corpus
-from flag_types import POSITIVE, count
+from flag_types import POSITIVE, count, explicit_dests, refuse_unused
 from strategies import CACHE_STRATEGIES
 
 
@@ -108,8 +109,31 @@ def build_parser() -> CliParser:
     return p
 
 
+# What --quick sets, the flags only the plan of rows reads, and those only --batch_sizes reads: typed with a
+# mode that ignores them, they are refused rather than dropped without a word.
+QUICK_SETS = ("contexts", "strategy_contexts", "speedup_contexts", "bound_contexts", "new_tokens", "no_compile",
+              "budgets", "speedup_budget")
+PLAN_ONLY = ("contexts", "bound_contexts", "strategy_contexts", "speedup_contexts", "budget_strategies",
+             "recompile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_compile", "no_hf",
+             "hf_static", "quick")
+BATCHED_ONLY = ("kv_memory_gb", "batch_context")
+
+
+def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    explicit = explicit_dests(parser, argv)
+    if args.quick:
+        refuse_unused(parser, explicit, QUICK_SETS, "--quick sets it (drop --quick to choose it)")
+    if args.batch_sizes:
+        refuse_unused(parser, explicit, PLAN_ONLY, "--batch_sizes measures batched throughput only")
+    else:
+        refuse_unused(parser, explicit, BATCHED_ONLY, "it applies to --batch_sizes only")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_modes(parser, args, argv)
     if args.quick:
         args.contexts, args.strategy_contexts, args.speedup_contexts, args.bound_contexts = [256], [256], [], []
         args.new_tokens, args.no_compile = 16, True

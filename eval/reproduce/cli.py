@@ -26,7 +26,7 @@ from eval import results
 from eval.reproduce import report
 from eval.reproduce.experiments import EXPERIMENTS, PROFILES
 from eval.reproduce.runner import Outcome, arm_argv, check_experiment, eval_command, run_experiment
-from flag_types import count
+from flag_types import count, explicit_dests, refuse_unused
 
 DEFAULT_ROOT = Path("results/reproduce")
 DEFAULT_RUNS = DEFAULT_ROOT / "runs"
@@ -90,11 +90,31 @@ def list_experiments() -> None:
               f"arms: {', '.join(a.label for a in exp.arms)}")
 
 
+# Flags each mode ignores: typed with it, they are refused rather than dropped without a word.
+IGNORED_BY = {
+    "list": (("profile", "out_dir", "runs_dir", "overwrite", "dry_run", "summarize", "limit", "checkpoint_path"),
+             "--list only lists the experiments"),
+    "summarize": (("profile", "runs_dir", "dry_run", "limit", "checkpoint_path"),
+                  "--summarize only rebuilds the summary from the experiments' result.json under --out_dir"),
+    "dry_run": (("out_dir", "overwrite"), "--dry_run prints the eval commands and writes nothing"),
+}
+
+
+def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    typed = explicit_dests(parser, argv)
+    mode = next((m for m in IGNORED_BY if getattr(args, m)), None)
+    if mode is not None:
+        refuse_unused(parser, typed, *IGNORED_BY[mode])
+
+
 def main(argv: list[str] | None = None) -> list[Outcome]:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list and args.names:
+        raise UserError("--list takes no experiment names")
+    check_modes(parser, args, argv)
     if args.list:
-        if args.names:
-            raise UserError("--list takes no experiment names")
         list_experiments()
         return []
     if args.summarize:
