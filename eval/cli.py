@@ -8,7 +8,7 @@
 other task (a row each, refilled as items finish; records as at batch 1). Every cache flag is shared
 with generate.py (defined once in cache_spec.py). A flag typed that the run would ignore is refused: a task
 flag none of the selected tasks reads (Task.reads), a strategy flag no cache of the configuration reads
-(generate.check_typed_flags). Results land in `--out_dir` (see eval/results.py); a
+(ignored_flags.check_typed_flags). Results land in `--out_dir` (see eval/results.py); a
 finished run is skipped unless --overwrite, and run again when the model file, data files or code it was
 computed with have changed.
 """
@@ -33,7 +33,8 @@ from eval.tasks import TASKS, Task, get_task
 from eval.tasks.base import KVPRESS_PROTOCOLS
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
 from flag_types import count, explicit_dests
-from generate import check_typed_flags, compile_decode_step, decode_one_token
+from generate import compile_decode_step, decode_one_token
+from ignored_flags import check_typed_flags
 from model import Transformer
 from tokenizer import Tokenizer
 

@@ -36,7 +36,7 @@ from checkpoint import parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval import cli, results, sweep_ray
 from flag_types import NON_NEGATIVE, POSITIVE, SEED, count, explicit_dests
-from generate import cache_flags_read, check_cache_flags_read, check_storage_flags_read
+from ignored_flags import cache_flags_read, check_cache_flags_read, check_storage_flags_read
 
 GRID_KEYS = ("strategies", "budgets", "tasks", "seeds", "cache_configs", "args")
 # Runs a sweep starts without --yes: past this a mistyped grid (one more seed list, a budget too many) is

@@ -139,7 +139,7 @@ def test_a_strategy_flag_some_run_of_the_grid_reads_is_accepted(tmp_path: Path):
 ], ids=["task flag one task reads", "prompt rule setting", "own prompt rule", "some layer reads it", "adakv floor",
         "quantized"])
 def test_flags_the_configuration_reads_pass(argv, tmp_path: Path):
-    from generate import check_typed_flags
+    from ignored_flags import check_typed_flags
 
     full = [*ENTRY_POINTS[EVAL].prefix(tmp_path), *argv]
     args = cli.parse_args(full)

@@ -224,7 +224,8 @@ def test_preset_values_are_typed_and_the_command_line_wins(tmp_path):
 
 def test_grid_values_are_typed_and_the_command_line_wins(tmp_path):
     grid = tmp_path / "g.yaml"
-    grid.write_text("strategies: recent_global\nbudgets: 0.5\nseeds: 1\n"
+    # niah_single reads --chat and --query_aware (fidelity, the default task, reads neither: the sweep refuses them)
+    grid.write_text("strategies: recent_global\nbudgets: 0.5\nseeds: 1\ntasks: niah_single\n"
                     "args: {chat: true, query_aware: true, seq_len: 64, feed_long_prompts: true}\n")
     args, rest = sweep.parse_sweep(["--grid", str(grid)])
     assert args.strategies == ["recent_global"] and args.budgets == [0.5] and args.seeds == [1]
