@@ -8,6 +8,7 @@ import torch
 
 from eval.harness import Runtime, Timings, teacher_force
 from eval.tasks import get_task
+from eval.tasks.fidelity import text_windows
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
@@ -67,3 +68,14 @@ def test_bundled_model_full_cache_is_exact_on_real_text(bundled):
         out = get_task("fidelity")(args).run(Runtime(model, tokenizer, args, progress=True))
     assert out.metrics["kl_max"] == 0.0 and out.metrics["top1_agreement"] == 1.0
     assert 1.5 < out.metrics["perplexity_full"] < 30  # a language model, not noise (vocab 49152)
+
+
+def test_every_window_starts_with_bos_when_the_tokenizer_adds_one():
+    """Gemma's tokenizer starts every text with BOS: each window, not only the first, gets it, followed by the
+    next seq_len - 1 text tokens, so the windows still tile the text; without a BOS they are plain slices."""
+    text = list(range(10, 40))  # 30 text tokens
+    plain = text_windows(text, 2, 8, 5, None)
+    assert plain == [text[2:10], text[10:18], text[18:26]]  # a short last window is dropped
+    windows = text_windows([1, *text], 2, 8, 5, 1)
+    assert all(len(w) == 8 and w[0] == 1 for w in windows) and len(windows) == 4
+    assert [t for w in windows for t in w[1:]] == text[2:30]

@@ -30,6 +30,20 @@ from eval.uncertainty import bootstrap_function
 _CHARS_PER_TOKEN_BOUND = 16
 
 
+def text_windows(ids: list[int], offset: int, seq_len: int, limit: int, bos: int | None) -> list[list[int]]:
+    """Up to `limit` consecutive windows of `seq_len` tokens of `ids` from `offset` (the text's tokens, so
+    BOS excluded, when `bos` is given). A tokenizer that starts every text with a BOS (`bos`: its id) gets
+    it at the head of every window, followed by seq_len − 1 text tokens: a model trained that way (Gemma)
+    reads a window without it as out of distribution, and its BOS is the attention sink that
+    StreamingLLM's first tokens stand for."""
+    if bos is None:
+        windows = [ids[offset + i * seq_len: offset + (i + 1) * seq_len] for i in range(limit)]
+    else:
+        body, n = (ids[1:] if ids and ids[0] == bos else ids), seq_len - 1
+        windows = [[bos, *body[offset + i * n: offset + (i + 1) * n]] for i in range(limit)]
+    return [w for w in windows if len(w) == seq_len]
+
+
 @dataclass
 class Collected:
     """What a run has gathered so far: per window its item and statistics, per scored position a prediction."""
@@ -110,8 +124,8 @@ class Fidelity(Task):
             raise UserError(f"--seq_len {seq_len} exceeds the model's context of {rt.model.args.context_length}")
         text, source = self.text(offset + o["limit"] * seq_len)
         ids = rt.tokenizer.encode(text)
-        windows = [ids[offset + i * seq_len: offset + (i + 1) * seq_len] for i in range(o["limit"])]
-        windows = [w for w in windows if len(w) == seq_len]
+        bos = rt.tokenizer.bos_id if rt.tokenizer.add_bos else None
+        windows = text_windows(ids, offset, seq_len, o["limit"], bos)
         if not windows:
             raise UserError(f"the text ({source}) has {max(len(ids) - offset, 0)} tokens after --text_offset "
                             f"{offset}; fidelity needs --seq_len {seq_len}")
