@@ -23,6 +23,7 @@ import yaml
 from budget_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
 from cache import KVCache, Setting, finite_float
 from errors import UserError
+from flag_types import count, real
 from kv_storage import DENSE, SCHEMES, THINK_FIELDS, StorageSpec
 from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
 
@@ -81,13 +82,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
                    help="kivi: newest tokens kept in full precision (a multiple of --q_group_size; 128 as "
                         "KIVI and transformers)")
-    g.add_argument("--think_ratio", type=finite_float, default=DENSE.think_ratio,
+    g.add_argument("--think_ratio", type=real(0, 1, high_open=True), default=DENSE.think_ratio,
                    help="ThinK (arXiv 2407.21018): prune this fraction of each KV head's key channels, chosen at "
                         "prefill by the window queries' interaction with the keys; the kept channels alone are "
                         "stored, values whole (0: keys whole; the paper uses 0.4-0.5)")
-    g.add_argument("--think_window", type=int, default=DENSE.think_window,
+    g.add_argument("--think_window", type=count(), default=DENSE.think_window,
                    help="ThinK: the last prompt queries that score the key channels (32 as ThinK and kvpress)")
-    g.add_argument("--think_recent", type=int, default=DENSE.think_recent,
+    g.add_argument("--think_recent", type=count(0), default=DENSE.think_recent,
                    help="ThinK: the newest tokens whose keys stay whole (0: every key pruned, the paper's method; "
                         "the authors' code keeps 32 prompt tokens and every decoded one whole)")
     g.add_argument("--budget_allocation", choices=ALLOCATIONS, default=ALLOCATIONS[0],
@@ -337,13 +338,8 @@ def storage_spec(args: argparse.Namespace) -> StorageSpec:
 
 
 def check_think(args: argparse.Namespace, spec: StorageSpec) -> None:
-    """The ThinK flags: their ranges, and the flags ThinK's one channel set per KV head cannot serve."""
-    if not 0 <= spec.think_ratio < 1:
-        raise UserError(f"--think_ratio is the fraction of key channels pruned, in [0, 1), got {spec.think_ratio:g}")
-    if spec.think_window < 1:
-        raise UserError(f"--think_window must be ≥ 1 query, got {spec.think_window}")
-    if spec.think_recent < 0:
-        raise UserError(f"--think_recent must be ≥ 0 tokens, got {spec.think_recent}")
+    """The ThinK flags (their ranges are their argparse types') against each other and the flags ThinK's one
+    channel set per KV head cannot serve."""
     if not spec.think_ratio:
         if (spec.think_window, spec.think_recent) != (DENSE.think_window, DENSE.think_recent):
             raise UserError("--think_window and --think_recent apply to ThinK's pruned keys only (--think_ratio > 0)")
