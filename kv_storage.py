@@ -397,7 +397,10 @@ class ChannelPrunedKeyStorage(Storage):
     (think_recent 0). The authors' implementation keeps the newest prompt tokens (recent_size 32) and every
     decoded token whole, which in a fixed budget could fill it with whole keys; `think_recent R` keeps the newest
     R tokens whole instead, in a ring (`k_recent`) whose rows overwrite their slots' thin keys when read: a
-    token leaving the ring (R newer writes) falls back to its thin key, stored when it was written. A sequence
+    token leaving the ring (R newer writes) falls back to its thin key, stored when it was written. So with
+    R > 0 a key can change after its write (whole, then thin): a chunk appended in one forward step (the kvpress
+    protocol's question) attends over the ring as it is after the whole chunk, where feeding the chunk token
+    by token would have seen its earlier tokens still whole; R = 0 keeps every key as written. A sequence
     whose prompt is never prefilled (one token, decoded directly) keeps the first channels.
 
     Buffers: k_kept [B, H, L, D'] (D' kept channels), channels [B, H, D'] int16 (sorted), v_cache [B, H, L, D],

@@ -21,9 +21,11 @@ from tests.conftest import make_tiny_model
 from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, held_positions, inner, run, token_ids
 from tests.test_strategies import check_invariants, layer0_queries, reference_kv
 
-RATIO, WINDOW, RECENT_WHOLE = 0.5, 8, 4  # as STORAGES["think"]
-assert STORAGES["think"] == ["--think_ratio", str(RATIO), "--think_window", str(WINDOW), "--think_recent",
-                             str(RECENT_WHOLE)]
+RATIO, WINDOW = 0.5, 8  # as STORAGES["think"]
+assert STORAGES["think"] == ["--think_ratio", str(RATIO), "--think_window", str(WINDOW)]
+# The ring of whole keys in the matrix cases that have one: it wraps, and loses entries to evictions, within
+# the matrix's 16 decode steps.
+RING = 4
 
 
 def naive_kept_channels(q: torch.Tensor, k: torch.Tensor, window: int, ratio: float) -> list[set[int]]:
@@ -211,7 +213,7 @@ def test_heavy_hitter_at_the_same_budget_stores_fewer_bytes_and_reports_more_com
 # ---- the strategy registry on ThinK storage (tests/strategy_matrix.STORAGES["think"]) ---------------------
 
 
-def expected_layer0_keys(cache, ref_k: torch.Tensor) -> torch.Tensor:
+def expected_layer0_keys(cache, ref_k: torch.Tensor, recent: int) -> torch.Tensor:
     """ref_k [H, TOTAL, D] with each held position's key as the storage must give it: the pruned channels zero,
     unless the slot is in the ring of whole keys (its membership is checked against a naive ring above)."""
     c = inner(cache)
@@ -219,7 +221,7 @@ def expected_layer0_keys(cache, ref_k: torch.Tensor) -> torch.Tensor:
     out = ref_k.clone()
     pos = c.pos[0].expand(c.n_kv_heads, -1)
     whole = storage.full_precision_slots()[0]
-    assert int(whole.sum(-1).max()) <= RECENT_WHOLE
+    assert int(whole.sum(-1).max()) <= recent
     for h in range(c.n_kv_heads):
         pruned = torch.ones(ref_k.shape[-1], dtype=torch.bool)
         pruned[storage.channels[0, h].long()] = False
@@ -229,11 +231,11 @@ def expected_layer0_keys(cache, ref_k: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def think_matrix_case(strategy: str, step_fn, n_layer: int = 2) -> list:
+def think_matrix_case(strategy: str, step_fn, n_layer: int = 2, recent: int = 0) -> list:
     model = make_tiny_model(n_layer=n_layer)
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
-    caches = attach(model, cache_args(strategy, "0.5", "think"))
+    caches = attach(model, cache_args(strategy, "0.5", "think", "--think_recent", str(recent)))
     q = layer0_queries(model, ids)[:, :PROMPT]
     held_history = []
 
@@ -244,7 +246,7 @@ def think_matrix_case(strategy: str, step_fn, n_layer: int = 2) -> list:
             held = [sorted(h) for h in held_history[-1]]
             prompt_keys = torch.stack([ref_k[h, held[h]] for h in range(len(held))])
             assert channel_sets(inner(caches[0]).storage) == naive_kept_channels(q, prompt_keys, WINDOW, RATIO)
-        check_invariants(caches, p, expected_layer0_keys(caches[0], ref_k), ref_v, "dense")
+        check_invariants(caches, p, expected_layer0_keys(caches[0], ref_k, recent), ref_v, "dense")
 
     with torch.inference_mode():
         if step_fn is None:
@@ -263,10 +265,16 @@ def test_every_strategy_on_think_storage_holds_the_kept_channels_of_its_tokens(s
     think_matrix_case(strategy, None)
 
 
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "l2", "random", "hybrid", "kvzip", "debug_heavy_hitter"])
+def test_strategies_on_think_storage_with_a_ring_of_whole_keys(strategy):
+    """As above with the newest 4 tokens' keys whole (--think_recent 4), on strategies that evict anywhere."""
+    think_matrix_case(strategy, None, recent=RING)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ALL)
 def test_compiled_decode_on_think_storage_equals_eager_with_one_graph(strategy):
-    """Compiled decode (the ring's masked update, the kept-channel gather) keeps the same tokens as eager
+    """Compiled decode (the kept-channel gather, the ring's masked update) keeps the same tokens as eager
     decode, with one graph and no recompilation (each case a compile: tens of seconds)."""
-    eager = think_matrix_case(strategy, None, n_layer=1)
-    assert think_matrix_case(strategy, compile_decode_step, n_layer=1) == eager
+    eager = think_matrix_case(strategy, None, n_layer=1, recent=RING)
+    assert think_matrix_case(strategy, compile_decode_step, n_layer=1, recent=RING) == eager
