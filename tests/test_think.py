@@ -19,6 +19,7 @@ from kv_storage import StorageSpec, make_storage
 from model import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, held_positions, inner, run, token_ids
+from tests.test_batching import assert_rows_match
 from tests.test_strategies import check_invariants, layer0_queries, reference_kv
 
 RATIO, WINDOW = 0.5, 8  # as STORAGES["think"]
@@ -280,3 +281,10 @@ def test_compiled_decode_on_think_storage_equals_eager_with_one_graph(strategy):
     decode, with one graph and no recompilation (each case a compile: tens of seconds)."""
     eager = think_matrix_case(strategy, None, n_layer=1, recent=RING)
     assert think_matrix_case(strategy, compile_decode_step, n_layer=1, recent=RING) == eager
+
+
+@pytest.mark.parametrize(("strategy", "recent"), [("heavy_hitter", 0), ("hybrid", 0), ("tova", RING)])
+def test_batched_rows_of_their_own_lengths_decode_as_alone(strategy, recent):
+    """Rows of different prompt lengths in one batch (each prefilled in its row context, so each row chooses its
+    own channels from its own window): logits, held positions and statistics as each row alone."""
+    assert_rows_match(cache_args(strategy, "0.5", "think", "--think_recent", str(recent)))
