@@ -23,7 +23,8 @@ import yaml
 from budget_allocation import ALLOCATIONS, DEFAULT_FLOOR, check_budget_allocation, with_allocation
 from cache import KVCache, Setting, finite_float
 from errors import UserError
-from kv_storage import DENSE, SCHEMES, StorageSpec
+from flag_types import count, real
+from kv_storage import DENSE, SCHEMES, THINK_FIELDS, StorageSpec
 from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -81,6 +82,15 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
                    help="kivi: newest tokens kept in full precision (a multiple of --q_group_size; 128 as "
                         "KIVI and transformers)")
+    g.add_argument("--think_ratio", type=real(0, 1, high_open=True), default=DENSE.think_ratio,
+                   help="ThinK (arXiv 2407.21018): prune this fraction of each KV head's key channels, chosen at "
+                        "prefill by the window queries' interaction with the keys; the kept channels alone are "
+                        "stored, values whole (0: keys whole; the paper uses 0.4-0.5)")
+    g.add_argument("--think_window", type=count(), default=DENSE.think_window,
+                   help="ThinK: the last prompt queries that score the key channels (32 as ThinK and kvpress)")
+    g.add_argument("--think_recent", type=count(0), default=DENSE.think_recent,
+                   help="ThinK: the newest tokens whose keys stay whole (0: every key pruned, the paper's method; "
+                        "the authors' code keeps 32 prompt tokens and every decoded one whole)")
     g.add_argument("--budget_allocation", choices=ALLOCATIONS, default=ALLOCATIONS[0],
                    help="uniform: every KV head of a layer holds up to the budget; adakv: the heads share n_kv × "
                         "budget slots by score mass, chosen at prefill (Ada-KV, arXiv 2407.11550; "
@@ -114,7 +124,10 @@ class LayerCacheSpec:
     prefill_chunk: int = 0  # --prefill_chunk: the prompt fed this many tokens at a time (0: at once)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.storage.think_ratio:  # as recorded before ThinK existed (eval.replay compares records)
+            d["storage"] = {k: v for k, v in d["storage"].items() if k not in THINK_FIELDS}
+        return d
 
 
 # ---- presets -------------------------------------------------------------------------------------------
@@ -305,7 +318,9 @@ def check_prefill_chunk(args: argparse.Namespace) -> None:
 
 def storage_spec(args: argparse.Namespace) -> StorageSpec:
     """The K/V storage every layer uses, or a UserError for flags that do not fit together."""
-    spec = StorageSpec(args.cache_bits, args.cache_quantization, args.q_group_size, args.residual_length)
+    think = [getattr(args, name, getattr(DENSE, name)) for name in THINK_FIELDS]  # records made before ThinK
+    spec = StorageSpec(args.cache_bits, args.cache_quantization, args.q_group_size, args.residual_length, *think)
+    check_think(args, spec)
     kivi_flags = (spec.q_group_size, spec.residual_length) != (DENSE.q_group_size, DENSE.residual_length)
     if spec.scheme != "kivi" and kivi_flags:
         raise UserError("--q_group_size and --residual_length apply to --cache_quantization kivi only")
@@ -317,6 +332,29 @@ def storage_spec(args: argparse.Namespace) -> StorageSpec:
             raise UserError(f"--residual_length ({spec.residual_length}) must be a positive multiple of "
                             f"--q_group_size ({spec.q_group_size})")
     return spec
+
+
+def check_think(args: argparse.Namespace, spec: StorageSpec) -> None:
+    """The ThinK flags (their ranges are their argparse types') against each other and the flags ThinK's one
+    channel set per KV head cannot serve."""
+    if not spec.think_ratio:
+        if (spec.think_window, spec.think_recent) != (DENSE.think_window, DENSE.think_recent):
+            raise UserError("--think_window and --think_recent apply to ThinK's pruned keys only (--think_ratio > 0)")
+        return
+    conflicts = {
+        "--cache_bits": spec.bits != 16,  # ThinK + KIVI is in the paper; not here
+        "--budget_allocation adakv": getattr(args, "budget_allocation", "uniform") != "uniform",
+        "--rerotate_positions": bool(getattr(args, "rerotate_positions", False)),
+        "--prefill_chunk": getattr(args, "prefill_chunk", None) is not None,
+    }
+    why = {"--cache_bits": "its pruned keys are stored in the cache dtype",
+           "--budget_allocation adakv": "a pool mixes the heads, each with its own channels",
+           "--rerotate_positions": "it prunes post-RoPE keys, as the paper; re-rotation stores them before RoPE",
+           "--prefill_chunk": "its channels are chosen once, at the prompt's write; a re-prefill would prune "
+                              "pruned keys again"}
+    for flag, conflict in conflicts.items():
+        if conflict:
+            raise UserError(f"--think_ratio with {flag}: {why[flag]}")
 
 
 # ---- per-layer spec ------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCA
 # K/V storages; KIVI with small groups and residual so flushes, and evictions from both stores, happen.
 STORAGES = {"dense": [], "2bit": ["--cache_bits", "2"], "4bit": ["--cache_bits", "4"], "8bit": ["--cache_bits", "8"],
             "kivi4": ["--cache_bits", "4", "--cache_quantization", "kivi", "--q_group_size", "4",
-                      "--residual_length", "8"]}
+                      "--residual_length", "8"],
+            # ThinK's thin keys: half the channels of every key, chosen by the prompt's last 8 queries.
+            "think": ["--think_ratio", "0.5", "--think_window", "8"]}
 STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fraction"), ("kivi4", "absolute")]
 # Compiled, each case a compile (seconds): the two ends, dense and KIVI (its flush is the most static-shape
 # work); per-token storage compiled is covered by the CUDA matrix and its eager run here.
