@@ -251,7 +251,8 @@ class KVCache(ChunkedPrefill, nn.Module):
         head_keep = keep.expand(B, H, n)
         gather = head_keep[..., None].expand(B, H, n, k.shape[-1])
         slots = torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n)
-        self.storage.write(slots, (k if k_store is None else k_store).gather(2, gather), v.gather(2, gather))
+        # The prompt's queries go with it: a storage may choose how to store by them (ThinK's key channels).
+        self.storage.write(slots, (k if k_store is None else k_store).gather(2, gather), v.gather(2, gather), q)
         # input_pos [T], or a chunked prefill's held tokens + chunk at their true positions [B, pos_heads, T]
         positions = input_pos.view(1, 1, T) if input_pos.dim() == 1 else input_pos
         self.pos[:, :, :n] = positions.expand(B, keep.shape[1], T).gather(2, keep)
@@ -405,12 +406,11 @@ class KVCache(ChunkedPrefill, nn.Module):
 
     def compression_ratio_per_head(self) -> Tensor:
         """1 − (held × bits/16) / seen per head (docs/DESIGN.md §6), [B, n_kv]; 0 for a head that saw nothing.
-        Tokens a KIVI residual keeps unquantized count at 16 bits."""
+        Tokens a KIVI residual keeps unquantized count at 16 bits; a ThinK token at the share of its kept key
+        channels (the storage's `dense_equivalent`)."""
         seen = self.inserted.clamp(min=1).double()
         held = self.mask[:, :, 0]
-        exact = (held & self.storage.full_precision_slots()).sum(-1).double()
-        held_bits = exact + (held.sum(-1).double() - exact) * (self.storage_spec.bits / 16.0)
-        ratio = 1.0 - held_bits / seen
+        ratio = 1.0 - self.storage.dense_equivalent(held) / seen
         return torch.where(self.inserted > 0, ratio, torch.zeros_like(ratio))
 
     def nbytes(self) -> int:

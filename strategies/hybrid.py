@@ -223,7 +223,7 @@ class HybridCache(KVCache):
         n = idx.shape[-1]
         gather = idx[..., None].expand(B, H, n, D)
         stored = (k if k_store is None else k_store).gather(2, gather)
-        self.storage.write(torch.arange(n, device=k.device).expand(B, H, n), stored, v.gather(2, gather))
+        self.storage.write(torch.arange(n, device=k.device).expand(B, H, n), stored, v.gather(2, gather), q)
         self.pos[:, :, :n] = torch.where(valid, input_pos[idx], -1)
         self.mask[:, :, 0, :n] = valid
         self.slot_special[:, :, :n] = ((is_special & self._use("special")[..., None])
