@@ -349,8 +349,7 @@ register(Experiment(
     arms=(Arm("kvzip", ("--cache_strategy", "kvzip")),
           Arm("snapkv query-agnostic", ("--cache_strategy", "heavy_hitter")),
           Arm("snapkv query-aware", ("--cache_strategy", "heavy_hitter", *_KVPRESS, "--query_aware"),
-              reference=True),
-          FULL_QUERY_AWARE),
+              reference=True)),
     comparisons=(Comparison("kvzip", "snapkv query-agnostic"),),
     varies=frozenset({"cache_strategy"}),
     profiles=NEEDLES,
@@ -362,6 +361,8 @@ register(Experiment(
            "Both compared arms compress the context alone to a quarter of its length and append the question; "
            "heavy_hitter's prompt rule is SnapKV's (observation window 32, max-pooling kernel 7), its window "
            "then the context's last 32 tokens.",
+           "No full-cache arm: the same full-cache run (these 40 items, the question prefilled with the context) "
+           "answers 40 of 40 in duoattention_needle's report of 2026-12-01; left out to fit this CPU's budget.",
            "KVzip's scores come from one reconstruction pass (context, the plain-text repeat prompt, the "
            "context again; strategies/kvzip.py), not chunked (--kvzip_chunk 0); the paper wraps the repeat "
            "prompt in the chat template and reuses the context's KV across chunks."),
