@@ -1,0 +1,47 @@
+"""The kvzip experiment's declaration: what its arms run and what its claim compares (no model is loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eval import cli as eval_cli
+from eval.reproduce import cli, runner
+from eval.reproduce.experiments import EXPERIMENTS, PROFILES
+
+RUNS = Path("/nonexistent-runs")  # parsing never writes; a path that cannot exist shows it
+
+
+def parsed(experiment: str, label: str, profile: str = "quick") -> dict:
+    exp = EXPERIMENTS[experiment]
+    return vars(eval_cli.parse_args(runner.arm_argv(exp, exp.arm(label), profile, RUNS, [])))
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_kvzip_is_compared_with_snapkv_both_blind_to_the_question(profile: str) -> None:
+    exp = EXPERIMENTS["kvzip"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("kvzip", "snapkv query-agnostic")]
+    assert exp.higher_is_better and exp.metric == "string_match"
+    kvzip, snapkv = parsed("kvzip", "kvzip", profile), parsed("kvzip", "snapkv query-agnostic", profile)
+    assert kvzip["cache_strategy"] == ["kvzip"] and snapkv["cache_strategy"] == ["heavy_hitter"]
+    for args in (kvzip, snapkv):
+        assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [0.25]
+    assert {key for key in kvzip if kvzip[key] != snapkv[key]} == {"cache_strategy"}
+
+
+def test_the_query_aware_reference_differs_from_the_control_only_in_seeing_the_question() -> None:
+    exp = EXPERIMENTS["kvzip"]
+    assert exp.arm("snapkv query-aware").reference
+    aware, blind = parsed("kvzip", "snapkv query-aware"), parsed("kvzip", "snapkv query-agnostic")
+    assert {key for key in aware if aware[key] != blind[key]} == {"query_aware"}
+    # The same configurations as the snapkv experiment's two arms: one --runs_dir computes them once.
+    assert aware == parsed("snapkv", "query-aware") and blind == parsed("snapkv", "query-agnostic")
+
+
+def test_a_dry_run_prints_every_arm_and_runs_nothing(capsys: pytest.CaptureFixture) -> None:
+    cli.main(["kvzip", "--dry_run", "--runs_dir", str(RUNS)])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m eval ")]
+    assert len(commands) == len(EXPERIMENTS["kvzip"].arms) == 3
+    assert sum("--cache_strategy kvzip" in c for c in commands) == 1
+    assert not RUNS.exists()
