@@ -9,12 +9,13 @@ import re
 
 import pytest
 
+from errors import UserError
 from eval import kvpress_runs
 from eval.data import NOISE_SENTENCES
 from eval.tasks import get_task
 from eval.tasks.base import encode_example, use_chat
 from eval.tasks.kvpress_datasets import parse_rows
-from eval.tasks.ruler import GENERATORS, RULER_TASKS
+from eval.tasks.ruler import GENERATORS, RULER_TASKS, ruler_file_main
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
@@ -109,3 +110,18 @@ def test_ruler_file_writes_kvpress_split_rows_that_kvpress_dataset_reads(tiny_di
         assert r["max_new_tokens"] == (30 if r["task"] == "vt" else 128) and r["length"] <= 900
     assert [p.task for p in parse_rows(rows, str(out), None)] == [r["task"] for r in rows]
     assert set(RULER_TASKS) == set(kvpress_runs.scorers.RULER_METRICS)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--math_format", "gsm8k"], "--math_format is read by none of the selected tasks (niah_single_1)"),
+    (["--cache_strategy", "l2"], "--cache_strategy would be ignored: ruler_file writes the items and runs no cache"),
+    (["--max_cache_length", "0.5"], "--max_cache_length would be ignored"),
+    (["--out_dir", "results"], "--out_dir would be ignored"),
+])
+def test_ruler_file_refuses_flags_it_would_ignore(argv, fragment, tmp_path):
+    """ruler_file only writes items: a cache or run flag, or a task flag its tasks do not read, is refused
+    before the model loads, and no file is written."""
+    out = tmp_path / "ruler.jsonl"
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        ruler_file_main(["--to", str(out), "--tasks", "niah_single_1", "--checkpoint_path", "no-such-model", *argv])
+    assert not out.exists()

@@ -238,6 +238,25 @@ def kvpress_row(task: str, example: Example, n_tokens: int) -> dict:
                                                            else task], "length": n_tokens}
 
 
+# What ruler_file reads of eval's flags besides the task flags: the items come from the tasks and --seed, their
+# token counts from the model's tokenizer (and chat template).
+RULER_FILE_READS = {"tasks", "seed", "checkpoint_path", "device", "dtype", "allow_non_finite_weights"}
+
+
+def check_ruler_file_flags(tasks: list[str], argv: list[str]) -> None:
+    """ruler_file writes items and runs no cache: a flag typed that it would ignore (a cache or run flag, or a
+    task flag none of `tasks` reads) is refused, as python -m eval refuses its own ignored flags."""
+    from eval import cli
+    from flag_types import explicit_dests
+
+    parser = cli.build_parser()
+    typed = explicit_dests(parser, argv)
+    cli.check_task_flags_read(tasks, typed, parser)
+    ignored = sorted(typed - RULER_FILE_READS - set(cli.task_flags(parser)))
+    if ignored:
+        raise UserError(f"--{ignored[0]} would be ignored: ruler_file writes the items and runs no cache")
+
+
 def ruler_file_main(argv: list[str]) -> Path:
     """python -m eval.kvpress_runs ruler_file --tasks T... --to FILE [python -m eval's task and model flags]."""
     import pandas as pd
@@ -255,6 +274,7 @@ def ruler_file_main(argv: list[str]) -> Path:
     unknown = [t for t in args.tasks if t not in RULER_TASKS]
     if unknown:
         raise UserError(f"ruler_file writes RULER's tasks ({', '.join(RULER_TASKS)}), not {', '.join(unknown)}")
+    check_ruler_file_flags(args.tasks, rest)
     model, tokenizer = cli.load_model(args.checkpoint_path, args.device, cli.parse_dtype(args.dtype, args.device),
                                       args.allow_non_finite_weights)
     rt = Runtime(model, tokenizer, args)
