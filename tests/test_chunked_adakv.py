@@ -14,13 +14,11 @@ generate.prefill the chunk size).
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-import generate
 from generate import chunked_prefill, decode_one_token
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
@@ -35,7 +33,7 @@ from tests.strategy_matrix import (
     inner,
     token_ids,
 )
-from tests.test_chunked_prefill import ATOL, BUDGET, layer0_qkv, naive_scores, run_prompt
+from tests.test_chunked_prefill import ATOL, BUDGET, generate_chunk_runs, layer0_qkv, naive_scores, run_prompt
 
 CASES = [s for s in ADAKV if s in CHUNKABLE]
 POOLED = ["--budget_allocation", "adakv", "--snapkv_window", "4", "--snapkv_kernel", "1"]
@@ -161,13 +159,7 @@ def test_generate_runs_adakv_chunks_and_one_chunk_is_the_one_shot_run(tiny_dir, 
     base = ["--checkpoint_path", str(tiny_dir), "--prompt", "a prompt of twenty-seven by", "--max_new_tokens", "4",
             "--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv", "--snapkv_window", "2",
             "--max_cache_length", "8", "--recent_window", "2", "--no-chat"]
-    runs = {}
-    chunks = {"one_shot": [], "one_chunk": ["--prefill_chunk", "64"], "chunks": ["--prefill_chunk", "5"]}
-    for name, extra in chunks.items():
-        path = tmp_path / f"{name}.json"
-        generate.main([*base, *extra, "--stats_json", str(path)])
-        runs[name] = json.loads(path.read_text())
-    assert runs["one_chunk"]["tokens"] == runs["one_shot"]["tokens"]
+    runs = generate_chunk_runs(base, tmp_path)
     assert runs["chunks"]["config"]["prefill_chunk"] == 5
     for layer in runs["chunks"]["cache_budget_per_head"]:
         assert sum(layer) == 8 * len(layer)

@@ -350,10 +350,9 @@ def test_generate_answers_bad_chunks_with_one_error_line_and_exit_2(flags, messa
 
 
 
-def test_generate_records_the_chunk_and_one_chunk_is_the_one_shot_run(tiny_dir, tmp_path, capsys):
-    """The flag end to end: generate.py with the tiny checkpoint, a 27-byte prompt under a budget of 8."""
-    base = ["--checkpoint_path", str(tiny_dir), "--prompt", "a prompt of twenty-seven by", "--max_new_tokens", "4",
-            "--cache_strategy", "heavy_hitter", "--max_cache_length", "8", "--recent_window", "2", "--no-chat"]
+def generate_chunk_runs(base: list[str], tmp_path) -> dict[str, dict]:
+    """generate.py's statistics for `base` one shot, in one chunk of 64 and in chunks of 5; the one chunk
+    decodes the one-shot tokens."""
     runs = {}
     chunks = {"one_shot": [], "one_chunk": ["--prefill_chunk", "64"], "chunks": ["--prefill_chunk", "5"]}
     for name, extra in chunks.items():
@@ -361,6 +360,14 @@ def test_generate_records_the_chunk_and_one_chunk_is_the_one_shot_run(tiny_dir, 
         generate.main([*base, *extra, "--stats_json", str(path)])
         runs[name] = json.loads(path.read_text())
     assert runs["one_chunk"]["tokens"] == runs["one_shot"]["tokens"]
+    return runs
+
+
+def test_generate_records_the_chunk_and_one_chunk_is_the_one_shot_run(tiny_dir, tmp_path, capsys):
+    """The flag end to end: generate.py with the tiny checkpoint, a 27-byte prompt under a budget of 8."""
+    base = ["--checkpoint_path", str(tiny_dir), "--prompt", "a prompt of twenty-seven by", "--max_new_tokens", "4",
+            "--cache_strategy", "heavy_hitter", "--max_cache_length", "8", "--recent_window", "2", "--no-chat"]
+    runs = generate_chunk_runs(base, tmp_path)
     assert [s["prefill_chunk"] for s in runs["chunks"]["cache_spec"]] == [5, 5]
     assert runs["chunks"]["config"]["prefill_chunk"] == 5
     assert max(max(h) for h in runs["chunks"]["tokens_held_per_head"]) <= 8
