@@ -16,7 +16,7 @@ import pytest
 
 from errors import UserError
 from eval import plot, sweep
-from eval.results import TRAILING_COLUMNS
+from eval.results import TRAILING_COLUMNS, is_finished
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
@@ -38,7 +38,11 @@ def sweep_flags(tiny_dir, out_dir) -> list[str]:
 
 
 def finished(out_dir) -> int:
-    return len(list(out_dir.glob("*/*/*/metrics.json")))
+    """Finished runs as the sweep counts them: pathlib's glob also matches a run still being written in its
+    hidden temporary directory (metrics.json is written there last, then the directory is swapped in), which a
+    SIGKILL at that moment leaves unfinished."""
+    return sum(1 for m in out_dir.glob("*/*/*/metrics.json")
+               if not m.parent.name.startswith(".") and is_finished(m.parent))
 
 
 def comparable(out_dir) -> pd.DataFrame:
