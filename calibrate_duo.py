@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from atomic_files import check_writable, write_json_atomic
+from atomic_files import write_json_atomic
 from cache import cache_statistics
 from cache_setup import attach_caches, cache_config
-from checkpoint import add_checkpoint_argument, load_checkpoint
+from checkpoint import add_checkpoint_argument
 from errors import CliParser, UserError, run_cli
 from flag_types import THREADS, count
 from generate import decode_one_token, prefill
 from strategies.duo_attention import DUO_DIR
-from train_gates import calibration_windows, model_name
+from train_gates import start_calibration
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,14 +75,8 @@ def window_losses(model, ids: torch.Tensor, args: argparse.Namespace) -> list[li
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     check_args(args)
-    stem, name = model_name(args.checkpoint_path)
-    out = Path(args.out) if args.out else DUO_DIR / f"{stem}.json"
-    check_writable(out, args.overwrite, "--out")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    chosen, windows = calibration_windows(tokenizer, args.seq_len, args.windows, model.args.context_length)
+    out, name, model, chosen, windows = start_calibration(args, DUO_DIR)
     per_window = [window_losses(model, window, args) for window in windows]
     scores = [[round(sum(w[layer][h] for w in per_window) / len(per_window), 5)
                for h in range(len(per_window[0][layer]))] for layer in range(len(per_window[0]))]

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from atomic_files import check_writable, write_json_atomic
-from checkpoint import add_checkpoint_argument, load_checkpoint
+from atomic_files import write_json_atomic
+from checkpoint import add_checkpoint_argument
 from errors import CliParser, run_cli
 from flag_types import THREADS, count
 from strategies.kvzip import capture_queries
 from strategies.qfilters import QFILTERS_DIR, principal_directions, query_moments
-from train_gates import calibration_windows, model_name
+from train_gates import start_calibration
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,14 +62,8 @@ def query_filters(model, windows: list[torch.Tensor]) -> list[list[list[float]]]
 
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
-    stem, name = model_name(args.checkpoint_path)
-    out = Path(args.out) if args.out else QFILTERS_DIR / f"{stem}.json"
-    check_writable(out, args.overwrite, "--out")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
-    chosen, windows = calibration_windows(tokenizer, args.seq_len, args.windows, model.args.context_length)
+    out, name, model, chosen, windows = start_calibration(args, QFILTERS_DIR)
     filters = query_filters(model, windows)
     payload = {
         "model": name, "n_layer": model.args.n_layer, "n_kv_head": model.args.n_kv_head,

@@ -33,6 +33,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,29 @@ def check_args(args: argparse.Namespace) -> None:
     """What the flags' own ranges (flag_types) cannot say: how they relate."""
     if args.max_train_tokens is not None and args.max_train_tokens < args.seq_len:
         raise UserError(f"--max_train_tokens must be ≥ --seq_len ({args.seq_len}), got {args.max_train_tokens}")
+
+
+class Calibration(NamedTuple):
+    """What a calibration script (calibrate_duo.py, calibrate_qfilters.py) starts from."""
+    out: Path  # where its file goes, checked writable before any work
+    name: str  # the model's name, recorded in the file
+    model: Transformer
+    chosen: list[int]  # the calibration windows' indices among the training windows
+    windows: list[Tensor]  # each [1, seq_len]
+
+
+def start_calibration(args: argparse.Namespace, default_dir: Path) -> Calibration:
+    """The shared start of a calibration: the output path (--out, else `default_dir`/<model>.json) refused
+    before anything loads if it cannot be written, --threads, the model in float32 on the CPU, and
+    --windows evenly spaced windows of --seq_len tokens."""
+    stem, name = model_name(args.checkpoint_path)
+    out = Path(args.out) if args.out else default_dir / f"{stem}.json"
+    check_writable(out, args.overwrite, "--out")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", torch.float32)
+    chosen, windows = calibration_windows(tokenizer, args.seq_len, args.windows, model.args.context_length)
+    return Calibration(out, name, model, chosen, windows)
 
 
 def calibration_windows(tokenizer, seq_len: int, count: int, context: int) -> tuple[list[int], list[Tensor]]:
