@@ -354,6 +354,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     # Compress a long prompt to this many tokens instead of the whole budget (None: the budget), leaving the
     # other slots for what follows: the kvpress protocol's per-item budget (eval --protocol kvpress).
     prompt_budget: int | None = None
+    # False when nothing is evicted after the prompt (the kvpress protocols size the slots for the question and
+    # answer): a strategy may then skip the statistics only decode eviction reads (heavy_hitter's H2O sums).
+    evicts_after_prompt: bool = True
     # Keys are stored before RoPE and the layer rotates them by rank at each step (--rerotate_positions,
     # rerotation.py): the cache itself only stores what it is given.
     rerotate_positions: bool = False

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 import cache_setup
-from cache import cache_statistics
+from cache import KVCache, cache_statistics
 from cache_spec import LayerCacheSpec, cache_flag_defaults
 from errors import UserError
 from eval.batching import ReferenceLogits, reference_hidden, step_compression
@@ -263,13 +263,13 @@ class Answer:
 
 def configure_prompt_budget(caches: list, budget: int | None) -> None:
     """The kvpress protocol's per-item prompt budget (None: not that protocol). Its slots hold the question
-    and answer, so nothing is evicted after the prompt: caches that declare `evicts_after_prompt` are told,
-    and skip the statistics only decode eviction reads."""
+    and answer, so nothing is evicted after the prompt: every cache is told (`evicts_after_prompt`), so it may
+    skip the statistics only decode eviction reads."""
     if budget is not None:
         for cache in caches:
             cache.configure(prompt_budget=budget)
             for layer in cache.modules():  # a debug cache's shadow too
-                if hasattr(type(layer), "evicts_after_prompt"):
+                if isinstance(layer, KVCache):
                     layer.configure(evicts_after_prompt=False)
 
 

@@ -49,10 +49,8 @@ class HeavyHitterCache(KVCache):
     )
     head_specific = True
     needs_attention = True
-    # False when nothing is evicted after the prompt (the kvpress protocol sizes the slots for the question
-    # and answer: eval.harness.configure_prompt_budget): the H2O statistics, which only decode eviction reads,
-    # are then neither seeded at prefill (a pass over all T x T prompt attention) nor updated.
-    evicts_after_prompt: bool = True
+    # With `evicts_after_prompt` False (KVCache; the kvpress protocols) the H2O statistics, which only decode
+    # eviction reads, are neither seeded at prefill (a pass over all T x T prompt attention) nor updated.
     # The whole-history attention sum (window 1) and the steps each slot has been attended from.
     slot_buffers = ("attn_sum", "attn_steps")
 
