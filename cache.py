@@ -196,9 +196,11 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.row_budget.copy_(torch.tensor(budgets, dtype=torch.long, device=self.row_budget.device)[:, None])
 
     def rows_never_full(self) -> bool:
-        """No row's budget can fill (the full cache, or budgets above the sequences): slots need no scores
-        (read as `never_full`, kept with the budgets: decode steps ask at every layer)."""
-        return all(b >= c for b, c in zip(self.row_budgets, self.row_capacities, strict=True))
+        """No row's budget can fill (the full cache, budgets above the sequences, or slots sized for all that
+        follows the prompt: `evicts_after_prompt` False): slots need no scores (read as `never_full`, kept with
+        the budgets: decode steps ask at every layer)."""
+        return not self.evicts_after_prompt or all(
+            b >= c for b, c in zip(self.row_budgets, self.row_capacities, strict=True))
 
     @contextmanager
     def row(self, b: int) -> Iterator[KVCache]:
@@ -214,7 +216,7 @@ class KVCache(ChunkedPrefill, nn.Module):
                     module._buffers[name] = buf[b : b + 1]
             if isinstance(module, KVCache):
                 limits.append((module, module.max_cache_length, module.capacity_needed, module.row_budgets,
-                               module.row_capacities, module.never_full))
+                               module.row_capacities))
                 module.max_cache_length, module.capacity_needed = module.row_budgets[b], module.row_capacities[b]
                 module.row_budgets, module.row_capacities = [module.row_budgets[b]], [module.row_capacities[b]]
                 module.never_full = module.rows_never_full()
@@ -224,8 +226,8 @@ class KVCache(ChunkedPrefill, nn.Module):
             for module, name, buf in swapped:
                 module._buffers[name] = buf
             for module, *values in limits:
-                (module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities,
-                 module.never_full) = values
+                module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities = values
+                module.never_full = module.rows_never_full()  # a layer setting made inside the row holds after it
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
 
@@ -355,7 +357,8 @@ class KVCache(ChunkedPrefill, nn.Module):
     # other slots for what follows: the kvpress protocol's per-item budget (eval --protocol kvpress).
     prompt_budget: int | None = None
     # False when nothing is evicted after the prompt (the kvpress protocols size the slots for the question and
-    # answer): a strategy may then skip the statistics only decode eviction reads (heavy_hitter's H2O sums).
+    # answer): a strategy may then skip the statistics only decode eviction reads (heavy_hitter's H2O sums),
+    # and slots are taken in order, unscored (`never_full`).
     evicts_after_prompt: bool = True
     # Keys are stored before RoPE and the layer rotates them by rank at each step (--rerotate_positions,
     # rerotation.py): the cache itself only stores what it is given.
@@ -367,6 +370,7 @@ class KVCache(ChunkedPrefill, nn.Module):
             if not hasattr(type(self), key):
                 raise TypeError(f"unknown cache setting {key!r}")
             setattr(self, key, value)
+        self.never_full = self.rows_never_full()
 
     def setting(self, setting: Setting) -> object:
         """The value of a declared setting for this cache: its own hyper-parameter, else what its prompt

@@ -184,7 +184,10 @@ def test_duo_controls_change_only_which_heads_retrieve(tmp_path: Path) -> None:
     assert flat[ranked[half - 1]] != flat[ranked[half]]  # no tie at the boundary: the halves are well defined
     calibrated, least_lossy = set(ranked[:half]), set(ranked[half:])
     paths = duo_controls.write_control_files(SHIPPED, tmp_path)
-    assert [p.name for p in paths] == [duo_controls.INVERSE_PATH.name, duo_controls.RANDOM_PATH.name]
+    assert [p.name for p in paths] == [duo_controls.CALIBRATED_PATH.name, duo_controls.INVERSE_PATH.name,
+                                       duo_controls.RANDOM_PATH.name]
+    assert json.loads(paths[0].read_text()) == shipped  # the treatment's file: the calibration itself
+    paths = paths[1:]
 
     def retrieval(path: Path) -> set[int]:
         data = json.loads(path.read_text())
@@ -201,20 +204,41 @@ def test_duo_controls_change_only_which_heads_retrieve(tmp_path: Path) -> None:
     duo_controls.write_control_files(SHIPPED, tmp_path)
     assert paths[1].read_bytes() == first  # seeded: the same control every run
     exp = EXPERIMENTS["duoattention"]
-    for label, path in (("inverse ranking", duo_controls.INVERSE_PATH), ("random heads", duo_controls.RANDOM_PATH)):
+    for label, path in (("duo", duo_controls.CALIBRATED_PATH), ("inverse ranking", duo_controls.INVERSE_PATH),
+                        ("random heads", duo_controls.RANDOM_PATH)):
         args = eval_cli.parse_args(runner.arm_argv(exp, exp.arm(label), "quick", RUNS, []))
         assert args.duo_heads_path == str(path)
 
 
 @pytest.mark.parametrize("name", ["duoattention", "duoattention_needle"])
-def test_duoattention_refuses_another_model_before_anything_runs(name: str, tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=f"{name} runs on the bundled model only"):
-        cli.main([name, "--checkpoint_path", str(tmp_path / "model"), "--runs_dir", str(tmp_path / "runs")])
+def test_duoattention_refuses_a_model_without_a_calibration_before_anything_runs(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()  # a Hugging Face directory: calibrate_duo.py's default output is duo/model.json
+    monkeypatch.setattr(duo_controls, "DUO_DIR", tmp_path / "duo")
+    with pytest.raises(UserError, match="no DuoAttention calibration for .*calibrate_duo.py --checkpoint_path"):
+        cli.main([name, "--checkpoint_path", str(checkpoint), "--runs_dir", str(tmp_path / "runs")])
     assert not (tmp_path / "runs").exists()
 
 
+def test_duoattention_derives_its_arms_from_the_checkpoints_own_calibration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another model's calibration (calibrate_duo.py's default output name) is the one the three head files come
+    from, so no arm falls back to the shipped file, which fits the bundled model only."""
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    monkeypatch.setattr(duo_controls, "DUO_DIR", tmp_path / "duo")
+    (tmp_path / "duo").mkdir()
+    own = {**json.loads(SHIPPED.read_text()), "n_layer": 2, "n_kv_head": 1, "scores": [[0.3], [0.1]]}
+    (tmp_path / "duo" / "model.json").write_text(json.dumps(own))
+    assert duo_controls.calibration_for(str(checkpoint)) == tmp_path / "duo" / "model.json"
+    assert duo_controls.calibration_for(None) == SHIPPED
+    paths = duo_controls.write_control_files(duo_controls.calibration_for(str(checkpoint)), tmp_path / "controls")
+    assert [json.loads(p.read_text())["scores"] for p in paths[:2]] == [[[0.3], [0.1]], [[-0.3], [-0.1]]]
+
+
 def test_a_dry_run_prepares_nothing(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    def refuse() -> None:
+    def refuse(*sources: Path) -> None:
         raise AssertionError("prepare ran on a dry run")
 
     monkeypatch.setitem(EXPERIMENTS, "duoattention", dataclasses.replace(EXPERIMENTS["duoattention"], prepare=refuse))

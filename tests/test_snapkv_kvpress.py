@@ -191,15 +191,22 @@ def _old_configure(caches: list, budget: int | None) -> None:
 def test_kvpress_protocol_skips_h2o_statistics_and_decides_the_same(tiny_dir, monkeypatch, batch_size):
     """Under the kvpress protocol nothing is evicted after the prompt, so heavy_hitter's prefill pass over the
     whole prompt attention (H2O's seed) is skipped; the answers and kept positions are those of a run that
-    computes it (the statistics seeded and updated as before). Under the decode protocol it still runs."""
-    calls = []
+    computes it (the statistics seeded and updated as before). Under the decode protocol it still runs. The
+    slots after the prompt are taken in order, unscored (never_full), where the other run scores every step."""
+    calls, scored = [], []
     received = heavy_hitter_module.prompt_attention_received
+    token_scores = HeavyHitterCache.token_scores
 
     def counted(*a, **kw):
         calls.append(1)
         return received(*a, **kw)
 
+    def counted_scores(self, input_pos):
+        scored.append(1)
+        return token_scores(self, input_pos)
+
     monkeypatch.setattr(heavy_hitter_module, "prompt_attention_received", counted)
+    monkeypatch.setattr(HeavyHitterCache, "token_scores", counted_scores)
 
     def run(protocol: str) -> list:
         args = cli.parse_args(["--tasks", "niah_single", "--checkpoint_path", str(tiny_dir), "--haystack",
@@ -211,11 +218,11 @@ def test_kvpress_protocol_skips_h2o_statistics_and_decides_the_same(tiny_dir, mo
             return get_task("niah_single")(args).run(Runtime(model, tokenizer, args, progress=True)).items
 
     skipped = run("kvpress")
-    assert not calls
+    assert not calls and not scored
     with monkeypatch.context() as m:
         m.setattr(harness, "configure_prompt_budget", _old_configure)
         computed = run("kvpress")
-    assert calls
+    assert calls and scored
     for a, b in zip(skipped, computed, strict=True):
         assert a["output_ids"] == b["output_ids"]
         assert all((x == y).all() for x, y in zip(a["kept_positions"], b["kept_positions"], strict=True))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from eval.reproduce import duo_controls
 
@@ -63,10 +64,12 @@ class Experiment:
     unread: dict[str, tuple[str, ...]] = field(default_factory=dict)
     extra_metrics: tuple[str, ...] = ()  # run-level metrics shown next to the headline (with their intervals)
     notes: tuple[str, ...] = field(default_factory=tuple)  # how this setup departs from the paper, and why
-    # Writes the files the arms' flags name (a control's derived inputs) before they run; never on a dry run.
-    prepare: Callable[[], None] | None = None
-    # Why the experiment runs on the bundled model only (its inputs are derived from that model's files), or "".
-    bundled_model_only: str = ""
+    # The model's own file the arms' inputs are derived from, for the checkpoint (None: the bundled one);
+    # raises UserError for a model without one, which check_experiment asks before anything runs.
+    source: Callable[[str | None], Path] | None = None
+    # Writes the files the arms' flags name (a control's derived inputs) before they run, from `source`'s file
+    # when there is a source; never on a dry run.
+    prepare: Callable[..., object] | None = None
 
     def arm(self, label: str) -> Arm:
         for arm in self.arms:
@@ -269,7 +272,7 @@ register(Experiment(
     # about 0.3 over the scored steps.
     common=("--global_tokens", "4", "--recent_window", "64"),
     unread={"recent_window": ("streamingllm",)},
-    arms=(Arm("duo", _DUO),
+    arms=(Arm("duo", (*_DUO, "--duo_heads_path", str(duo_controls.CALIBRATED_PATH))),
           Arm("random heads", (*_DUO, "--duo_heads_path", str(duo_controls.RANDOM_PATH))),
           Arm("inverse ranking", (*_DUO, "--duo_heads_path", str(duo_controls.INVERSE_PATH))),
           Arm("streamingllm", ("--cache_strategy", "recent_global"), match_compression_of="duo")),
@@ -280,9 +283,8 @@ register(Experiment(
     profiles={"quick": ("--seq_len", "224", "--prefill_tokens", "128", "--limit", "8"),
               "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")},
     extra_metrics=FIDELITY_EXTRAS,
+    source=duo_controls.calibration_for,
     prepare=duo_controls.write_control_files,
-    bundled_model_only="its control head files are derived from the bundled model's calibration "
-                       "(duo/SmolLM2-135M-Instruct.json: 30 layers of 3 KV heads)",
     notes=("Pass criterion: the calibrated roles must beat each control on KL over the same windows (the verdict "
            "is the conjunction of the three comparisons). 'Little loss' has no threshold that carries over from "
            "the paper's long-context benchmarks; a claim that the roles matter is one the controls can refute: "
@@ -313,7 +315,7 @@ register(Experiment(
     # The whole prompt (context and question) is prefilled; streaming heads drop to 4 sinks + 64 tokens at the
     # first answer token, so the needle survives only in the retrieval heads, as in the paper's passkey tests.
     common=("--global_tokens", "4", "--recent_window", "64", "--query_aware"),
-    arms=(Arm("duo", _DUO),
+    arms=(Arm("duo", (*_DUO, "--duo_heads_path", str(duo_controls.CALIBRATED_PATH))),
           Arm("random heads", (*_DUO, "--duo_heads_path", str(duo_controls.RANDOM_PATH))),
           Arm("inverse ranking", (*_DUO, "--duo_heads_path", str(duo_controls.INVERSE_PATH))),
           FULL_QUERY_AWARE),
@@ -321,9 +323,8 @@ register(Experiment(
                  Comparison("duo", "inverse ranking", "inverse roles")),
     varies=frozenset({"duo_heads_path"}),
     profiles=NEEDLES,
+    source=duo_controls.calibration_for,
     prepare=duo_controls.write_control_files,
-    bundled_model_only="its control head files are derived from the bundled model's calibration "
-                       "(duo/SmolLM2-135M-Instruct.json: 30 layers of 3 KV heads)",
     notes=("Pass criterion: the calibrated roles answer more needles than each control on the same items (the "
            "verdict is the conjunction of both comparisons); the controls hold exactly the same tokens, so only "
            "the choice of heads differs. A uniform StreamingLLM control is duoattention's (fidelity), where the "

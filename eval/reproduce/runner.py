@@ -130,12 +130,17 @@ def ordered_arms(experiment: Experiment) -> list[Arm]:
     return first + [a for a in experiment.arms if a.match_compression_of is not None]
 
 
+def checkpoint_override(overrides: list[str]) -> str | None:
+    """The --checkpoint_path that `overrides` give every arm, or None (the bundled model)."""
+    return overrides[overrides.index("--checkpoint_path") + 1] if "--checkpoint_path" in overrides else None
+
+
 def check_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrides: list[str]) -> None:
     """Every arm's flags through eval's own parser (and task checks), before anything runs or loads."""
     if profile not in experiment.profiles:
         raise UserError(f"{experiment.name} has no profile {profile!r}; profiles: {', '.join(experiment.profiles)}")
-    if experiment.bundled_model_only and "--checkpoint_path" in overrides:
-        raise UserError(f"{experiment.name} runs on the bundled model only: {experiment.bundled_model_only}")
+    if experiment.source is not None:
+        experiment.source(checkpoint_override(overrides))
     labels = [a.label for a in experiment.arms]
     for c in experiment.comparisons:
         for label in (c.treatment, c.control):
@@ -230,7 +235,8 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     check_experiment(experiment, profile, runs_dir, overrides)
     print(f"\n== {experiment.name}: {experiment.paper}\nclaim: {experiment.claim}", file=sys.stderr)
     if experiment.prepare is not None:
-        experiment.prepare()
+        sources = (experiment.source(checkpoint_override(overrides)),) if experiment.source else ()
+        experiment.prepare(*sources)
     done: dict[str, ArmResult] = {}
     arms = ordered_arms(experiment)
     with tqdm(total=len(arms), desc=experiment.name, unit="arm") as bar:
