@@ -227,7 +227,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (self.weight.float() + self.offset)).to(x.dtype)
+        weight = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return (xf * weight).to(x.dtype)
 
 
 class Attention(nn.Module):
