@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from atomic_files import write_json_atomic
 from cache import cache_statistics
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> Path:
     check_args(args)
     t0 = time.perf_counter()
     out, name, model, chosen, windows = start_calibration(args, DUO_DIR)
-    per_window = [window_losses(model, window, args) for window in windows]
+    per_window = [window_losses(model, window, args)
+                  for window in tqdm(windows, desc="calibrate duo", unit="window", mininterval=5)]
     scores = [[round(sum(w[layer][h] for w in per_window) / len(per_window), 5)
                for h in range(len(per_window[0][layer]))] for layer in range(len(per_window[0]))]
     payload = {
