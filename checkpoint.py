@@ -193,4 +193,23 @@ def build_model(
         model.output.weight = model.tok_embeddings.weight
     model = model.eval().requires_grad_(False)
     model.init_rope_tables()  # in float32 whatever the weights' dtype, on the weights' device
+    lay_out_wide_projections_by_column(model)
     return model
+
+
+def lay_out_wide_projections_by_column(model: Transformer) -> None:
+    """On the CPU in float32, store the weight of every projection with more outputs than inputs (the MLP's
+    gate and up, the vocabulary projection) input-major: the same [out, in] parameter, a transposed view of
+    a contiguous [in, out] tensor. A decode step multiplies each weight by one vector, and MKL's
+    single-thread matrix-vector product reads an input-major wide weight 1.6-1.9x faster on this project's
+    AVX2 CPU (measured at 576 -> 1536 and 576 -> 49152); narrow outputs (down, k/v) are faster as stored,
+    and the prompt's matrix products barely change (0.93x-1.0x). Values are unchanged; sums may round in
+    another order. The tied embedding shares the vocabulary weight, and a row lookup in it stays cheap."""
+    if model.tok_embeddings.weight.device.type != "cpu" or model.tok_embeddings.weight.dtype != torch.float32:
+        return
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.out_features > module.in_features:
+            weight = module.weight
+            module.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=False)
+            if weight is model.tok_embeddings.weight:
+                model.tok_embeddings.weight = module.weight
