@@ -173,6 +173,8 @@ def build_model(
         model = Transformer(args)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes) - ({"output.weight"} if args.tie_embeddings else set())
+    on_cpu_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    by_column = wide_projection_weights(model) if on_cpu_float32 else set()
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="loading", disable=None, leave=False)
     for name, tensor, nbytes in tensors:
@@ -183,6 +185,8 @@ def build_model(
         state[name] = tensor.to(device=device, dtype=dtype)
         if not allow_non_finite and state[name].dtype != tensor.dtype:
             check_converted(tensor, state[name], name, source)
+        if name in by_column:  # replaced as it arrives: one tensor held twice at most, as for the dtype
+            state[name] = state[name].t().contiguous().t()
         bar.update(nbytes)
     bar.close()
     missing = expected - set(state)
@@ -193,23 +197,20 @@ def build_model(
         model.output.weight = model.tok_embeddings.weight
     model = model.eval().requires_grad_(False)
     model.init_rope_tables()  # in float32 whatever the weights' dtype, on the weights' device
-    lay_out_wide_projections_by_column(model)
     return model
 
 
-def lay_out_wide_projections_by_column(model: Transformer) -> None:
-    """On the CPU in float32, store the weight of every projection with more outputs than inputs (the MLP's
-    gate and up, the vocabulary projection) input-major: the same [out, in] parameter, a transposed view of
-    a contiguous [in, out] tensor. A decode step multiplies each weight by one vector, and MKL's
-    single-thread matrix-vector product reads an input-major wide weight 1.6-1.9x faster on this project's
-    AVX2 CPU (measured at 576 -> 1536 and 576 -> 49152); narrow outputs (down, k/v) are faster as stored,
-    and the prompt's matrix products barely change (0.93x-1.0x). Values are unchanged; sums may round in
-    another order. The tied embedding shares the vocabulary weight, and a row lookup in it stays cheap."""
-    if model.tok_embeddings.weight.device.type != "cpu" or model.tok_embeddings.weight.dtype != torch.float32:
-        return
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.out_features > module.in_features:
-            weight = module.weight
-            module.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=False)
-            if weight is model.tok_embeddings.weight:
-                model.tok_embeddings.weight = module.weight
+def wide_projection_weights(model: Transformer) -> set[str]:
+    """The weights build_model stores input-major on the CPU in float32: every projection with more outputs
+    than inputs (the MLP's gate and up, the vocabulary projection, and the embedding when tied to it), each
+    the same [out, in] parameter as a transposed view of a contiguous [in, out] tensor. A decode step
+    multiplies each weight by one vector, and MKL's single-thread matrix-vector product reads an input-major
+    wide weight 1.6-1.9x faster on this project's AVX2 CPU (measured at 576 -> 1536 and 576 -> 49152);
+    narrow outputs (down, k/v) are faster as stored, the prompt's matrix products barely change (0.93x-1.0x),
+    and in bfloat16 input-major is 6-20x slower, so bf16 is left alone. Values are unchanged; sums may round
+    in another order."""
+    names = {f"{name}.weight" for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and module.out_features > module.in_features}
+    if model.args.tie_embeddings and "output.weight" in names:
+        names.add("tok_embeddings.weight")
+    return names
