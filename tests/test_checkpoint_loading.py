@@ -164,3 +164,34 @@ def test_arch_configs_cover_every_hf_model_type():
     types = {c.model_type for c in arch_configs().values()}  # every type has a parity test
     assert types == set(HF_MODEL_TYPES)
     assert hf_model_args(arch_configs()["phi3"].to_dict()).rope_dim == 12  # head_dim 16 × 0.75
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied embeddings
+def test_wide_projections_are_input_major_on_the_cpu_in_float32_and_change_no_logit(arch, tmp_path):
+    """build_model's layout rule, checked from its definition: on the CPU in float32 every nn.Linear with more
+    outputs than inputs (and the embedding tied to such an output) is a transposed view of a contiguous
+    [in, out] tensor; every other weight is contiguous; bfloat16 keeps every weight contiguous. The logits
+    equal those of the same weights made contiguous (to float32 rounding) and decode the same tokens."""
+    save_tiny_model(arch, tmp_path)
+    model, _ = load_checkpoint(tmp_path, "cpu", torch.float32)
+    wide = {f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features}
+    assert "output.weight" in wide and any(".feed_forward.w1." in n for n in wide)
+    if model.args.tie_embeddings:
+        wide.add("tok_embeddings.weight")
+        assert model.output.weight is model.tok_embeddings.weight
+    for name, p in model.named_parameters():
+        if name in wide:
+            assert not p.is_contiguous() and p.t().is_contiguous(), name
+        else:
+            assert p.is_contiguous(), name
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        column = model(ids, torch.arange(24))
+        for p in model.parameters():
+            p.data = p.data.contiguous()
+        row = model(ids, torch.arange(24))
+    assert (column - row).abs().max().item() <= 1e-5
+    assert torch.equal(column.argmax(-1), row.argmax(-1))
+    bf16, _ = load_checkpoint(tmp_path, "cpu", torch.bfloat16)
+    assert all(p.is_contiguous() for p in bf16.parameters())
