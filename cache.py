@@ -251,14 +251,13 @@ class KVCache(ChunkedPrefill, nn.Module):
         else:
             keep = torch.arange(T, device=k.device).view(1, 1, T).expand(B, self.pos.shape[1], T)
         n = keep.shape[-1]
-        head_keep = keep.expand(B, H, n)
-        slots = torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n)
         stored = k if k_store is None else k_store
         if compress:  # a prompt that fits is stored as it is (no copy through the identity gather)
-            gather = head_keep[..., None].expand(B, H, n, k.shape[-1])
+            gather = keep.expand(B, H, n)[..., None].expand(B, H, n, k.shape[-1])
             stored, v = stored.gather(2, gather), v.gather(2, gather)
-        # The prompt's queries go with it: a storage may choose how to store by them (ThinK's key channels).
-        self.storage.write(slots, stored, v, q)
+        # Into slots 0..n-1. The prompt's queries go with it: a storage may choose how to store by them
+        # (ThinK's key channels).
+        self.storage.write_prefix(stored, v, q)
         # input_pos [T], or a chunked prefill's held tokens + chunk at their true positions [B, pos_heads, T]
         positions = input_pos.view(1, 1, T) if input_pos.dim() == 1 else input_pos
         self.pos[:, :, :n] = positions.expand(B, keep.shape[1], T).gather(2, keep)
