@@ -29,7 +29,7 @@ import calibrate_duo
 import calibrate_qfilters
 import generate
 import train_gates
-from benchmarks import adakv_allocation, gated_fidelity, streaming_past_context
+from benchmarks import adakv_allocation, gated_fidelity, kvpress_side_by_side, streaming_past_context
 from cache import finite_float
 from cache_spec import strategy_settings
 from errors import run_cli
@@ -83,6 +83,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                (streaming_past_context,)),
     EntryPoint("python -m benchmarks.adakv_allocation", adakv_allocation.main, adakv_allocation.build_parser,
                lambda w: ["--out", str(w / "adakv.json")], (adakv_allocation,)),
+    EntryPoint("python -m benchmarks.kvpress_side_by_side", kvpress_side_by_side.main,
+               kvpress_side_by_side.build_parser, lambda w: ["--out", str(w / "sbs.json")], (kvpress_side_by_side,)),
 ]}
 # Command-line scripts outside this matrix, each with the reason; any other module that runs `run_cli` must
 # join ENTRY_POINTS (test_every_command_line_script_is_in_the_matrix).
