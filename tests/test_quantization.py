@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from kv_storage import StorageSpec, make_storage
 from quantization_utils import (
     SUPPORTED_BITS,
     bytes_per_token_per_head,
@@ -259,3 +260,26 @@ def test_compiles_fullgraph_and_matches_eager():
     compiled = torch.compile(round_trip, fullgraph=True)
     for got, want in zip(compiled(x), round_trip(x), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+PROMPT_STORAGES = {"dense": StorageSpec(), "int4": StorageSpec(bits=4),
+                   "kivi2": StorageSpec(bits=2, scheme="kivi", q_group_size=4, residual_length=4),
+                   "think": StorageSpec(think_ratio=0.5, think_window=4)}
+
+
+@pytest.mark.parametrize("spec", PROMPT_STORAGES.values(), ids=PROMPT_STORAGES.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_storing_a_prompt_equals_writing_it_at_its_slots(spec: StorageSpec, dtype: torch.dtype) -> None:
+    """write_prefix (a prompt into slots 0..n-1; dense storage copies a slice) stores exactly what write at
+    those slots stores, into a cache with slots to spare, float32 K/V into either cache dtype."""
+    B, H, L, D, n = 2, 3, 16, 8, 11
+    k, v = torch.randn(B, H, n, D, generator=gen(1)), torch.randn(B, H, n, D, generator=gen(2))
+    queries = torch.randn(B, 2 * H, n, D, generator=gen(3))
+    by_slots, by_prefix = (make_storage(spec, B, H, L, D, dtype, "cpu", L) for _ in range(2))
+    for s in (by_slots, by_prefix):
+        s.reset()
+    by_slots.write(torch.arange(n).view(1, 1, n).expand(B, H, n), k, v, queries)
+    by_prefix.write_prefix(k, v, queries)
+    for (name, a), (_, b) in zip(by_slots.named_buffers(), by_prefix.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(by_slots.keys(), by_prefix.keys()) and torch.equal(by_slots.values(), by_prefix.values())
