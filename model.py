@@ -34,12 +34,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import cpu_bf16_kernels
 from cache import KVCache
 from cache_chunking import Rerotation
 from errors import UserError
 from rerotation import query_ranks, slot_ranks
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose CPU bfloat16 decode step streams the weights with a kernel (cpu_bf16_kernels.py)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cpu_bf16_kernels.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -180,11 +188,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Te
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     rep = H // n_kv
-    qg = q.reshape(B, n_kv, rep * T, D)
-    scores = (qg @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(D))
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = probs.to(v.dtype) @ v
+    out, probs = cpu_bf16_kernels.decode_attention(q.reshape(B, n_kv, rep * T, D), k, v, mask)
     return out.reshape(B, H, T, D), probs
 
 
@@ -236,10 +240,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_head * args.head_dim, bias=args.attention_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
-        self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.wq = Linear(args.dim, args.n_head * args.head_dim, bias=args.attention_bias)
+        self.wk = Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
+        self.wv = Linear(args.dim, args.n_kv_head * args.head_dim, bias=args.attention_bias)
+        self.wo = Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         # The attention kernels scale logits by head_dim ** -0.5; a model with its own scale (Gemma 3's
@@ -385,9 +389,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.w1 = Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)  # down
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -431,7 +435,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)

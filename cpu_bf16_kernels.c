@@ -1,0 +1,165 @@
+/* The CPU decode step's two bfloat16 kernels (see cpu_bf16_kernels.py for why they exist):
+ *
+ * - bf16_matvec: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]), a few rows m at a time: each weight times one
+ *   vector per sequence;
+ * - bf16_decode_attention: softmax(q k^T * scale, masked) v for a few query rows per KV head over the
+ *   cache's slots, with the probabilities returned in float32.
+ *
+ * A bfloat16 is the top half of a float32, so widening is a zero-extend and a 16-bit shift; everything is
+ * accumulated in float32, and results are rounded to bfloat16 by round-to-nearest-even, as torch rounds. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+static inline __m256 widen8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One weight row against one float32 vector: 4 independent accumulators, 32 elements an iteration. One row
+ * at a time keeps the weight a single sequential stream, which the hardware prefetcher follows at the
+ * memory's read rate (blocks of 4 rows read as 4 interleaved streams ran 20-30% slower). */
+static inline float dot_row(const float *x, const uint16_t *w, long K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(widen8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(widen8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(widen8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k < K; k += 8) a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), a0);
+    return sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* x [M, K], w [N, K], b [N] or NULL, y [M, N], all contiguous; K a multiple of 8. Returns 0, or -1 when the
+ * float32 copy of x cannot be allocated. */
+int bf16_matvec(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M, long N, long K) {
+    float *xf = malloc(sizeof(float) * M * K);
+    if (!xf) return -1;
+    for (long i = 0; i < M * K; i++) xf[i] = to_float(x[i]);
+    #pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) /* the row stays in L1 for every row of x */
+        for (long m = 0; m < M; m++) {
+            float s = dot_row(xf + m * K, w + n * K, K);
+            y[m * N + n] = to_bf16(b ? s + to_float(b[n]) : s);
+        }
+    free(xf);
+    return 0;
+}
+
+/* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial), relative
+ * error ~2e-7; x is clamped to [-88.38, 88.38], so callers zero the masked (-inf) lanes themselves. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+/* One query row's probabilities in place: p[0..L) holds scaled scores, -INFINITY where masked. A row with
+ * every slot masked gives NaN, as torch's softmax does. */
+static void softmax_row(float *p, long L) {
+    float max = -INFINITY;
+    for (long l = 0; l < L; l++) max = p[l] > max ? p[l] : max;
+    if (max == -INFINITY) {
+        for (long l = 0; l < L; l++) p[l] = NAN;
+        return;
+    }
+    __m256 vmax = _mm256_set1_ps(max), vsum = _mm256_setzero_ps(), ninf = _mm256_set1_ps(-INFINITY);
+    long l = 0;
+    for (; l + 8 <= L; l += 8) {
+        __m256 s = _mm256_loadu_ps(p + l);
+        __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(s, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(s, vmax)));
+        _mm256_storeu_ps(p + l, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = sum8(vsum);
+    for (; l < L; l++) {
+        float tail[8] = {p[l] - max, 0, 0, 0, 0, 0, 0, 0};
+        float e[8];
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
+        p[l] = p[l] == -INFINITY ? 0.0f : e[0];
+        sum += p[l];
+    }
+    float inv = 1.0f / sum;
+    for (l = 0; l < L; l++) p[l] *= inv;
+}
+
+/* q [B, H, R, D], k and v [B, H, L, D] (strides in elements, the last dimension contiguous), mask [B, H, R, L]
+ * (bytes, any strides, 0 for broadcast dimensions); out [B, H, R, D] bfloat16 and probs [B, H, R, L] float32,
+ * contiguous. D a multiple of 8. Each (row, head) reads its K and V once: every slot's key against all R
+ * query rows, then every slot's value into R float32 accumulators. Returns 0, or -1 when out of memory. */
+int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, const long *ks,
+                          const uint16_t *v, const long *vs, const uint8_t *mask, const long *ms,
+                          uint16_t *out, float *probs, long B, long H, long R, long L, long D, float scale) {
+    int failed = 0;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (long b = 0; b < B; b++)
+        for (long h = 0; h < H; h++) {
+            float *qf = malloc(sizeof(float) * 2 * R * D), *acc = qf + R * D;
+            if (!qf) {
+                failed = 1;
+                continue;
+            }
+            float *p = probs + (b * H + h) * R * L;
+            const uint16_t *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
+            const uint8_t *mb = mask + b * ms[0] + h * ms[1];
+            for (long r = 0; r < R; r++)
+                for (long d = 0; d < D; d++) qf[r * D + d] = to_float(q[b * qs[0] + h * qs[1] + r * qs[2] + d]);
+            for (long l = 0; l < L; l++)
+                for (long r = 0; r < R; r++)
+                    p[r * L + l] = mb[r * ms[2] + l * ms[3]] ? dot_row(qf + r * D, kb + l * ks[2], D) * scale
+                                                              : -INFINITY;
+            for (long r = 0; r < R; r++) softmax_row(p + r * L, L);
+            memset(acc, 0, sizeof(float) * R * D);
+            for (long l = 0; l < L; l++) {
+                const uint16_t *vl = vb + l * vs[2];
+                for (long r = 0; r < R; r++) {
+                    float pl = p[r * L + l];
+                    if (pl == 0.0f) continue;
+                    __m256 w = _mm256_set1_ps(pl);
+                    for (long d = 0; d < D; d += 8) {
+                        float *a = acc + r * D + d;
+                        _mm256_storeu_ps(a, _mm256_fmadd_ps(w, widen8(vl + d), _mm256_loadu_ps(a)));
+                    }
+                }
+            }
+            uint16_t *o = out + (b * H + h) * R * D;
+            for (long i = 0; i < R * D; i++) o[i] = to_bf16(acc[i]);
+            free(qf);
+        }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,160 @@
+"""The CPU bf16 decode kernels (cpu_bf16_kernels.py) against float64 references written from the
+definitions, torch's own bf16 path, and their compiled calls.
+
+Tolerances: a bf16 result is within one bf16 ulp (2^-7 relative) of the float64 value of the same bf16
+inputs, plus an absolute 1e-6 x the row's scale for sums that cancel; probabilities (float32 end to end) within
+1e-6 absolute.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cpu_bf16_kernels as kernels
+
+ULP = 2.0**-7
+
+
+def within_one_ulp(got: torch.Tensor, exact: torch.Tensor, scale: float) -> bool:
+    return bool(((got.double() - exact).abs() <= ULP * exact.abs() + 1e-6 * scale).all())
+
+
+def test_the_kernels_build_and_load_on_this_machine():
+    # The project's machine (and CI's) has AVX2, FMA and gcc: the tests below exercise the C code, not the
+    # fallback.
+    assert kernels.cpu_supports_kernel()
+    assert kernels.kernel_status() == "on"
+
+
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 1536, 576, False), (3, 193, 576, True), (8, 64, 40, False),
+                                           (5, 7, 1544, True)])
+def test_linear_is_within_one_bf16_ulp_of_the_exact_product(rows, n, k, bias):
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    with torch.inference_mode():
+        y = kernels.linear(x, w, b)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert within_one_ulp(y, exact, math.sqrt(k))
+    # torch's bf16 linear rounds the same float32 sum: the two agree on nearly every element.
+    assert (y == F.linear(x, w, b)).float().mean() > 0.99
+
+
+def test_linear_keeps_leading_dimensions_and_reads_strided_inputs():
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
+    strided = torch.randn(2, 1, 128, dtype=torch.bfloat16)[:, :, ::2]  # not contiguous
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for inp in (x, strided):
+            y = kernels.linear(inp, w)
+            assert y.shape == (2, 1, 96)
+            assert within_one_ulp(y, inp.double() @ w.double().T, 8.0)
+
+
+def test_linear_leaves_prompts_float32_and_autograd_to_torch():
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    prompt = torch.randn(1, kernels.MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(kernels.linear(prompt, w), F.linear(prompt, w))
+        x32, w32 = torch.randn(1, 64), torch.randn(48, 64)
+        assert torch.equal(kernels.linear(x32, w32), F.linear(x32, w32))
+    trained = w.clone().requires_grad_(True)
+    y = kernels.linear(prompt[:, :1], trained)
+    y.float().sum().backward()  # the custom op has no backward: reaching it would raise here
+    assert trained.grad is not None
+
+
+def exact_attention(q, k, v, mask):
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    return probs @ v.double(), probs
+
+
+@pytest.mark.parametrize("b,h,r,length,d", [(1, 3, 3, 288, 64), (2, 2, 5, 37, 128), (3, 1, 9, 1000, 64),
+                                            (1, 4, 64, 9, 8)])
+def test_decode_attention_matches_the_exact_softmax(b, h, r, length, d):
+    g = torch.Generator().manual_seed(b * 1000 + length)
+    q = torch.randn(b, h, r, d, generator=g).bfloat16()
+    k = torch.randn(b, h, length, d, generator=g).bfloat16()
+    v = torch.randn(b, h, length, d, generator=g).bfloat16()
+    mask = torch.rand(b, h, 1, length, generator=g) > 0.3
+    mask[..., 0] = True
+    with torch.inference_mode():
+        out, probs = kernels.decode_attention(q, k, v, mask)
+    exact_out, exact_probs = exact_attention(q, k, v, mask)
+    assert out.dtype == torch.bfloat16 and probs.dtype == torch.float32
+    assert (probs.double() - exact_probs).abs().max() < 1e-6
+    assert torch.equal(probs == 0, ~mask.expand_as(probs))  # masked slots get exactly nothing
+    assert within_one_ulp(out, exact_out, 1.0)
+    # torch's bf16 path rounds scores and probabilities to bf16: the kernel is the closer of the two.
+    ref_out, ref_probs = kernels.attention_reference(q, k, v, mask)
+    assert (probs.double() - exact_probs).abs().max() <= (ref_probs.double() - exact_probs).abs().max()
+
+
+def test_decode_attention_reads_broadcast_and_strided_caches():
+    g = torch.Generator().manual_seed(7)
+    held = torch.randn(1, 2, 50, 64, generator=g).bfloat16()
+    k = held.expand(3, -1, -1, -1)  # one cache shared by three rows: stride 0
+    v = torch.randn(3, 2, 50, 128, generator=g).bfloat16()[..., ::2]  # last dimension strided
+    q = torch.randn(3, 2, 4, 64, generator=g).bfloat16()
+    mask = (torch.rand(3, 1, 4, 50, generator=g) > 0.5) | (torch.arange(50) == 0)
+    with torch.inference_mode():
+        out, probs = kernels.decode_attention(q, k, v, mask)
+    exact_out, exact_probs = exact_attention(q, k, v, mask)
+    assert (probs.double() - exact_probs).abs().max() < 1e-6
+    assert within_one_ulp(out, exact_out, 1.0)
+
+
+def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch():
+    q = torch.randn(1, 1, 2, 64).bfloat16()
+    k, v = torch.randn(1, 1, 10, 64).bfloat16(), torch.randn(1, 1, 10, 64).bfloat16()
+    mask = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
+    mask[0, 0, 1, 3] = True
+    with torch.inference_mode():
+        out, probs = kernels.decode_attention(q, k, v, mask)
+        ref_out, ref_probs = kernels.attention_reference(q, k, v, mask)
+    assert probs[0, 0, 0].isnan().all() and ref_probs[0, 0, 0].isnan().all()
+    assert out[0, 0, 0].isnan().all() and ref_out[0, 0, 0].isnan().all()
+    assert torch.equal(probs[0, 0, 1], ref_probs[0, 0, 1])  # the one visible slot: probability 1
+
+
+def test_decode_attention_leaves_long_query_blocks_to_torch():
+    q = torch.randn(1, 1, kernels.MAX_QUERY_ROWS + 1, 64).bfloat16()
+    k, v = torch.randn(1, 1, 20, 64).bfloat16(), torch.randn(1, 1, 20, 64).bfloat16()
+    mask = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    with torch.inference_mode():
+        got, ref = kernels.decode_attention(q, k, v, mask), kernels.attention_reference(q, k, v, mask)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_compiled_calls_equal_eager_calls():
+    def step(x, w, q, k, v, mask):
+        out, probs = kernels.decode_attention(q, k, v, mask)
+        return kernels.linear(x, w), out, probs
+
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(1, 1, 64, generator=g).bfloat16(), torch.randn(80, 64, generator=g).bfloat16(),
+            torch.randn(1, 2, 3, 64, generator=g).bfloat16(), torch.randn(1, 2, 30, 64, generator=g).bfloat16(),
+            torch.randn(1, 2, 30, 64, generator=g).bfloat16(), torch.rand(1, 2, 1, 30, generator=g) > 0.2)
+    with torch.inference_mode():
+        eager = step(*args)
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+def test_the_build_fails_cleanly_without_a_compiler_and_happens_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert kernels._build() is None
+    monkeypatch.setenv("CC", "no-such-compiler")
+    real_which = kernels.shutil.which
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None if name == "cc" else real_which(name))
+    assert kernels._build() is None
+    monkeypatch.delenv("CC")
+    built = kernels._build()
+    assert built is not None and built.parent == tmp_path / "kv-eviction-bench" and built.exists()
+    assert kernels._build() == built  # built once per cache directory
