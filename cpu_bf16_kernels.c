@@ -3,7 +3,7 @@
  * - bf16_matvec: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]), a few rows m at a time: each weight times one
  *   vector per sequence;
  * - bf16_decode_attention: softmax(q k^T * scale, masked) v for a few query rows per KV head over the
- *   cache's slots, with the probabilities returned in float32.
+ *   cache's slots (head size a multiple of 8, at most 256), with the probabilities returned in float32.
  *
  * A bfloat16 is the top half of a float32, so widening is a zero-extend and a 16-bit shift; everything is
  * accumulated in float32, and results are rounded to bfloat16 by round-to-nearest-even, as torch rounds. */
@@ -118,10 +118,54 @@ static void softmax_row(float *p, long L) {
     for (l = 0; l < L; l++) p[l] *= inv;
 }
 
+/* Sums of 8 vectors, one per lane: [sum(a[0]), ..., sum(a[7])] (a horizontal-add tree). */
+static inline __m256 sum8x8(const __m256 *a) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* One (row, head): p [R, L] gets the probabilities, acc [R, D] the float32 outputs. Inlined with D a
+ * constant for the common head sizes, so a query row and a row's output accumulators live in registers.
+ * Scores: 8 slots at a time, their keys read once from memory for all R query rows; values: one output
+ * row at a time over every slot (the head's V is then read R times, from the L2 cache). */
+static inline __attribute__((always_inline)) void head_attention(
+    const float *qf, const uint16_t *kb, long ksl, const uint16_t *vb, long vsl, const uint8_t *mb, long msr,
+    long msl, float *p, float *acc, long R, long L, long D, float scale) {
+    long l = 0;
+    for (; l + 8 <= L; l += 8) {
+        for (long r = 0; r < R; r++) {
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (long d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(qf + r * D + d);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(widen8(kb + (l + j) * ksl + d), qv, a[j]);
+            }
+            float s[8];
+            _mm256_storeu_ps(s, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
+            for (int j = 0; j < 8; j++) p[r * L + l + j] = mb[r * msr + (l + j) * msl] ? s[j] : -INFINITY;
+        }
+    }
+    for (; l < L; l++)
+        for (long r = 0; r < R; r++)
+            p[r * L + l] = mb[r * msr + l * msl] ? dot_row(qf + r * D, kb + l * ksl, D) * scale : -INFINITY;
+    for (long r = 0; r < R; r++) {
+        float *pr = p + r * L;
+        softmax_row(pr, L);
+        __m256 o[32]; /* D <= 256 */
+        for (long d = 0; d < D; d += 8) o[d / 8] = _mm256_setzero_ps();
+        for (long j = 0; j < L; j++) {
+            if (pr[j] == 0.0f) continue; /* masked or underflowed: adds nothing (NaN rows still propagate) */
+            __m256 w = _mm256_set1_ps(pr[j]);
+            for (long d = 0; d < D; d += 8) o[d / 8] = _mm256_fmadd_ps(w, widen8(vb + j * vsl + d), o[d / 8]);
+        }
+        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(acc + r * D + d, o[d / 8]);
+    }
+}
+
 /* q [B, H, R, D], k and v [B, H, L, D] (strides in elements, the last dimension contiguous), mask [B, H, R, L]
  * (bytes, any strides, 0 for broadcast dimensions); out [B, H, R, D] bfloat16 and probs [B, H, R, L] float32,
- * contiguous. D a multiple of 8. Each (row, head) reads its K and V once: every slot's key against all R
- * query rows, then every slot's value into R float32 accumulators. Returns 0, or -1 when out of memory. */
+ * contiguous. D a multiple of 8, at most 256. Returns 0, or -1 when out of memory. */
 int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, const long *ks,
                           const uint16_t *v, const long *vs, const uint8_t *mask, const long *ms,
                           uint16_t *out, float *probs, long B, long H, long R, long L, long D, float scale) {
@@ -139,24 +183,12 @@ int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, 
             const uint8_t *mb = mask + b * ms[0] + h * ms[1];
             for (long r = 0; r < R; r++)
                 for (long d = 0; d < D; d++) qf[r * D + d] = to_float(q[b * qs[0] + h * qs[1] + r * qs[2] + d]);
-            for (long l = 0; l < L; l++)
-                for (long r = 0; r < R; r++)
-                    p[r * L + l] = mb[r * ms[2] + l * ms[3]] ? dot_row(qf + r * D, kb + l * ks[2], D) * scale
-                                                              : -INFINITY;
-            for (long r = 0; r < R; r++) softmax_row(p + r * L, L);
-            memset(acc, 0, sizeof(float) * R * D);
-            for (long l = 0; l < L; l++) {
-                const uint16_t *vl = vb + l * vs[2];
-                for (long r = 0; r < R; r++) {
-                    float pl = p[r * L + l];
-                    if (pl == 0.0f) continue;
-                    __m256 w = _mm256_set1_ps(pl);
-                    for (long d = 0; d < D; d += 8) {
-                        float *a = acc + r * D + d;
-                        _mm256_storeu_ps(a, _mm256_fmadd_ps(w, widen8(vl + d), _mm256_loadu_ps(a)));
-                    }
-                }
-            }
+            if (D == 64)
+                head_attention(qf, kb, ks[2], vb, vs[2], mb, ms[2], ms[3], p, acc, R, L, 64, scale);
+            else if (D == 128)
+                head_attention(qf, kb, ks[2], vb, vs[2], mb, ms[2], ms[3], p, acc, R, L, 128, scale);
+            else
+                head_attention(qf, kb, ks[2], vb, vs[2], mb, ms[2], ms[3], p, acc, R, L, D, scale);
             uint16_t *o = out + (b * H + h) * R * D;
             for (long i = 0; i < R * D; i++) o[i] = to_bf16(acc[i]);
             free(qf);

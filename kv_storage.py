@@ -111,9 +111,15 @@ class Storage(nn.Module):
 
 
 def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
-    """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width)."""
-    index = slots.view(*slots.shape, *([1] * (buf.dim() - 3))).expand(*slots.shape, *buf.shape[3:])
-    buf.scatter_(2, index, src.to(buf.dtype))
+    """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width).
+
+    An index_put_, not a scatter_ along dim 2: a compiled step writes an index_put_ into the buffer in
+    place, while a functionalized scatter_ is rebuilt as a copy of the whole buffer plus the new rows and
+    copied back (two full passes over the cache per layer and step, measured by inductor's output code)."""
+    B, H = slots.shape[:2]
+    rows = torch.arange(B, device=slots.device).view(B, 1, 1)
+    heads = torch.arange(H, device=slots.device).view(1, H, 1)
+    buf.index_put_((rows, heads, slots), src[:B, :H, : slots.shape[2]].to(buf.dtype))
 
 
 class DenseStorage(Storage):
