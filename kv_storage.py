@@ -113,13 +113,18 @@ class Storage(nn.Module):
 def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
     """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width).
 
-    An index_put_, not a scatter_ along dim 2: a compiled step writes an index_put_ into the buffer in
-    place, while a functionalized scatter_ is rebuilt as a copy of the whole buffer plus the new rows and
-    copied back (two full passes over the cache per layer and step, measured by inductor's output code)."""
-    B, H = slots.shape[:2]
-    rows = torch.arange(B, device=slots.device).view(B, 1, 1)
-    heads = torch.arange(H, device=slots.device).view(1, H, 1)
-    buf.index_put_((rows, heads, slots), src[:B, :H, : slots.shape[2]].to(buf.dtype))
+    Compiled, an index_put_: inductor writes it in place, while it turns a scatter_ along the slots into a
+    copy of the whole buffer plus the new rows, copied back after the step (two passes over the cache per
+    layer and step, read in inductor's output code). Eager, the scatter_: an index_put_ there costs ~5x
+    its dispatch, and a decode step makes 60 or more writes."""
+    if torch.compiler.is_compiling():
+        B, H = slots.shape[:2]
+        rows = torch.arange(B, device=slots.device).view(B, 1, 1)
+        heads = torch.arange(H, device=slots.device).view(1, H, 1)
+        buf.index_put_((rows, heads, slots), src[:B, :H, : slots.shape[2]].to(buf.dtype))
+        return
+    index = slots.view(*slots.shape, *([1] * (buf.dim() - 3))).expand(*slots.shape, *buf.shape[3:])
+    buf.scatter_(2, index, src.to(buf.dtype))
 
 
 class DenseStorage(Storage):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+import cpu_bf16_kernels
 from atomic_files import atomic_write, write_json_atomic
 from checkpoint import add_model_arguments, parse_dtype, positive_int, resolve_device
 from errors import CliParser, UserError
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "weight_bytes": total_weight_bytes, "argv": argv, "wall_seconds": round(time.perf_counter() - started),
             "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
-            "inductor_freezing": bool(torch._inductor.config.freezing)}
+            "inductor_freezing": bool(torch._inductor.config.freezing),
+            "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     partial.unlink()
     return rows
@@ -310,6 +312,6 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
             "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": args.dtype,
             "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes(model),
             "kv_memory_cap_gb": args.kv_memory_gb, "engine": ENGINE, "argv": argv,
-            "wall_seconds": round(time.perf_counter() - started)}
+            "wall_seconds": round(time.perf_counter() - started), "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     return rows
