@@ -80,16 +80,16 @@ def _build() -> Path | None:
         return None
     flags = CFLAGS + _torch_openmp_link_flags()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = cache_directory() / f"cpu_bf16_kernels-{key}.so"
-    if target.exists():
-        return target
     try:
+        target = cache_directory() / f"cpu_bf16_kernels-{key}.so"  # Path.home() raises without a home
+        if target.exists():
+            return target
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
             os.replace(built, target)
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, RuntimeError, subprocess.CalledProcessError):
         return None
     return target
 
