@@ -143,21 +143,22 @@ def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.view(*x.shape[:-1], N)
 
 
-def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """torch's grouped attention: q [B, n_kv, R, D] over k, v [B, n_kv, L, D], mask broadcastable to
-    [B, n_kv, R, L] -> (out [B, n_kv, R, D] in v's dtype, probabilities [B, n_kv, R, L] in float32)."""
+def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """torch's grouped attention, every path the kernel does not take: q [B, n_kv, R, D] over k, v
+    [B, n_kv, L, D], mask broadcastable to [B, n_kv, R, L] -> (out [B, n_kv, R, D] in v's dtype,
+    probabilities [B, n_kv, R, L] in float32)."""
     scores = (q @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return probs.to(v.dtype) @ v, probs
 
 
 def _bf16_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """attention_reference's contract, bfloat16 q, k, v on the CPU, computed by the kernel."""
+    """torch_attention's contract, bfloat16 q, k, v on the CPU, computed by the kernel."""
     lib = kernel()
     B, H, R, D = q.shape
     L = k.shape[2]
-    if lib is None or D % 8 or D > 256:
-        return attention_reference(q, k, v, mask)
+    if lib is None:
+        return torch_attention(q, k, v, mask)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = torch.broadcast_to(mask, (B, H, R, L))
     out = torch.empty(B, H, R, D, dtype=torch.bfloat16)
@@ -187,8 +188,10 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _takes_kernel(*tensors: Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    # The dtype first: float32 and GPU forwards, which never take the kernels, leave after one comparison.
+    return (tensors[0].dtype == torch.bfloat16 and all(t.device.type == "cpu" and t.dtype == torch.bfloat16
+                                                       for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -199,8 +202,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """attention_reference, through the kernel where it is the faster way (see the module's docstring)."""
+    """torch_attention, through the kernel where it is the faster way (see the module's docstring)."""
     if (_takes_kernel(q, k, v) and mask.dtype == torch.bool and q.shape[2] <= MAX_QUERY_ROWS
-            and k.shape == v.shape and k.shape[:2] == q.shape[:2]):
+            and k.shape == v.shape and k.shape[:2] == q.shape[:2] and q.shape[3] % 8 == 0 and q.shape[3] <= 256):
         return torch.ops.kv_eviction.bf16_decode_attention(q, k, v, mask)
-    return attention_reference(q, k, v, mask)
+    return torch_attention(q, k, v, mask)

@@ -91,7 +91,7 @@ def test_decode_attention_matches_the_exact_softmax(b, h, r, length, d):
     assert torch.equal(probs == 0, ~mask.expand_as(probs))  # masked slots get exactly nothing
     assert within_one_ulp(out, exact_out, 1.0)
     # torch's bf16 path rounds scores and probabilities to bf16: the kernel is the closer of the two.
-    ref_out, ref_probs = kernels.attention_reference(q, k, v, mask)
+    ref_out, ref_probs = kernels.torch_attention(q, k, v, mask)
     assert (probs.double() - exact_probs).abs().max() <= (ref_probs.double() - exact_probs).abs().max()
 
 
@@ -116,18 +116,19 @@ def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch():
     mask[0, 0, 1, 3] = True
     with torch.inference_mode():
         out, probs = kernels.decode_attention(q, k, v, mask)
-        ref_out, ref_probs = kernels.attention_reference(q, k, v, mask)
+        ref_out, ref_probs = kernels.torch_attention(q, k, v, mask)
     assert probs[0, 0, 0].isnan().all() and ref_probs[0, 0, 0].isnan().all()
     assert out[0, 0, 0].isnan().all() and ref_out[0, 0, 0].isnan().all()
     assert torch.equal(probs[0, 0, 1], ref_probs[0, 0, 1])  # the one visible slot: probability 1
 
 
-def test_decode_attention_leaves_long_query_blocks_to_torch():
-    q = torch.randn(1, 1, kernels.MAX_QUERY_ROWS + 1, 64).bfloat16()
-    k, v = torch.randn(1, 1, 20, 64).bfloat16(), torch.randn(1, 1, 20, 64).bfloat16()
+@pytest.mark.parametrize("rows,d", [(kernels.MAX_QUERY_ROWS + 1, 64), (3, 12), (3, 264)])
+def test_decode_attention_leaves_long_query_blocks_and_odd_head_sizes_to_torch(rows, d):
+    q = torch.randn(1, 1, rows, d).bfloat16()
+    k, v = torch.randn(1, 1, 20, d).bfloat16(), torch.randn(1, 1, 20, d).bfloat16()
     mask = torch.ones(1, 1, 1, 20, dtype=torch.bool)
     with torch.inference_mode():
-        got, ref = kernels.decode_attention(q, k, v, mask), kernels.attention_reference(q, k, v, mask)
+        got, ref = kernels.decode_attention(q, k, v, mask), kernels.torch_attention(q, k, v, mask)
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
