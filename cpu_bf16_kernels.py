@@ -1,15 +1,17 @@
 """The CPU decode step's bfloat16 kernels: linear layers and attention that stream their operands.
 
 A decode step multiplies every weight by one vector per sequence and attends a few query rows over the
-cache, so its speed is the rate at which weights and K/V are read. On an AVX2 CPU without bfloat16
-instructions (this project's machine) torch's bf16 products of this shape are slow: a weight times one
-vector (oneDNN eagerly, inductor's matmul or its own reduction when compiled) reads cold weights ~1.3x
-slower than a plain read, and the attention's two bf16 batched matmuls cost ~0.1-0.25 ms each at 288
-slots where the data take microseconds (4 ms and 9 ms at 8128 slots). `cpu_bf16_kernels.c` widens bf16 to
-float32 in registers (a shift: bf16 is the top half of a float32), accumulates in float32 and rounds the
-result to bf16 as torch does (docs/performance.md has the measured rates).
+cache, so its speed is the rate at which weights and K/V are read. torch's bf16 products of this shape are
+slow on the CPU: a weight times one vector (oneDNN eagerly, inductor's matmul or its own reduction when
+compiled) read cold weights ~1.3x slower than a plain read on an AVX2 machine and ~2x slower on an
+AVX-512 one, and the attention's two bf16 batched matmuls cost ~0.1-0.25 ms each at 288 slots where the
+data take microseconds (4 ms and 9 ms at 8128 slots). `cpu_bf16_kernels.c` streams each weight once:
+with AVX-512 BF16 (VDPBF16PS: 32 bf16 products a line) where the CPU has it, else by widening bf16 to
+float32 in registers (a shift: bf16 is the top half of a float32); either way it accumulates in float32
+and rounds the result to bf16 as torch does (docs/performance.md has the measured rates).
 
-- `linear(x, weight, bias)`, every linear layer of the model: the kernel for bf16 on the CPU with at most
+- `linears(x, weights, biases)`, the projections of one input (q, k, v; gate, up) stacked into one call,
+  and `linear(x, weight, bias)`, every other linear layer: the kernel for bf16 on the CPU with at most
   MAX_ROWS rows (a decode step of up to that many sequences; a prompt is a matrix product, where oneDNN is
   fast), else `F.linear`. Same values as torch's bf16 linear up to summation order.
 - `decode_attention(q, k, v, mask)`, model.grouped_attention on the CPU in bf16 for at most
@@ -17,17 +19,18 @@ result to bf16 as torch does (docs/performance.md has the measured rates).
   float32 (torch's path rounds the scores and the probabilities to bf16 before each product, so this is
   the more exact of the two).
 
-Both are torch ops (`torch.ops.kv_eviction.*`), so a compiled step calls each as one opaque kernel, and both run
-only without autograd. The library is built on first use with the C compiler (the one inductor needs on
-the CPU too) into the user's cache directory, linked to the OpenMP runtime torch loaded, so it shares
-torch's threads (`torch.set_num_threads`). Without AVX2 and FMA or a compiler, or with KV_CPU_KERNELS=0 in
-the environment, each op runs torch's own code instead.
+Both are torch ops (`torch.ops.kv_eviction.*`, schemas here, CPU implementations in C++ in
+`cpu_bf16_ops.cpp`, so a call costs the dispatcher's few microseconds), which a compiled step calls as
+opaque kernels; both run only without autograd. The library is built on first use with the C and C++
+compilers (the ones inductor needs on the CPU too; ~10 s once) into the user's cache directory, linked to
+torch and to the OpenMP runtime torch loaded, so it shares torch's threads (`torch.set_num_threads`).
+Without AVX2 and FMA or the compilers, or with KV_CPU_KERNELS=0 in the environment, every call takes
+torch's own code instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import math
 import os
@@ -40,11 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("cpu_bf16_kernels.c")
+C_SOURCE = Path(__file__).with_name("cpu_bf16_kernels.c")
+CXX_SOURCE = Path(__file__).with_name("cpu_bf16_ops.cpp")
 MAX_ROWS = 8  # more rows than this: the matrix product reuses each weight enough for oneDNN's kernels
 MAX_QUERY_ROWS = 64  # query rows per KV head (rep x T): a decode step, not a prompt chunk
 ENV_SWITCH = "KV_CPU_KERNELS"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
+CXXFLAGS = ["-O2", "-std=c++20", "-fPIC", "-shared", "-w"]
 
 
 def cpu_supports_kernel() -> bool:
@@ -57,14 +62,15 @@ def cpu_supports_kernel() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-def _torch_openmp_link_flags() -> list[str]:
-    """Link against the OpenMP runtime in torch's own lib directory, so the kernel's threads are torch's
-    (two runtimes in one process would each keep a pool spinning on the same cores)."""
-    lib_dir = Path(torch.__file__).parent / "lib"
+def _torch_link_flags() -> list[str]:
+    """torch's headers and libraries, and the OpenMP runtime in torch's own lib directory, so the kernel's
+    threads are torch's (two runtimes in one process would each keep a pool spinning on the same cores)."""
+    root = Path(torch.__file__).parent
+    lib_dir = root / "lib"
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    flags = [f"-I{root / 'include'}", abi, f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
     found = sorted(lib_dir.glob("libgomp*.so*"))
-    if not found:
-        return []
-    return [f"-L{lib_dir}", f"-l:{found[0].name}", f"-Wl,-rpath,{lib_dir}"]
+    return flags + ([f"-l:{found[0].name}"] if found else [])
 
 
 def cache_directory() -> Path:
@@ -72,75 +78,103 @@ def cache_directory() -> Path:
     return Path(root) / "kv-eviction-bench"
 
 
+def _compilers() -> tuple[str, str] | None:
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    return (cc, cxx) if cc and cxx else None
+
+
 def _build() -> Path | None:
-    """The shared library for this source, compiler flags and torch, built once per cache directory (a
-    temporary file renamed into place, so concurrent processes never load a half-written library)."""
-    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-    if compiler is None:
+    """The shared library for these sources, compilers, flags and torch, built once per cache directory (the
+    C kernels, then the C++ ops linked to them and to torch; a temporary file renamed into place, so
+    concurrent processes never load a half-written library). ~10 s the first time."""
+    compilers = _compilers()
+    if compilers is None:
         return None
-    flags = CFLAGS + _torch_openmp_link_flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    cc, cxx = compilers
+    link = _torch_link_flags()
+    recipe = " ".join([cc, *CFLAGS, cxx, *CXXFLAGS, *link, torch.__version__]).encode()
+    key = hashlib.sha256(C_SOURCE.read_bytes() + CXX_SOURCE.read_bytes() + recipe).hexdigest()[:16]
     try:
         target = cache_directory() / f"cpu_bf16_kernels-{key}.so"  # Path.home() raises without a home
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+            obj, built = Path(tmp) / "kernels.o", Path(tmp) / target.name
+            subprocess.run([cc, *CFLAGS, "-c", str(C_SOURCE), "-o", str(obj)], check=True, capture_output=True)
+            subprocess.run([cxx, *CXXFLAGS, str(CXX_SOURCE), str(obj), "-o", str(built), *link], check=True,
+                           capture_output=True)
             os.replace(built, target)
     except (OSError, RuntimeError, subprocess.CalledProcessError):
         return None
     return target
 
 
-@functools.cache
+# The ops' schemas; their CPU implementations are registered by cpu_bf16_ops.cpp when the library loads.
+# Every other device and dtype takes torch's path before reaching them (linears, decode_attention).
+_LIBRARY = torch.library.Library("kv_eviction", "DEF")
+_LIBRARY.define("bf16_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
+_LIBRARY.define("bf16_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> (Tensor, Tensor)")
+
+_library: ctypes.CDLL | None = None
+_tried = False
+# Read by linears and decode_attention, also inside a compiled trace (a plain global: dynamo guards on its
+# value, so a graph traced before the library loaded is traced again after).
+_ops_ready = False
+
+
 def kernel() -> ctypes.CDLL | None:
-    """The loaded kernel, or None where it cannot run here (see the module's docstring)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports_kernel():
-        return None
-    path = _build()
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:
-        return None
-    lib.bf16_matvec.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    lib.bf16_matvec.restype = ctypes.c_int
-    lib.bf16_decode_attention.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_long] * 5 + [ctypes.c_float]
-    lib.bf16_decode_attention.restype = ctypes.c_int
-    return lib
+    """The loaded library (its ops registered), or None where it cannot run here (see the module's
+    docstring); built and loaded on the first call."""
+    global _library, _tried, _ops_ready
+    if not _tried:
+        _tried = True
+        path = None if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports_kernel() else _build()
+        if path is not None:
+            try:
+                torch.ops.load_library(str(path))
+                _library = ctypes.CDLL(str(path))  # the same loaded library: its instruction-set switch
+            except (OSError, RuntimeError):
+                _library = None
+        if _library is not None:
+            _library.bf16_kernels_isa.argtypes = [ctypes.c_int]
+            _library.bf16_kernels_isa.restype = ctypes.c_int
+        _ops_ready = _library is not None
+    return _library
+
+
+def _kernels_on() -> bool:
+    # The first eager call loads the library; a trace never builds it (it keeps torch's path until then).
+    if not _tried and not torch.compiler.is_compiling():
+        kernel()
+    return _ops_ready
+
+
+def load_before_tracing(weight: Tensor) -> None:
+    """Load the library now if a model with this weight (bf16 on the CPU) would use it: a compiled decode step
+    calls this before its first trace, which would otherwise keep torch's path and be traced again once an
+    eager call had loaded the kernels."""
+    if not _tried and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        kernel()
 
 
 def kernel_status() -> str:
     """For reports: whether the CPU's bf16 decode step runs these kernels."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"off ({ENV_SWITCH}=0)"
-    return "on" if kernel() is not None else "unavailable (needs AVX2, FMA and a C compiler)"
-
-
-# Ops through torch.library's low-level API: a call costs ~5 us, against ~17 us for torch.library.custom_op,
-# and a decode step of the bundled model makes ~210 of them. CPU kernels only: every other device and
-# dtype takes torch's path before reaching them (linear, decode_attention).
-_LIBRARY = torch.library.Library("kv_eviction", "DEF")
-_LIBRARY.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIBRARY.define("bf16_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> (Tensor, Tensor)")
-
-
-def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x [..., K] @ weight[N, K].T + bias, all bfloat16 on the CPU, weight contiguous."""
     lib = kernel()
-    N, K = weight.shape
-    if lib is None or K % 8 or bias is not None and not bias.is_contiguous():
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, K).contiguous()
-    y = torch.empty(rows.shape[0], N, dtype=torch.bfloat16)
-    status = lib.bf16_matvec(rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                             y.data_ptr(), rows.shape[0], N, K)
-    if status != 0:
-        raise MemoryError("bf16_matvec: out of memory for the float32 copy of the input")
-    return y.view(*x.shape[:-1], N)
+    if lib is None:
+        return "unavailable (needs AVX2, FMA and C and C++ compilers)"
+    return "on (AVX-512 BF16)" if lib.bf16_kernels_isa(-1) else "on (AVX2 + FMA)"
+
+
+def set_instruction_set(avx512bf16: bool) -> bool:
+    """Choose the linear kernel's dot product: AVX-512 BF16 (the default where the CPU has it) or AVX2 + FMA
+    (every CPU the kernels run on). Returns whether AVX-512 BF16 is now in use. For tests and benchmarks,
+    which run both paths on one machine."""
+    lib = kernel()
+    return bool(lib is not None and lib.bf16_kernels_isa(1 if avx512bf16 else 0))
 
 
 def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -152,33 +186,9 @@ def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tens
     return probs.to(v.dtype) @ v, probs
 
 
-def _bf16_decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """torch_attention's contract, bfloat16 q, k, v on the CPU, computed by the kernel."""
-    lib = kernel()
-    B, H, R, D = q.shape
-    L = k.shape[2]
-    if lib is None:
-        return torch_attention(q, k, v, mask)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    mask = torch.broadcast_to(mask, (B, H, R, L))
-    out = torch.empty(B, H, R, D, dtype=torch.bfloat16)
-    probs = torch.empty(B, H, R, L, dtype=torch.float32)
-    strides = [(ctypes.c_long * 4)(*t.stride()) for t in (q, k, v, mask)]
-    status = lib.bf16_decode_attention(q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
-                                       mask.data_ptr(), strides[3], out.data_ptr(), probs.data_ptr(),
-                                       B, H, R, L, D, 1.0 / math.sqrt(D))
-    if status != 0:
-        raise MemoryError("bf16_decode_attention: out of memory for the float32 query rows")
-    return out, probs
-
-
-_LIBRARY.impl("bf16_linear", _bf16_linear, "CPU")
-_LIBRARY.impl("bf16_decode_attention", _bf16_decode_attention, "CPU")
-
-
-@torch.library.register_fake("kv_eviction::bf16_linear")
-def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+@torch.library.register_fake("kv_eviction::bf16_linears")
+def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 @torch.library.register_fake("kv_eviction::bf16_decode_attention")
@@ -191,19 +201,28 @@ def _takes_kernel(*tensors: Tensor) -> bool:
     # The dtype first: float32 and GPU forwards, which never take the kernels, leave after one comparison.
     return (tensors[0].dtype == torch.bfloat16 and all(t.device.type == "cpu" and t.dtype == torch.bfloat16
                                                        for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _kernels_on())
+
+
+def linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+    """[F.linear(x, w, b) for each weight], through one kernel call where it is the faster way (see the
+    module's docstring): the projections of one input read as one stream of stacked weights."""
+    if (_takes_kernel(x, *weights) and x.numel() <= MAX_ROWS * x.shape[-1] and x.shape[-1] % 8 == 0
+            and all(w.is_contiguous() for w in weights)
+            and all(b is None or b.dtype == torch.bfloat16 and b.is_contiguous() for b in biases)):
+        y = torch.ops.kv_eviction.bf16_linears(x, weights, biases)
+        return list(y.split([w.shape[0] for w in weights], dim=-1)) if len(weights) > 1 else [y]
+    return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, through the kernel where it is the faster way (see the module's docstring)."""
-    if _takes_kernel(x, weight) and weight.is_contiguous() and x.numel() <= MAX_ROWS * x.shape[-1]:
-        return torch.ops.kv_eviction.bf16_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return linears(x, [weight], [bias])[0]
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """torch_attention, through the kernel where it is the faster way (see the module's docstring)."""
-    if (_takes_kernel(q, k, v) and mask.dtype == torch.bool and q.shape[2] <= MAX_QUERY_ROWS
-            and k.shape == v.shape and k.shape[:2] == q.shape[:2] and q.shape[3] % 8 == 0 and q.shape[3] <= 256):
+    if (mask.dtype == torch.bool and q.shape[2] <= MAX_QUERY_ROWS and k.shape == v.shape
+            and k.shape[:2] == q.shape[:2] and q.shape[3] % 8 == 0 and q.shape[3] <= 256 and _takes_kernel(q, k, v)):
         return torch.ops.kv_eviction.bf16_decode_attention(q, k, v, mask)
     return torch_attention(q, k, v, mask)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import cpu_bf16_kernels
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
 from cache_setup import attach_row_caches, cache_specs, setup_caches
@@ -157,6 +158,7 @@ class CompiledDecodeStep:
         self.compile_seconds = 0.0
 
     def compiled_step(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
+        cpu_bf16_kernels.load_before_tracing(model.tok_embeddings.weight)
         # Layers may differ in strategy or budget (patterns, debug shadows): one graph per kind of layer.
         limit = max(torch._dynamo.config.recompile_limit, 2 * model.args.n_layer)
         with torch._dynamo.config.patch(recompile_limit=limit):

@@ -50,6 +50,12 @@ class Linear(nn.Linear):
         return cpu_bf16_kernels.linear(x, self.weight, self.bias)
 
 
+def linears(x: Tensor, *layers: nn.Linear) -> list[Tensor]:
+    """[layer(x) for layer in layers]; the CPU bf16 decode step reads their stacked weights in one kernel call
+    (one dispatch and one parallel region for q, k and v, or gate and up, instead of one each)."""
+    return cpu_bf16_kernels.linears(x, [layer.weight for layer in layers], [layer.bias for layer in layers])
+
+
 @dataclass
 class ModelArgs:
     n_layer: int
@@ -259,14 +265,20 @@ class Attention(nn.Module):
         self.soft_gating: tuple[int, int] | None = None
         self.retained: Tensor | None = None
 
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, dim] -> q [B, n_head, T, D], k and v [B, n_kv, T, D], before RoPE and the q/k norms."""
+        B, T, _ = x.shape
+        q, k, v = linears(x, self.wq, self.wk, self.wv)
+        return (q.view(B, T, self.n_head, self.head_dim).transpose(1, 2),
+                k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2),
+                v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2))
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
                 chunk: bool = False) -> Tensor:
         B, T, _ = x.shape
         if chunk:  # a chunk of a chunked prefill: cos/sin are the whole tables (held keys may need them)
             return self.forward_chunk(x, cos, sin, input_pos)
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache = self.kv_cache
@@ -336,9 +348,7 @@ class Attention(nn.Module):
         position and the chunk at n..n+T−1, so the prompt may run past the context."""
         B, T, _ = x.shape
         cache = self.kv_cache
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if cache.needs_gates:
@@ -395,7 +405,8 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        gate, up = linears(x, self.w1, self.w3)
+        return self.w2(self.act(gate) * up)
 
 
 class TransformerBlock(nn.Module):

@@ -22,15 +22,37 @@ def within_one_ulp(got: torch.Tensor, exact: torch.Tensor, scale: float) -> bool
 
 
 def test_the_kernels_build_and_load_on_this_machine():
-    # The project's machine (and CI's) has AVX2, FMA and gcc: the tests below exercise the C code, not the
+    # The project's machines (and CI's) have AVX2, FMA and gcc: the tests below exercise the C code, not the
     # fallback.
     assert kernels.cpu_supports_kernel()
-    assert kernels.kernel_status() == "on"
+    assert kernels.kernel_status().startswith("on (")
+
+
+def has_avx512bf16() -> bool:
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    return {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)
+
+
+# The linears' two dot products: AVX2 + FMA everywhere, AVX-512 BF16 where this CPU has it (the default there).
+INSTRUCTION_SETS = [False, pytest.param(True, marks=pytest.mark.skipif(not has_avx512bf16(),
+                                                                      reason="this CPU has no AVX-512 BF16"))]
+
+
+@pytest.fixture(params=INSTRUCTION_SETS, ids=["avx2_fma", "avx512_bf16"])
+def instruction_set(request):
+    assert kernels.set_instruction_set(request.param) == request.param
+    yield request.param
+    kernels.set_instruction_set(True)  # back to the best available
+
+
+def test_the_best_instruction_set_is_the_default():
+    assert kernels.set_instruction_set(True) == has_avx512bf16()
+    assert kernels.kernel_status() == ("on (AVX-512 BF16)" if has_avx512bf16() else "on (AVX2 + FMA)")
 
 
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 1536, 576, False), (3, 193, 576, True), (8, 64, 40, False),
                                            (5, 7, 1544, True)])
-def test_linear_is_within_one_bf16_ulp_of_the_exact_product(rows, n, k, bias):
+def test_linear_is_within_one_bf16_ulp_of_the_exact_product(rows, n, k, bias, instruction_set):
     g = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -44,7 +66,24 @@ def test_linear_is_within_one_bf16_ulp_of_the_exact_product(rows, n, k, bias):
     assert (y == F.linear(x, w, b)).float().mean() > 0.99
 
 
-def test_linear_keeps_leading_dimensions_and_reads_strided_inputs():
+@pytest.mark.parametrize("rows,k", [(1, 576), (4, 40), (2, 1544)])
+def test_stacked_linears_equal_each_weight_alone(rows, k, instruction_set):
+    # q, k and v (or gate and up) in one call: each output is the single weight's product, bit for bit (the
+    # same dot product per output element, whichever thread takes it), also for uneven splits and biases.
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(1, rows, k, generator=g).bfloat16()
+    weights = [torch.randn(n, k, generator=g).bfloat16() for n in (96, 17, 33)]
+    biases = [torch.randn(96, generator=g).bfloat16(), None, torch.randn(33, generator=g).bfloat16()]
+    with torch.inference_mode():
+        stacked = kernels.linears(x, weights, biases)
+        alone = [kernels.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    assert [y.shape for y in stacked] == [(1, rows, 96), (1, rows, 17), (1, rows, 33)]
+    assert all(torch.equal(a, b) for a, b in zip(stacked, alone, strict=True))
+    for y, w, b in zip(stacked, weights, biases, strict=True):
+        assert within_one_ulp(y, x.double() @ w.double().T + (0 if b is None else b.double()), math.sqrt(k))
+
+
+def test_linear_keeps_leading_dimensions_and_reads_strided_inputs(instruction_set):
     x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
     strided = torch.randn(2, 1, 128, dtype=torch.bfloat16)[:, :, ::2]  # not contiguous
     w = torch.randn(96, 64, dtype=torch.bfloat16)
@@ -133,12 +172,13 @@ def test_decode_attention_leaves_long_query_blocks_and_odd_head_sizes_to_torch(r
 
 
 def test_compiled_calls_equal_eager_calls():
-    def step(x, w, q, k, v, mask):
+    def step(x, w, w2, q, k, v, mask):
         out, probs = kernels.decode_attention(q, k, v, mask)
-        return kernels.linear(x, w), out, probs
+        return kernels.linear(x, w), *kernels.linears(x, [w, w2], [None, None]), out, probs
 
     g = torch.Generator().manual_seed(3)
     args = (torch.randn(1, 1, 64, generator=g).bfloat16(), torch.randn(80, 64, generator=g).bfloat16(),
+            torch.randn(24, 64, generator=g).bfloat16(),
             torch.randn(1, 2, 3, 64, generator=g).bfloat16(), torch.randn(1, 2, 30, 64, generator=g).bfloat16(),
             torch.randn(1, 2, 30, 64, generator=g).bfloat16(), torch.rand(1, 2, 1, 30, generator=g) > 0.2)
     with torch.inference_mode():
@@ -159,3 +199,43 @@ def test_the_build_fails_cleanly_without_a_compiler_and_happens_once(tmp_path, m
     built = kernels._build()
     assert built is not None and built.parent == tmp_path / "kv-eviction-bench" and built.exists()
     assert kernels._build() == built  # built once per cache directory
+
+
+def test_a_compiled_bf16_step_loads_the_kernels_before_its_first_trace(monkeypatch):
+    # As in a fresh process: nothing loaded yet. The step's first trace must already see the kernels (one
+    # graph, calling them), not trace torch's path and then again once an eager call has loaded them.
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    from generate import compile_decode_step
+    from tests.conftest import make_tiny_model
+    from tests.strategy_matrix import attach, cache_args
+
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_ops_ready", False)
+    monkeypatch.setattr(kernels, "_library", None)
+    torch._dynamo.reset()
+    model = make_tiny_model().to(torch.bfloat16)
+    attach(model, cache_args("full", "64", "dense"), dtype=torch.bfloat16)
+    graphs = counters["stats"]["unique_graphs"]
+    step = compile_decode_step()
+    with torch.inference_mode():
+        token = torch.tensor([[5]])
+        _, codes = run_and_get_code(step.compiled_step, model, token, torch.tensor([0]))
+        for pos in range(1, 4):  # prefill's and eager calls' loading would show here as a second graph
+            step(model, token, torch.tensor([pos]))
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert any("kv_eviction.bf16_linears" in code and "kv_eviction.bf16_decode_attention" in code for code in codes)
+
+
+def test_the_switch_turns_the_kernels_off_for_a_fresh_process():
+    import subprocess
+    import sys
+
+    code = ("import torch, torch.nn.functional as F, cpu_bf16_kernels as k\n"
+            "x, w = torch.randn(1, 64).bfloat16(), torch.randn(32, 64).bfloat16()\n"
+            "assert torch.equal(k.linear(x, w), F.linear(x, w)) and k.kernel() is None\n"
+            "print(k.kernel_status())\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, kernels.ENV_SWITCH: "0"},
+                         capture_output=True, text=True, check=True, cwd=kernels.C_SOURCE.parent).stdout
+    assert out.strip() == f"off ({kernels.ENV_SWITCH}=0)"

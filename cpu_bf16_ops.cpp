@@ -1,0 +1,96 @@
+// The CPU implementations of the two torch ops that cpu_bf16_kernels.py declares (kv_eviction::bf16_linears,
+// kv_eviction::bf16_decode_attention), calling the C kernels of cpu_bf16_kernels.c. In C++ because a decode step
+// of the bundled model makes ~150 of these calls: through the dispatcher one costs ~6 us with its thread
+// fork, through a Python function and ctypes it cost ~16 us (2026-12-02, 2 threads), ~1.5 ms a step.
+// cpu_bf16_kernels.py checks every condition below before it calls an op; the checks here only guard
+// against a caller that did not.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+extern "C" {
+int bf16_linears(const uint16_t *x, long G, const uint16_t *const *w, const uint16_t *const *b, const long *N,
+                 uint16_t *y, long M, long K);
+int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, const long *ks, const uint16_t *v,
+                          const long *vs, const uint8_t *mask, const long *ms, uint16_t *out, float *probs, long B,
+                          long H, long R, long L, long D, float scale);
+}
+
+namespace {
+
+const uint16_t *bf16_data(const at::Tensor &t) { return static_cast<const uint16_t *>(t.const_data_ptr()); }
+
+void check_bf16_cpu(const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CPU tensor");
+}
+
+// x [..., K] @ [w0; w1; ...]^T + [b0; b1; ...] -> [..., N0 + N1 + ...].
+at::Tensor linears_op(const at::Tensor &x, at::TensorList weights, const c10::List<std::optional<at::Tensor>> &biases) {
+    const int64_t K = x.size(-1), G = static_cast<int64_t>(weights.size());
+    TORCH_CHECK(K % 8 == 0 && G > 0 && static_cast<int64_t>(biases.size()) == G, "bf16_linears: bad shapes");
+    check_bf16_cpu(x, "x");
+    const at::Tensor rows = x.reshape({-1, K}).contiguous();
+    std::vector<const uint16_t *> w(G), b(G);
+    std::vector<long> n(G);
+    int64_t total = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const at::Tensor &weight = weights[g];
+        check_bf16_cpu(weight, "weight");
+        TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && weight.is_contiguous(), "bf16_linears: weight shape");
+        w[g] = bf16_data(weight);
+        n[g] = weight.size(0);
+        total += n[g];
+        const std::optional<at::Tensor> bias = biases.get(g);
+        if (bias.has_value()) {
+            check_bf16_cpu(*bias, "bias");
+            TORCH_CHECK(bias->is_contiguous() && bias->numel() == n[g], "bf16_linears: bias shape");
+        }
+        b[g] = bias.has_value() ? bf16_data(*bias) : nullptr;
+    }
+    at::Tensor y = at::empty({rows.size(0), total}, x.options());
+    const int status = bf16_linears(bf16_data(rows), G, w.data(), b.data(), n.data(),
+                                      static_cast<uint16_t *>(y.data_ptr()), rows.size(0), K);
+    TORCH_CHECK(status == 0, "bf16_linears: out of memory for the float32 copy of the input");
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = total;
+    return y.view(shape);
+}
+
+// q [B, H, R, D] over k, v [B, H, L, D], mask broadcastable to [B, H, R, L] -> (out [B, H, R, D] bfloat16,
+// probabilities [B, H, R, L] float32).
+std::tuple<at::Tensor, at::Tensor> decode_attention_op(const at::Tensor &q_in, const at::Tensor &k_in,
+                                                       const at::Tensor &v_in, const at::Tensor &mask_in) {
+    auto last_dim_contiguous = [](const at::Tensor &t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+    const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+    for (const at::Tensor *t : {&q, &k, &v}) check_bf16_cpu(*t, "q, k and v");
+    TORCH_CHECK(q.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+                    k.size(3) == q.size(3) && q.size(3) % 8 == 0 && q.size(3) <= 256 &&
+                    mask_in.scalar_type() == at::kBool,
+                "bf16_decode_attention: bad shapes");
+    const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+    const at::Tensor mask = mask_in.expand({B, H, R, L});
+    at::Tensor out = at::empty({B, H, R, D}, q.options());
+    at::Tensor probs = at::empty({B, H, R, L}, q.options().dtype(at::kFloat));
+    long strides[4][4];
+    const at::Tensor *operands[4] = {&q, &k, &v, &mask};
+    for (int i = 0; i < 4; i++)
+        for (int d = 0; d < 4; d++) strides[i][d] = operands[i]->stride(d);
+    const int status = bf16_decode_attention(
+        bf16_data(q), strides[0], bf16_data(k), strides[1], bf16_data(v), strides[2],
+        static_cast<const uint8_t *>(mask.const_data_ptr()), strides[3], static_cast<uint16_t *>(out.data_ptr()),
+        probs.data_ptr<float>(), B, H, R, L, D, 1.0f / std::sqrt(static_cast<float>(D)));
+    TORCH_CHECK(status == 0, "bf16_decode_attention: out of memory for the float32 query rows");
+    return {out, probs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kv_eviction, CPU, m) {
+    m.impl("bf16_linears", linears_op);
+    m.impl("bf16_decode_attention", decode_attention_op);
+}
