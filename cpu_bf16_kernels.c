@@ -193,15 +193,14 @@ static inline __m256 sum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* One (row, head): p [R, L] gets the probabilities, acc [R, D] the float32 outputs. Inlined with D a
- * constant for the common head sizes, so a query row and a row's output accumulators live in registers.
- * Scores: 8 slots at a time, their keys read once from memory for all R query rows; values: one output
- * row at a time over every slot (the head's V is then read R times, from the L2 cache). */
-static inline __attribute__((always_inline)) void head_attention(
-    const float *qf, const uint16_t *kb, long ksl, const uint16_t *vb, long vsl, const uint8_t *mb, long msr,
-    long msl, float *p, float *acc, long R, long L, long D, float scale) {
-    long l = 0;
-    for (; l + 8 <= L; l += 8) {
+/* One (row, head)'s scores over the slots [l0, l1): p [R, L] gets the scaled scores, -INFINITY where masked.
+ * Inlined with D a constant for the common head sizes, so a query row lives in registers; 8 slots at a
+ * time, their keys read once from memory for all R query rows. */
+static inline __attribute__((always_inline)) void chunk_scores(
+    const float *qf, const uint16_t *kb, long ksl, const uint8_t *mb, long msr, long msl, float *p, long R, long L,
+    long l0, long l1, long D, float scale) {
+    long l = l0;
+    for (; l + 8 <= l1; l += 8) {
         for (long r = 0; r < R; r++) {
             __m256 a[8];
             for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
@@ -214,15 +213,20 @@ static inline __attribute__((always_inline)) void head_attention(
             for (int j = 0; j < 8; j++) p[r * L + l + j] = mb[r * msr + (l + j) * msl] ? s[j] : -INFINITY;
         }
     }
-    for (; l < L; l++)
+    for (; l < l1; l++)
         for (long r = 0; r < R; r++)
             p[r * L + l] = mb[r * msr + l * msl] ? dot_row(qf + r * D, kb + l * ksl, D) * scale : -INFINITY;
+}
+
+/* One (row, head)'s output over the slots [l0, l1): acc [R, D] = sum_j p[r, j] v[j], one output row at a
+ * time in registers (the chunk's V is then read R times, from the L2 cache). */
+static inline __attribute__((always_inline)) void chunk_values(
+    const float *p, const uint16_t *vb, long vsl, float *acc, long R, long L, long l0, long l1, long D) {
     for (long r = 0; r < R; r++) {
-        float *pr = p + r * L;
-        softmax_row(pr, L);
+        const float *pr = p + r * L;
         __m256 o[32]; /* D <= 256 */
         for (long d = 0; d < D; d += 8) o[d / 8] = _mm256_setzero_ps();
-        for (long j = 0; j < L; j++) {
+        for (long j = l0; j < l1; j++) {
             if (pr[j] == 0.0f) continue; /* masked or underflowed: adds nothing (NaN rows still propagate) */
             __m256 w = _mm256_set1_ps(pr[j]);
             for (long d = 0; d < D; d += 8) o[d / 8] = _mm256_fmadd_ps(w, widen8(vb + j * vsl + d), o[d / 8]);
@@ -231,35 +235,77 @@ static inline __attribute__((always_inline)) void head_attention(
     }
 }
 
+#define ATTENTION_CHUNK 256 /* slots; a multiple of 8 */
+
+/* The head size as a compile-time constant for the common sizes (registers, unrolled loops). */
+#define BY_HEAD_SIZE(D, call) \
+    do {                      \
+        if ((D) == 64) {      \
+            const long D_ = 64; \
+            call;             \
+        } else if ((D) == 128) { \
+            const long D_ = 128; \
+            call;             \
+        } else {              \
+            const long D_ = (D); \
+            call;             \
+        }                     \
+    } while (0)
+
 /* q [B, H, R, D], k and v [B, H, L, D] (strides in elements, the last dimension contiguous), mask [B, H, R, L]
  * (bytes, any strides, 0 for broadcast dimensions); out [B, H, R, D] bfloat16 and probs [B, H, R, L] float32,
- * contiguous. D a multiple of 8, at most 256. Returns 0, or -1 when out of memory. */
+ * contiguous. D a multiple of 8, at most 256. Returns 0, or -1 when out of memory.
+ *
+ * A decode step has few (row, head) pairs (the bundled model: 3 KV heads, so on 2 threads one thread idled a
+ * third of the time), so the slots are split into chunks of ATTENTION_CHUNK too, and the work runs in four
+ * phases over one thread team: scores per chunk; each row's softmax over all its slots; each chunk's
+ * weighted sum of V; the chunks' sums added in order. The chunks depend on the slots only, so a row's
+ * result is the same whatever the number of threads and the other rows of the batch. */
 int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, const long *ks,
                           const uint16_t *v, const long *vs, const uint8_t *mask, const long *ms,
                           uint16_t *out, float *probs, long B, long H, long R, long L, long D, float scale) {
-    int failed = 0;
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (long b = 0; b < B; b++)
-        for (long h = 0; h < H; h++) {
-            float *qf = malloc(sizeof(float) * 2 * R * D), *acc = qf + R * D;
-            if (!qf) {
-                failed = 1;
-                continue;
-            }
-            float *p = probs + (b * H + h) * R * L;
-            const uint16_t *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
-            const uint8_t *mb = mask + b * ms[0] + h * ms[1];
-            for (long r = 0; r < R; r++)
-                for (long d = 0; d < D; d++) qf[r * D + d] = to_float(q[b * qs[0] + h * qs[1] + r * qs[2] + d]);
-            if (D == 64)
-                head_attention(qf, kb, ks[2], vb, vs[2], mb, ms[2], ms[3], p, acc, R, L, 64, scale);
-            else if (D == 128)
-                head_attention(qf, kb, ks[2], vb, vs[2], mb, ms[2], ms[3], p, acc, R, L, 128, scale);
-            else
-                head_attention(qf, kb, ks[2], vb, vs[2], mb, ms[2], ms[3], p, acc, R, L, D, scale);
-            uint16_t *o = out + (b * H + h) * R * D;
-            for (long i = 0; i < R * D; i++) o[i] = to_bf16(acc[i]);
-            free(qf);
+    const long heads = B * H, span = ATTENTION_CHUNK, chunks = L > 0 ? (L + span - 1) / span : 1;
+    float *qf = malloc(sizeof(float) * heads * R * D), *part = malloc(sizeof(float) * heads * chunks * R * D);
+    if (!qf || !part) {
+        free(qf);
+        free(part);
+        return -1;
+    }
+    #pragma omp parallel
+    {
+        #pragma omp for collapse(2) schedule(static)
+        for (long b = 0; b < B; b++)
+            for (long h = 0; h < H; h++)
+                for (long r = 0; r < R; r++)
+                    for (long d = 0; d < D; d++)
+                        qf[((b * H + h) * R + r) * D + d] = to_float(q[b * qs[0] + h * qs[1] + r * qs[2] + d]);
+        #pragma omp for schedule(static)
+        for (long u = 0; u < heads * chunks; u++) {
+            const long b = u / chunks / H, h = u / chunks % H, l0 = u % chunks * span;
+            const long l1 = l0 + span < L ? l0 + span : L;
+            if (l0 < l1)
+                BY_HEAD_SIZE(D, chunk_scores(qf + (b * H + h) * R * D, k + b * ks[0] + h * ks[1], ks[2],
+                                             mask + b * ms[0] + h * ms[1], ms[2], ms[3],
+                                             probs + (b * H + h) * R * L, R, L, l0, l1, D_, scale));
         }
-    return failed ? -1 : 0;
+        #pragma omp for schedule(static)
+        for (long row = 0; row < heads * R; row++) softmax_row(probs + row * L, L);
+        #pragma omp for schedule(static)
+        for (long u = 0; u < heads * chunks; u++) {
+            const long b = u / chunks / H, h = u / chunks % H, l0 = u % chunks * span;
+            const long l1 = l0 + span < L ? l0 + span : L;
+            BY_HEAD_SIZE(D, chunk_values(probs + (b * H + h) * R * L, v + b * vs[0] + h * vs[1], vs[2],
+                                         part + u * R * D, R, L, l0 < L ? l0 : L, l1 > l0 ? l1 : l0, D_));
+        }
+        #pragma omp for schedule(static)
+        for (long i = 0; i < heads * R * D; i++) {
+            const long head = i / (R * D), e = i % (R * D);
+            float sum = 0.0f;
+            for (long c = 0; c < chunks; c++) sum += part[(head * chunks + c) * R * D + e];
+            out[i] = to_bf16(sum);
+        }
+    }
+    free(qf);
+    free(part);
+    return 0;
 }

@@ -148,6 +148,27 @@ def test_decode_attention_reads_broadcast_and_strided_caches():
     assert within_one_ulp(out, exact_out, 1.0)
 
 
+def test_decode_attention_of_a_batch_equals_each_row_alone_on_any_number_of_threads():
+    # The slots are split into fixed chunks whose partial sums are added in order: a row's result does not
+    # depend on the batch around it or on the threads (bit for bit), over lengths of one and several chunks.
+    g = torch.Generator().manual_seed(11)
+    for length in (40, 600):
+        q = torch.randn(3, 2, 4, 64, generator=g).bfloat16()
+        k, v = (torch.randn(3, 2, length, 64, generator=g).bfloat16() for _ in range(2))
+        mask = torch.rand(3, 1, 4, length, generator=g) > 0.3
+        threads = torch.get_num_threads()
+        with torch.inference_mode():
+            batch = kernels.decode_attention(q, k, v, mask)
+            try:
+                torch.set_num_threads(1 if threads > 1 else 2)
+                other = kernels.decode_attention(q, k, v, mask)
+            finally:
+                torch.set_num_threads(threads)
+            rows = [kernels.decode_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask[i:i + 1]) for i in range(3)]
+        for got in (other, tuple(torch.cat(parts) for parts in zip(*rows, strict=True))):
+            assert all(torch.equal(a, b) for a, b in zip(batch, got, strict=True))
+
+
 def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch():
     q = torch.randn(1, 1, 2, 64).bfloat16()
     k, v = torch.randn(1, 1, 10, 64).bfloat16(), torch.randn(1, 1, 10, 64).bfloat16()

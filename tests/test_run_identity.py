@@ -109,6 +109,14 @@ def test_overwrite_interrupted_in_process_keeps_the_old_result(tmp_path, monkeyp
     assert [p.name for p in run.parent.iterdir()] == [run.name]  # the half-written attempt is gone
 
 
+def as_from_a_shell() -> None:
+    """In the child before exec: SIGINT handled and unblocked, as for a command started from a shell (a test
+    worker may have inherited it ignored or blocked, and a child inherits both; Python then never raises
+    KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_signal_during_overwrite_leaves_the_old_result(tmp_path, sig):
     model = write_tiny_checkpoint(tmp_path / "model")
@@ -120,7 +128,7 @@ def test_signal_during_overwrite_leaves_the_old_result(tmp_path, sig):
     csv_before = (out / "results.csv").read_bytes()
     proc = subprocess.Popen([sys.executable, "-m", "eval", *long_run, "--overwrite"], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_shell)
     deadline = time.monotonic() + 120
     while not list(run.parent.glob(f".{run.name}.tmp*")):  # the new attempt has started writing
         assert proc.poll() is None, proc.stderr.read()
@@ -131,7 +139,7 @@ def test_signal_during_overwrite_leaves_the_old_result(tmp_path, sig):
     proc.send_signal(sig)
     code = proc.wait(timeout=60)
     err = proc.stderr.read()
-    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before, (code, err)
     assert (out / "results.csv").read_bytes() == csv_before
     if sig == signal.SIGINT:
         assert code == 130 and err.strip().splitlines()[-1] == "error: interrupted", err
