@@ -110,9 +110,10 @@ def test_overwrite_interrupted_in_process_keeps_the_old_result(tmp_path, monkeyp
 
 
 def as_from_a_shell() -> None:
-    """In the child before exec: SIGINT handled and unblocked, as for a command started from a shell (a test
-    worker may have inherited it ignored or blocked, and a child inherits both; Python then never raises
-    KeyboardInterrupt)."""
+    """In the child before exec: SIGINT handled and unblocked, as for a command started from a shell. A child
+    inherits an ignored or blocked SIGINT, and Python then never raises KeyboardInterrupt: the pytest-xdist
+    workers of a full run were seen with SIGINT ignored part-way through (2026-12-02), and this test failed
+    there only."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
