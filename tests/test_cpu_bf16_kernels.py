@@ -33,7 +33,8 @@ def has_avx512bf16() -> bool:
     return {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags)
 
 
-# The linears' two dot products: AVX2 + FMA everywhere, AVX-512 BF16 where this CPU has it (the default there).
+# The kernels' two instruction sets: AVX2 + FMA everywhere, AVX-512 (BF16) where this CPU has it (the default
+# there): the linears' dot products and the attention's chunk loops.
 INSTRUCTION_SETS = [False, pytest.param(True, marks=pytest.mark.skipif(not has_avx512bf16(),
                                                                       reason="this CPU has no AVX-512 BF16"))]
 
@@ -115,7 +116,7 @@ def exact_attention(q, k, v, mask):
 
 @pytest.mark.parametrize("b,h,r,length,d", [(1, 3, 3, 288, 64), (2, 2, 5, 37, 128), (3, 1, 9, 1000, 64),
                                             (1, 4, 64, 9, 8)])
-def test_decode_attention_matches_the_exact_softmax(b, h, r, length, d):
+def test_decode_attention_matches_the_exact_softmax(b, h, r, length, d, instruction_set):
     g = torch.Generator().manual_seed(b * 1000 + length)
     q = torch.randn(b, h, r, d, generator=g).bfloat16()
     k = torch.randn(b, h, length, d, generator=g).bfloat16()
@@ -134,7 +135,7 @@ def test_decode_attention_matches_the_exact_softmax(b, h, r, length, d):
     assert (probs.double() - exact_probs).abs().max() <= (ref_probs.double() - exact_probs).abs().max()
 
 
-def test_decode_attention_reads_broadcast_and_strided_caches():
+def test_decode_attention_reads_broadcast_and_strided_caches(instruction_set):
     g = torch.Generator().manual_seed(7)
     held = torch.randn(1, 2, 50, 64, generator=g).bfloat16()
     k = held.expand(3, -1, -1, -1)  # one cache shared by three rows: stride 0
@@ -148,7 +149,7 @@ def test_decode_attention_reads_broadcast_and_strided_caches():
     assert within_one_ulp(out, exact_out, 1.0)
 
 
-def test_decode_attention_of_a_batch_equals_each_row_alone_on_any_number_of_threads():
+def test_decode_attention_of_a_batch_equals_each_row_alone_on_any_number_of_threads(instruction_set):
     # The slots are split into fixed chunks whose partial sums are added in order: a row's result does not
     # depend on the batch around it or on the threads (bit for bit), over lengths of one and several chunks.
     g = torch.Generator().manual_seed(11)
@@ -169,7 +170,7 @@ def test_decode_attention_of_a_batch_equals_each_row_alone_on_any_number_of_thre
             assert all(torch.equal(a, b) for a, b in zip(batch, got, strict=True))
 
 
-def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch():
+def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch(instruction_set):
     q = torch.randn(1, 1, 2, 64).bfloat16()
     k, v = torch.randn(1, 1, 10, 64).bfloat16(), torch.randn(1, 1, 10, 64).bfloat16()
     mask = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
