@@ -315,6 +315,8 @@ AVX512_ENTRY void chunk_values_avx512(const float *p, const uint16_t *vb, long v
 
 #define ATTENTION_CHUNK 256 /* slots; a multiple of 8 */
 
+/* The end of the chunk that starts at slot l0 (the last chunk stops at L; with L = 0 the one chunk is empty). */
+static inline long chunk_end(long l0, long span, long L) { return l0 + span < L ? l0 + span : L; }
 
 /* q [B, H, R, D], k and v [B, H, L, D] (strides in elements, the last dimension contiguous), mask [B, H, R, L]
  * (bytes, any strides, 0 for broadcast dimensions); out [B, H, R, D] bfloat16 and probs [B, H, R, L] float32,
@@ -347,30 +349,27 @@ int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, 
                         qf[((b * H + h) * R + r) * D + d] = to_float(q[b * qs[0] + h * qs[1] + r * qs[2] + d]);
         #pragma omp for schedule(static)
         for (long u = 0; u < heads * chunks; u++) {
-            const long b = u / chunks / H, h = u / chunks % H, l0 = u % chunks * span;
-            const long l1 = l0 + span < L ? l0 + span : L;
+            const long b = u / chunks / H, h = u / chunks % H, l0 = u % chunks * span, l1 = chunk_end(l0, span, L);
             const float *qh = qf + (b * H + h) * R * D;
             const uint16_t *kh = k + b * ks[0] + h * ks[1];
             const uint8_t *mh = mask + b * ms[0] + h * ms[1];
             float *ph = probs + (b * H + h) * R * L;
-            if (l0 < l1 && wide)
+            if (wide)
                 chunk_scores_avx512(qh, kh, ks[2], mh, ms[2], ms[3], ph, R, L, l0, l1, D, scale);
-            else if (l0 < l1)
+            else
                 BY_HEAD_SIZE(D, chunk_scores(qh, kh, ks[2], mh, ms[2], ms[3], ph, R, L, l0, l1, D_, scale));
         }
         #pragma omp for schedule(static)
         for (long row = 0; row < heads * R; row++) softmax_row(probs + row * L, L);
         #pragma omp for schedule(static)
         for (long u = 0; u < heads * chunks; u++) {
-            const long b = u / chunks / H, h = u / chunks % H, l0 = u % chunks * span;
-            const long l1 = l0 + span < L ? l0 + span : L;
+            const long b = u / chunks / H, h = u / chunks % H, l0 = u % chunks * span, l1 = chunk_end(l0, span, L);
             const float *ph = probs + (b * H + h) * R * L;
             const uint16_t *vh = v + b * vs[0] + h * vs[1];
-            const long from = l0 < L ? l0 : L, to = l1 > l0 ? l1 : l0;
             if (wide)
-                chunk_values_avx512(ph, vh, vs[2], part + u * R * D, R, L, from, to, D);
+                chunk_values_avx512(ph, vh, vs[2], part + u * R * D, R, L, l0, l1, D);
             else
-                BY_HEAD_SIZE(D, chunk_values(ph, vh, vs[2], part + u * R * D, R, L, from, to, D_));
+                BY_HEAD_SIZE(D, chunk_values(ph, vh, vs[2], part + u * R * D, R, L, l0, l1, D_));
         }
         #pragma omp for schedule(static)
         for (long i = 0; i < heads * R * D; i++) {

@@ -118,44 +118,42 @@ _LIBRARY.define("bf16_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> T
 _LIBRARY.define("bf16_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> (Tensor, Tensor)")
 
 _library: ctypes.CDLL | None = None
-_tried = False
-# Read by linears and decode_attention, also inside a compiled trace (a plain global: dynamo guards on its
-# value, so a graph traced before the library loaded is traced again after).
-_ops_ready = False
+# None until the first load attempt, then whether the ops have their kernels. Read by linears and
+# decode_attention, also inside a compiled trace (a plain global: dynamo guards on its value, so a graph
+# traced before the library loaded is traced again after).
+_ops_ready: bool | None = None
 
 
 def kernel() -> ctypes.CDLL | None:
     """The loaded library (its ops registered), or None where it cannot run here (see the module's
     docstring); built and loaded on the first call."""
-    global _library, _tried, _ops_ready
-    if not _tried:
-        _tried = True
+    global _library, _ops_ready
+    if _ops_ready is None:
         path = None if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_supports_kernel() else _build()
         if path is not None:
             try:
                 torch.ops.load_library(str(path))
                 _library = ctypes.CDLL(str(path))  # the same loaded library: its instruction-set switch
+                _library.bf16_kernels_isa.argtypes = [ctypes.c_int]
+                _library.bf16_kernels_isa.restype = ctypes.c_int
             except (OSError, RuntimeError):
                 _library = None
-        if _library is not None:
-            _library.bf16_kernels_isa.argtypes = [ctypes.c_int]
-            _library.bf16_kernels_isa.restype = ctypes.c_int
         _ops_ready = _library is not None
     return _library
 
 
 def _kernels_on() -> bool:
     # The first eager call loads the library; a trace never builds it (it keeps torch's path until then).
-    if not _tried and not torch.compiler.is_compiling():
+    if _ops_ready is None and not torch.compiler.is_compiling():
         kernel()
-    return _ops_ready
+    return bool(_ops_ready)
 
 
 def load_before_tracing(weight: Tensor) -> None:
     """Load the library now if a model with this weight (bf16 on the CPU) would use it: a compiled decode step
     calls this before its first trace, which would otherwise keep torch's path and be traced again once an
     eager call had loaded the kernels."""
-    if not _tried and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    if _ops_ready is None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         kernel()
 
 

@@ -7,6 +7,9 @@ inputs, plus an absolute 1e-6 x the row's scale for sums that cancel; probabilit
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,8 +236,7 @@ def test_a_compiled_bf16_step_loads_the_kernels_before_its_first_trace(monkeypat
     from tests.conftest import make_tiny_model
     from tests.strategy_matrix import attach, cache_args
 
-    monkeypatch.setattr(kernels, "_tried", False)
-    monkeypatch.setattr(kernels, "_ops_ready", False)
+    monkeypatch.setattr(kernels, "_ops_ready", None)
     monkeypatch.setattr(kernels, "_library", None)
     torch._dynamo.reset()
     model = make_tiny_model().to(torch.bfloat16)
@@ -251,13 +253,10 @@ def test_a_compiled_bf16_step_loads_the_kernels_before_its_first_trace(monkeypat
 
 
 def test_the_switch_turns_the_kernels_off_for_a_fresh_process():
-    import subprocess
-    import sys
-
     code = ("import torch, torch.nn.functional as F, cpu_bf16_kernels as k\n"
             "x, w = torch.randn(1, 64).bfloat16(), torch.randn(32, 64).bfloat16()\n"
             "assert torch.equal(k.linear(x, w), F.linear(x, w)) and k.kernel() is None\n"
             "print(k.kernel_status())\n")
-    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, kernels.ENV_SWITCH: "0"},
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, kernels.ENV_SWITCH: "0"},
                          capture_output=True, text=True, check=True, cwd=kernels.C_SOURCE.parent).stdout
     assert out.strip() == f"off ({kernels.ENV_SWITCH}=0)"
