@@ -80,6 +80,9 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser | argparse._Argument
                         help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
 
 
+# What a compiled decode step compiles (generate.CompiledDecodeStep): one block shared by the layers, or all.
+COMPILE_SCOPES = ("block", "step")
+
 # argparse type: an integer ≥ 1 (a number of rows, sizes, items).
 positive_int = count()
 
@@ -101,6 +104,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, compile_flag: bool = Tr
                        help="sequences decoded together, each with its own cache and eviction decisions")
     if compile_flag:
         g.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+        add_compile_scope_argument(g)
+
+
+def add_compile_scope_argument(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--compile_scope", choices=COMPILE_SCOPES, default="block",
+                       help="what a compiled decode step compiles: one transformer block shared by every layer "
+                            "(block: a cold compile of seconds) or the whole step as one graph (step: faster steps "
+                            "on the CPU, ~10x colder compile; docs/performance.md)")
 
 
 def check_converted(original: torch.Tensor, converted: torch.Tensor, name: str, source: str) -> None:

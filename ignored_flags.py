@@ -61,6 +61,8 @@ def check_typed_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     typed = explicit_dests(parser, argv)
     check_cache_flags_read(typed, cache_flags_read(args), f"--cache_strategy {' '.join(args.cache_strategy)}")
     check_storage_flags_read(typed, args)
+    if "compile_scope" in typed and not args.compile:
+        raise UserError("--compile_scope would be ignored: it chooses what --compile compiles (add --compile)")
     if "max_cache_length" in typed and all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
         raise UserError("--max_cache_length would be ignored: the full cache keeps every token (choose a "
                         "--cache_strategy)")

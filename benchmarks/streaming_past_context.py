@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     if len(ids) < tokens or tokens <= args.budget:
         raise UserError(f"need {tokens} tokens after --text_offset (> --budget), the text has {len(ids)}")
     ids = torch.tensor([ids], device=device)
-    step = compile_decode_step() if args.compile else decode_one_token
+    step = compile_decode_step(scope=args.compile_scope) if args.compile else decode_one_token
     runs, started = {}, time.perf_counter()
     for g in args.global_tokens:
         t0 = time.perf_counter()

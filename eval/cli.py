@@ -185,7 +185,7 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     step = decode_one_token
     if args.compile:
         torch._dynamo.reset()  # each run brings new cache modules; start from a clean compile cache
-        step = compile_decode_step()
+        step = compile_decode_step(scope=args.compile_scope)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
     torch.manual_seed(args.seed)

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 import cpu_bf16_kernels
 from atomic_files import atomic_write, write_json_atomic
-from checkpoint import add_model_arguments, parse_dtype, positive_int, resolve_device
+from checkpoint import add_compile_scope_argument, add_model_arguments, parse_dtype, positive_int, resolve_device
 from errors import CliParser, UserError
 from eval.bench.batched import (
     ENGINE,
@@ -99,6 +99,7 @@ def build_parser() -> CliParser:
                    help="also transformers' static cache with its forward compiled (its documented recipe for speed; "
                         "CUDA graphs on a GPU), at each of --contexts")
     add_model_arguments(p, compile_flag=False, batch_flag=False)
+    add_compile_scope_argument(p)  # the compiled rows' scope (the bench compiles unless --no_compile)
     p.set_defaults(dtype="bfloat16")  # the bench measures speed as deployed: bfloat16 on the CPU too
     p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
                    help="random weights with a real model's shapes instead of a checkpoint (decode speed depends on "
@@ -116,7 +117,7 @@ QUICK_SETS = ("contexts", "strategy_contexts", "speedup_contexts", "bound_contex
               "budgets", "speedup_budget")
 PLAN_ONLY = ("contexts", "bound_contexts", "strategy_contexts", "speedup_contexts", "budget_strategies",
              "recompile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_compile", "no_hf",
-             "hf_static", "quick")
+             "hf_static", "quick", "compile_scope")
 BATCHED_ONLY = ("kv_memory_gb", "batch_context")
 
 
@@ -128,6 +129,8 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace, argv:
         refuse_unused(parser, explicit, PLAN_ONLY, "--batch_sizes measures batched throughput only")
     else:
         refuse_unused(parser, explicit, BATCHED_ONLY, "it applies to --batch_sizes only")
+    if args.quick or args.no_compile:
+        refuse_unused(parser, explicit, ("compile_scope",), "no row is compiled with --quick or --no_compile")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -228,7 +231,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row = bench_ours(model, tokenizer, ids, job.new_tokens, job.strategy, job.budget, job.compiled,
                                  bandwidth, job.recompile_steps, job.engine(), job.pair_blocks,
                                  reset=key is None or key != group, full_caches=full_caches,
-                                 keep_as_reference=job.kind == "ref", classes=classes)
+                                 keep_as_reference=job.kind == "ref", classes=classes,
+                                 compile_scope=args.compile_scope)
             group = key
         if row is not None:
             rows.append(row)
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "weight_bytes": total_weight_bytes, "argv": argv, "wall_seconds": round(time.perf_counter() - started),
             "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
-            "inductor_freezing": bool(torch._inductor.config.freezing),
+            "inductor_freezing": bool(torch._inductor.config.freezing), "compile_scope": args.compile_scope,
             "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     partial.unlink()

@@ -181,7 +181,7 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
 def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,
                bandwidth: float, recompile_steps: int = 0, engine: str | None = None, pair_blocks: int = 0,
                reset: bool = True, full_caches: dict | None = None, keep_as_reference: bool = False,
-               classes: dict | None = None) -> dict:
+               classes: dict | None = None, compile_scope: str = "block") -> dict:
     """One row: build the caches, (compile and capture before the prompt,) time prefill + `new` tokens; with
     `recompile_steps`, run that many more decode steps on the same compiled step (fill, then evict) and
     count new graphs over both runs; with `pair_blocks`, measure the overhead over a same-size full cache
@@ -198,7 +198,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     if compiled:
         if reset:
             torch._dynamo.reset()
-        step = compile_decode_step()
+        step = compile_decode_step(scope=compile_scope)
     graphs_before = counters["stats"]["unique_graphs"]
     result = generate(model, ids, new, [], step)  # a compiled step is compiled and captured first (prepare)
     stats = cache_statistics(model.caches())
@@ -207,9 +207,10 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     if compiled and recompile_steps > 0:
         prompt, steps = recompile_check_shape(slots, capacity, recompile_steps)
         check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
-    # The graphs of the timed run itself (one per kind of layer, compiled in prepare) are not recompilations.
-    layer_kinds = len({(type(c), c.max_cache_length) for c in model.caches()})
-    recompilations = counters["stats"]["unique_graphs"] - graphs_before - layer_kinds if compiled else None
+    # The graphs of the timed run itself (compiled in prepare) are not recompilations.
+    recompilations = None
+    if compiled:
+        recompilations = counters["stats"]["unique_graphs"] - graphs_before - step.graphs_per_set(model)
     ref_ms = overhead = None
     if pair_blocks > 0:
         ref_caches = (full_caches or {}).get((compiled, slots))
