@@ -56,13 +56,17 @@ def check_storage_flags_read(typed: set[str], args: argparse.Namespace) -> None:
         raise UserError("--cache_quantization would be ignored: --cache_bits 16 stores keys and values unquantized")
 
 
+def check_compile_scope_read(typed: set[str], args: argparse.Namespace) -> None:
+    if "compile_scope" in typed and not args.compile:
+        raise UserError("--compile_scope would be ignored: it chooses what --compile compiles (add --compile)")
+
+
 def check_typed_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
     """Flags typed explicitly that this configuration would ignore (generate.py, python -m eval)."""
     typed = explicit_dests(parser, argv)
     check_cache_flags_read(typed, cache_flags_read(args), f"--cache_strategy {' '.join(args.cache_strategy)}")
     check_storage_flags_read(typed, args)
-    if "compile_scope" in typed and not args.compile:
-        raise UserError("--compile_scope would be ignored: it chooses what --compile compiles (add --compile)")
+    check_compile_scope_read(typed, args)
     if "max_cache_length" in typed and all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
         raise UserError("--max_cache_length would be ignored: the full cache keeps every token (choose a "
                         "--cache_strategy)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -27,8 +28,9 @@ from cache_setup import attach_caches, cache_config
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
-from flag_types import count
+from flag_types import count, explicit_dests
 from generate import check_lengths, compile_decode_step, decode_one_token
+from ignored_flags import check_compile_scope_read
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +96,9 @@ def per_segment(nll: torch.Tensor, segment: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_compile_scope_read(explicit_dests(parser, sys.argv[1:] if argv is None else argv), args)
     if args.tokens is not None and args.tokens <= args.budget:
         raise UserError(f"--tokens {args.tokens} must exceed --budget {args.budget}: nothing would stream past it")
     for g in args.global_tokens:

@@ -36,13 +36,13 @@ def test_decode_matches_full_forward_bundled_eager(bundled):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, "block", "step"], ids=["eager", "compiled", "compiled-whole-step"])
 def test_decode_matches_full_forward_tiny(compiled):
     model = make_tiny_model()
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(1)).tolist()
     counters.clear()
     torch._dynamo.reset()  # graphs compiled by earlier tests (other cache classes) would count as recompiles
-    step = compile_decode_step() if compiled else decode_one_token
+    step = compile_decode_step(scope=compiled) if compiled else decode_one_token
     with torch.inference_mode():
         reference = model(torch.tensor([ids]), torch.arange(len(ids)))[:, 31:]
         with torch._dynamo.config.patch(error_on_recompile=True):

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from cache import KVCache
 from generate import compile_decode_step, decode_one_token, prefill
@@ -134,6 +135,35 @@ def test_matrix_compiled_no_recompilation(strategy, storage, budget):
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         run(model, ids, step, check)
     assert compiled_held == eager_held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ALL)
+def test_whole_step_compiled_equals_eager(strategy):
+    """`--compile_scope step` (the whole step as one graph, two layers each with its own cache) keeps the eager
+    step's positions in every layer and its logits (float32, atol 1e-4), with one graph over the whole run."""
+    model = make_tiny_model(n_layer=2)
+    ids = token_ids()
+    args = cache_args(strategy, BUDGETS["fraction"])
+    runs = []
+    for step in (decode_one_token, compile_decode_step(scope="step")):
+        caches = attach(model, args)
+        held, logits = [], []
+        counters.clear()
+        torch._dynamo.reset()
+
+        def recording(m, token, pos, step=step, logits=logits):
+            logits.append(step(m, token, pos))
+            return logits[-1]
+
+        with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+            run(model, ids, recording, lambda p, caches=caches, held=held: held.append(
+                [held_positions(c) for c in caches]))
+        runs.append((held, torch.cat(logits), counters["stats"]["unique_graphs"]))
+    (eager_held, eager_logits, _), (compiled_held, compiled_logits, graphs) = runs
+    assert compiled_held == eager_held
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert graphs == 1
 
 
 # ---- per-strategy oracles (layer 0, unquantized) ----------------------------------------------------------
