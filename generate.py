@@ -156,7 +156,7 @@ class CompiledDecodeStep:
     no CUDA graph hides the per-call costs, each compiled block's call costs ~180 µs beyond its kernels
     (dynamo's frame entry and guards, the AOT and inductor wrappers: measured on the bundled model, warm
     weights, 2 threads), 5 ms of a ~27 ms step at 256 slots; one graph pays that once. Its cold compile
-    traces and lowers every layer (~75 s for the 30-layer model on 2 cores, against ~8 s per block graph).
+    traces and lowers every layer (60-75 s cold for the 30-layer model on 2 cores, against ~32 s for a block).
     """
 
     def __init__(self, cuda_graph: bool = True, scope: str = "block") -> None:

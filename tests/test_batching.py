@@ -37,6 +37,7 @@ from tests.strategy_matrix import (
 
 LENGTHS = (24, 19, 13)  # prompt tokens per row: three budgets from a fractional --max_cache_length
 NEW = 12
+QUANTIZED_ATOL = 2e-3  # quantized storages: one code may flip at a rounding boundary (see the test)
 ATOL = 1e-4  # float32 logits; the batch only changes how many (empty, masked) slots a row's sums run over
 
 
@@ -90,7 +91,7 @@ def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=
     return torch.stack(rows, dim=1), kept  # [B, NEW, vocab]
 
 
-def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=None) -> None:
+def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=None, atol: float = ATOL) -> None:
     model = model or tiny_model()
     seqs = sequences()
     row_specs = attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
@@ -102,7 +103,7 @@ def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=Non
         specs = attach_caches(model, args, n, NEW, classes=TOKEN_CLASSES)
         alone, alone_kept = teacher_forced(model, seq, n, step, feed_lengths[b] if feed else None)
         assert [s.max_cache_length for s in specs] == [s.max_cache_length for s in row_specs[b]]
-        torch.testing.assert_close(logits[b], alone, atol=ATOL, rtol=ATOL, msg=f"row {b}")
+        torch.testing.assert_close(logits[b], alone, atol=atol, rtol=atol, msg=f"row {b}")
         assert kept[b] == alone_kept, f"row {b}: held positions differ"
         reference = cache_statistics(model.caches())
         for key in ("compression_ratio", "tokens_held_per_head", "evictions_per_layer", "cache_budget_per_layer",
@@ -122,7 +123,11 @@ QUANTIZED = [s for s in STORAGE_BUDGETS if s[0] != "dense"] + [("2bit", "fractio
 @pytest.mark.parametrize(("storage", "budget"), QUANTIZED)
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "keydiff", "hybrid", "debug_tova"])
 def test_quantized_storages_decode_rows_as_alone(strategy, storage, budget):
-    assert_rows_match(cache_args(strategy, BUDGETS[budget], storage))
+    """Same held positions; logits within 2e-3: a value on a rounding boundary of its quantization grid can
+    take the neighbouring code in one of the runs (the batch's matmuls round its float32 sums differently),
+    which moved one step's logits by 7.7e-4 at 8 bits (heavy_hitter, measured on an AVX-512 Xeon; other
+    steps within 1.5e-5). A batching bug moves whole rows by orders of magnitude more."""
+    assert_rows_match(cache_args(strategy, BUDGETS[budget], storage), atol=QUANTIZED_ATOL)
 
 
 @pytest.mark.parametrize("flags", [["--history_window_size", "16"], ["--attn_thresholding"]])
