@@ -134,7 +134,6 @@ def _run_step(model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
     return model(token, input_pos)[:, -1]
 
 
-
 class CompiledDecodeStep:
     """The `--compile` decode step: one compiled transformer block shared by every layer, and on CUDA the
     whole step (all layers, embedding and head) replayed as one CUDA graph.
