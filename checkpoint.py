@@ -111,7 +111,7 @@ def add_compile_scope_argument(group: argparse._ActionsContainer) -> None:
     group.add_argument("--compile_scope", choices=COMPILE_SCOPES, default="block",
                        help="what a compiled decode step compiles: one transformer block shared by every layer "
                             "(block: a cold compile of seconds) or the whole step as one graph (step: faster steps "
-                            "on the CPU, ~10x colder compile; docs/performance.md)")
+                            "on the CPU, about twice the cold compile; docs/performance.md)")
 
 
 def check_converted(original: torch.Tensor, converted: torch.Tensor, name: str, source: str) -> None:
