@@ -80,7 +80,7 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser | argparse._Argument
                         help="a .gguf file or a Hugging Face directory (default: the bundled SmolLM2-135M-Instruct)")
 
 
-# What a compiled decode step compiles (generate.CompiledDecodeStep): one block shared by the layers, or all.
+# What a compiled decode step compiles (compiled_step.CompiledDecodeStep): one block shared by the layers, or all.
 COMPILE_SCOPES = ("block", "step")
 
 # argparse type: an integer ≥ 1 (a number of rows, sizes, items).

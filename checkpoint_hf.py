@@ -245,15 +245,7 @@ def hf_model_args(config: dict, source: str = "config.json") -> ModelArgs:
     check_config_fields(config, source)
     gemma = model_type == "gemma3_text"
     act = config.get("hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
-    _refuse(act not in _ACTIVATIONS, f"unsupported activation {act!r} (supported: {', '.join(_ACTIVATIONS)})")
-    _refuse(bool(config.get("mlp_bias")), "MLP biases (mlp_bias: true) are not supported")
-    _refuse(config.get("attn_logit_softcapping") is not None, "attention logit soft-capping is not supported")
-    _refuse(bool(config.get("use_bidirectional_attention")), "bidirectional attention is not supported")
-    _refuse(bool(config.get("lm_head_bias")), "an output-projection bias (lm_head_bias: true) is not supported")
-    # attention_bias puts a bias on the output projection too in these architectures (not in Qwen2, whose
-    # q/k/v biases are built in); the model has none there.
-    _refuse(model_type != "qwen2" and bool(config.get("attention_bias")),
-            f"{model_type} with attention_bias: true (biases on the attention projections) is not supported")
+    _refuse_unsupported_math(config, model_type, act)
 
     n_layer, n_head = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // n_head)
@@ -268,22 +260,7 @@ def hf_model_args(config: dict, source: str = "config.json") -> ModelArgs:
             f"unsupported layer_types {sorted(set(layer_types))}")
     _refuse("sliding_attention" in layer_types and not window, "sliding layers without a sliding_window")
 
-    glob, local = _rope_settings(config, model_type)
-    kind = glob.get("rope_type", "default")
-    _refuse(kind not in SUPPORTED_ROPE_TYPES,
-            f"unsupported RoPE scaling {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    known_rope = {"rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                  "original_max_position_embeddings", "partial_rotary_factor"}
-    extra = sorted(set(glob) - known_rope)
-    _refuse(bool(extra), f"unsupported RoPE parameters {', '.join(extra)}")
-    _check_rope(glob, local, kind, source)
-    if local is not None:
-        _refuse(local.get("rope_type", "default") != "default" or bool(set(local) - {"rope_type", "rope_theta"}),
-                f"unsupported RoPE parameters for sliding layers: {local}")
-    partial = float(glob.pop("partial_rotary_factor", 1.0))
-    _refuse(int(head_dim * partial) % 2 != 0, f"partial_rotary_factor {partial} gives an odd rotary dimension")
-    rope_base = float(glob.pop("rope_theta", 10_000.0))
-    scaling = {} if kind == "default" else glob
+    rope_base, scaling, partial, local_rope_base = _rope_args(config, model_type, head_dim, source)
 
     tie_default = gemma
     return ModelArgs(
@@ -310,8 +287,43 @@ def hf_model_args(config: dict, source: str = "config.json") -> ModelArgs:
         final_logit_softcap=float(config.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         sliding_window=window,
         layer_types=layer_types if window else [],
-        local_rope_base=float(local.get("rope_theta", 10_000.0)) if local is not None else 0.0,
+        local_rope_base=local_rope_base,
     )
+
+
+def _refuse_unsupported_math(config: dict, model_type: str, act: str) -> None:
+    """A UserError for each setting that would change the math in a way this model does not implement."""
+    _refuse(act not in _ACTIVATIONS, f"unsupported activation {act!r} (supported: {', '.join(_ACTIVATIONS)})")
+    _refuse(bool(config.get("mlp_bias")), "MLP biases (mlp_bias: true) are not supported")
+    _refuse(config.get("attn_logit_softcapping") is not None, "attention logit soft-capping is not supported")
+    _refuse(bool(config.get("use_bidirectional_attention")), "bidirectional attention is not supported")
+    _refuse(bool(config.get("lm_head_bias")), "an output-projection bias (lm_head_bias: true) is not supported")
+    # attention_bias puts a bias on the output projection too in these architectures (not in Qwen2, whose
+    # q/k/v biases are built in); the model has none there.
+    _refuse(model_type != "qwen2" and bool(config.get("attention_bias")),
+            f"{model_type} with attention_bias: true (biases on the attention projections) is not supported")
+
+
+def _rope_args(config: dict, model_type: str, head_dim: int, source: str) -> tuple[float, dict, float, float]:
+    """(rope_base, rope_scaling, partial_rotary_factor, local_rope_base: 0 without local layers), checked."""
+    glob, local = _rope_settings(config, model_type)
+    kind = glob.get("rope_type", "default")
+    _refuse(kind not in SUPPORTED_ROPE_TYPES,
+            f"unsupported RoPE scaling {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    known_rope = {"rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings", "partial_rotary_factor"}
+    extra = sorted(set(glob) - known_rope)
+    _refuse(bool(extra), f"unsupported RoPE parameters {', '.join(extra)}")
+    _check_rope(glob, local, kind, source)
+    if local is not None:
+        _refuse(local.get("rope_type", "default") != "default" or bool(set(local) - {"rope_type", "rope_theta"}),
+                f"unsupported RoPE parameters for sliding layers: {local}")
+    partial = float(glob.pop("partial_rotary_factor", 1.0))
+    _refuse(int(head_dim * partial) % 2 != 0, f"partial_rotary_factor {partial} gives an odd rotary dimension")
+    rope_base = float(glob.pop("rope_theta", 10_000.0))
+    scaling = {} if kind == "default" else glob
+    local_base = float(local.get("rope_theta", 10_000.0)) if local is not None else 0.0
+    return rope_base, scaling, partial, local_base
 
 
 # ---- tensor names ------------------------------------------------------------------------------------------

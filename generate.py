@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import cpu_bf16_kernels
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
 from cache_setup import attach_row_caches, cache_specs, setup_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
-from checkpoint import COMPILE_SCOPES, add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from ignored_flags import check_typed_flags
 from model import Transformer
@@ -124,114 +124,6 @@ def sample(logits: Tensor, temperature: float, top_k: int | None, generator: tor
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-
-
-def _run_block(layer: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> Tensor:
-    return layer(x, cos, sin, input_pos)
-
-
-def _run_step(model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-    return model(token, input_pos)[:, -1]
-
-
-class CompiledDecodeStep:
-    """The `--compile` decode step: one compiled transformer block shared by every layer, and on CUDA the
-    whole step (all layers, embedding and head) replayed as one CUDA graph.
-
-    Why a block, not the whole model: dynamo traces the block once and every layer reuses the graph (the
-    layers' weights and cache buffers are its inputs), so a cold compile costs one layer instead of 30 (it
-    was ~1 minute for the 30-layer model on 2 CPU cores); layers whose caches differ in strategy or size
-    get a graph each. Why a CUDA graph: a decode step of a small batch is hundreds of small kernels, and
-    launching them one by one from Python costs more than running them; a replayed graph is one launch.
-    The graph reads its inputs from static tensors (the token and the position are copied in) and every
-    cache buffer keeps its address, since caches are updated in place.
-
-    `prepare(model)` compiles and captures before the prompt, on the model's freshly reset caches: the
-    warm-up steps write into them, so they are reset again afterwards (generate calls it; the time is
-    reported as compile seconds, apart from decode speed). A step called on caches it was not prepared
-    for still runs compiled, without the graph.
-
-    `scope="step"` (`--compile_scope step`) compiles the whole step as one graph instead: on the CPU, where
-    no CUDA graph hides the per-call costs, each compiled block's call costs ~180 µs beyond its kernels
-    (dynamo's frame entry and guards, the AOT and inductor wrappers: measured on the bundled model, warm
-    weights, 2 threads), 5 ms of a ~27 ms step at 256 slots; one graph pays that once. Its cold compile
-    traces and lowers every layer (60-75 s cold for the 30-layer model on 2 cores, against ~32 s for a block).
-    """
-
-    def __init__(self, cuda_graph: bool = True, scope: str = "block") -> None:
-        if scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
-        self.scope = scope
-        self.block = torch.compile(_run_block, fullgraph=True, dynamic=False)
-        self.whole_step = torch.compile(_run_step, fullgraph=True, dynamic=False)
-        self.cuda_graph = cuda_graph
-        # Per set of caches (their ids) and positions per step (1 shared, or one per row): the captured graph,
-        # its static inputs (token, position) and logits.
-        self.graphs: dict[tuple[tuple[int, ...], int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
-        self.prepared: set[tuple[tuple[int, ...], int]] = set()
-        self.compile_seconds = 0.0
-
-    def compiled_step(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-        cpu_bf16_kernels.load_before_tracing(model.tok_embeddings.weight)
-        if self.scope == "step":
-            return self.whole_step(model, token, input_pos)
-        # Layers may differ in strategy or budget (patterns, debug shadows): one graph per kind of layer.
-        limit = max(torch._dynamo.config.recompile_limit, 2 * model.args.n_layer)
-        with torch._dynamo.config.patch(recompile_limit=limit):
-            return model(token, input_pos, run_block=self.block)[:, -1]
-
-    def prepare(self, model: Transformer, batch_size: int = 1, per_row_positions: bool = False) -> None:
-        """Compile (and on CUDA capture) the step for `batch_size` rows, at one shared position per step or,
-        with `per_row_positions`, one per row (input_pos [B], generate_batch)."""
-        key = (tuple(id(c) for c in model.caches()), batch_size if per_row_positions else 1)
-        if key in self.prepared:
-            return
-        started = time.perf_counter()
-        device = model.tok_embeddings.weight.device
-        with torch.inference_mode():  # inputs made here are inference tensors, like the loop's (no guard miss)
-            token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-            input_pos = torch.zeros(key[1], dtype=torch.long, device=device)
-            model.reset_caches()
-            if device.type == "cuda" and self.cuda_graph:
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):  # warm-up (compiles) off the capture's stream, as CUDA asks
-                    for _ in range(2):
-                        self.compiled_step(model, token, input_pos)
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    logits = self.compiled_step(model, token, input_pos)
-                self.graphs[key] = (graph, token, input_pos, logits)
-                torch.cuda.synchronize(device)
-            else:
-                for _ in range(2):
-                    self.compiled_step(model, token, input_pos)
-            model.reset_caches()
-        self.prepared.add(key)
-        self.compile_seconds += time.perf_counter() - started
-
-    def __call__(self, model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:
-        key = (tuple(id(c) for c in model.caches()), input_pos.numel())
-        captured = self.graphs.get(key) if self.graphs else None
-        if captured is None:
-            return self.compiled_step(model, token, input_pos)
-        graph, static_token, static_pos, logits = captured
-        static_token.copy_(token)
-        static_pos.copy_(input_pos)
-        graph.replay()
-        return logits  # overwritten by the next replay: sample from it before then
-
-
-    def graphs_per_set(self, model: Transformer) -> int:
-        """Graphs `prepare` compiles for the model's caches at one shape: one per kind of layer, or one."""
-        if self.scope == "step":
-            return 1
-        return len({(type(c), c.max_cache_length) for c in model.caches()})
-
-
-def compile_decode_step(cuda_graph: bool = True, scope: str = "block") -> CompiledDecodeStep:
-    return CompiledDecodeStep(cuda_graph, scope)
 
 
 # On a GPU the loop never waits for a step to finish: tokens stay on the device and EOS is looked for once
@@ -350,14 +242,7 @@ def generate_batch(
     check_every = 1 if device.type == "cpu" else EOS_CHECK_INTERVAL
     model.reset_caches()
     with torch.inference_mode():
-        prefill_seconds, first = [], []
-        for b, ids in enumerate(prompts):
-            started = time.perf_counter()
-            logits = prefill_rows_one(model, b, ids, None if prefill_lengths is None else prefill_lengths[b])
-            first.append(sample_rows(logits, temperature, top_k, generators and generators[b : b + 1]))
-            _synchronize(device)
-            prefill_seconds.append(time.perf_counter() - started)
-        token = torch.cat(first)  # [B, 1]
+        token, prefill_seconds = prefill_each_row(model, prompts, prefill_lengths, temperature, top_k, generators)
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         out[:, :1] = token
         done = torch.isin(token[:, 0], eos)
@@ -388,6 +273,21 @@ def generate_batch(
         results.append(GenerationResult(tokens, prefill_seconds[b], decode_seconds, n - 1, first_eos is not None,
                                         compile_seconds, snapshots[b]))
     return results
+
+
+def prefill_each_row(model: Transformer, prompts: list[list[int]], prefill_lengths: list[int] | None,
+                     temperature: float, top_k: int | None, generators: list | None) -> tuple[Tensor, list[float]]:
+    """Each prompt prefilled in its own row, one after another (each row's prefill time is its own): the
+    first sampled token of every row [B, 1] and the prefill seconds per row."""
+    device = model.tok_embeddings.weight.device
+    prefill_seconds, first = [], []
+    for b, ids in enumerate(prompts):
+        started = time.perf_counter()
+        logits = prefill_rows_one(model, b, ids, None if prefill_lengths is None else prefill_lengths[b])
+        first.append(sample_rows(logits, temperature, top_k, generators and generators[b : b + 1]))
+        _synchronize(device)
+        prefill_seconds.append(time.perf_counter() - started)
+    return torch.cat(first), prefill_seconds
 
 
 def take_snapshots(model: Transformer, done: Tensor, snapshots: list[dict | None]) -> None:

@@ -528,7 +528,7 @@ class Transformer(nn.Module):
         Returns float32 logits [B, T, vocab], or [B, 1, vocab] with `last_logits_only` (a prefill needs
         only the last position, and the vocabulary projection is the largest matmul of a long prompt).
         `run_block(layer, x, cos, sin, input_pos)` replaces each block's call: the compiled decode step
-        passes one compiled function that every layer shares (generate.CompiledDecodeStep). `append`: the T
+        passes one compiled function that every layer shares (compiled_step.CompiledDecodeStep). `append`: the T
         tokens follow what the caches already hold (KVCache.append) instead of being a prompt. With caches that
         re-rotate positions, input_pos may exceed the context after the prompt (RoPE then sees ranks only).
         `chunk`: the T > 1 tokens are a chunk of a prompt fed in pieces (generate.prefill, --prefill_chunk).

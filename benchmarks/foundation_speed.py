@@ -13,9 +13,10 @@ import torch
 
 from cache_setup import attach_caches, cache_config
 from checkpoint import load_checkpoint
+from compiled_step import compile_decode_step
 from errors import CliParser, run_cli
 from eval.data import pydoc_corpus
-from generate import compile_decode_step, decode_one_token, generate, prefill
+from generate import decode_one_token, generate, prefill
 
 
 def corpus_ids(tokenizer, n: int) -> list[int]:

@@ -17,8 +17,9 @@ from cache import cache_statistics
 from cache_setup import attach_caches, cache_config
 from cache_spec import LayerCacheSpec
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from compiled_step import compile_decode_step
 from eval.data import pydoc_corpus
-from generate import compile_decode_step, decode_one_token, generate
+from generate import decode_one_token, generate
 from strategies import CACHE_STRATEGIES
 from strategies.debug import attention_loss_curve
 

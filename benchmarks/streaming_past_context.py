@@ -26,10 +26,11 @@ from tqdm import tqdm
 from atomic_files import write_json_atomic
 from cache_setup import attach_caches, cache_config
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
 from flag_types import count, explicit_dests
-from generate import check_lengths, compile_decode_step, decode_one_token
+from generate import check_lengths, decode_one_token
 from ignored_flags import check_compile_scope_read
 
 

@@ -26,6 +26,7 @@ import torch
 
 from cache_spec import add_cache_arguments, check_cache_flags, parse_args_with_preset, storage_spec
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
+from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.harness import Runtime, full_cache_args, peak_memory_mb
@@ -33,7 +34,7 @@ from eval.tasks import TASKS, Task, get_task
 from eval.tasks.base import KVPRESS_PROTOCOLS
 from eval.uncertainty import LEVEL, RESAMPLES, SEED, item_intervals
 from flag_types import count, explicit_dests
-from generate import compile_decode_step, decode_one_token
+from generate import decode_one_token
 from ignored_flags import check_typed_flags
 from model import Transformer
 from tokenizer import Tokenizer

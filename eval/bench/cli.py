@@ -143,16 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.new_tokens, args.no_compile = 16, True
         args.strategies = args.strategies or ["recent_global", "heavy_hitter"]
         args.budgets, args.speedup_budget = [0.25], 0.25
-    if args.new_tokens < 2:
-        raise UserError(f"--new_tokens must be ≥ 2, got {args.new_tokens}")
-    strategies = [s for s in (args.strategies or CACHE_STRATEGIES) if s != "full"]
-    if args.overhead_blocks < 1:
-        raise UserError(f"--overhead_blocks must be ≥ 1, got {args.overhead_blocks}")
-    for s in strategies + args.speedup_strategies + [b for b in args.budget_strategies if b != "all"]:
-        if s not in CACHE_STRATEGIES:
-            raise UserError(f"unknown strategy {s!r}; available: {', '.join(CACHE_STRATEGIES)}")
-    if args.random_weights and args.checkpoint_path:
-        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    strategies = check_values(args)
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     out_dir = Path(args.out_dir)
@@ -167,18 +158,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   + (f" + {job.recompile_steps}-step recompile check" if job.recompile_steps else ""))
         print(plan_summary(plan))
         return []
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror}") from None
-    if (out_dir / "bench.json").exists() and not args.overwrite:
-        raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
+    refuse_existing_report(out_dir, args.overwrite)
+    make_out_dir(out_dir)
     torch.set_grad_enabled(False)
     if args.inductor_freezing:
         torch._inductor.config.freezing = True
     bandwidth = measure_read_bandwidth(device)
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
-    source = {"random_weights": args.random_weights, "checkpoint_path": args.checkpoint_path}
     model = tokenizer = None
     if args.random_weights:  # built on the device when its first row runs; its shapes from a meta copy now
         shapes = load_model(args, "meta", dtype)[0]
@@ -188,26 +174,79 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model_args, total_weight_bytes = model.args, weight_bytes(model)
     plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
     print(plan_summary(plan), flush=True)
-    max_context = max(j.context for j in plan)
-    if tokenizer is None:  # random weights: random token ids (the speed does not depend on them)
+    started, partial = time.perf_counter(), out_dir / "bench.partial.jsonl"
+    rows = measure_rows(args, plan, model, tokenizer, model_args, device, dtype, bandwidth, partial)
+    fill_comparisons(rows)
+    targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
+    table = format_table(rows) + "\n\n" + format_targets(targets)
+    print(table)
+    meta = run_meta(args, argv, device, bandwidth, total_weight_bytes, started) | {
+        "processor": platform.processor() or platform.machine(),
+        "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
+        "inductor_freezing": bool(torch._inductor.config.freezing), "compile_scope": args.compile_scope}
+    write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
+    partial.unlink()
+    return rows
+
+
+def check_values(args: argparse.Namespace) -> list[str]:
+    """The values no parser type checks; returns the strategies to measure (every registered one by default)."""
+    if args.new_tokens < 2:
+        raise UserError(f"--new_tokens must be ≥ 2, got {args.new_tokens}")
+    if args.overhead_blocks < 1:
+        raise UserError(f"--overhead_blocks must be ≥ 1, got {args.overhead_blocks}")
+    strategies = [s for s in (args.strategies or CACHE_STRATEGIES) if s != "full"]
+    for s in strategies + args.speedup_strategies + [b for b in args.budget_strategies if b != "all"]:
+        if s not in CACHE_STRATEGIES:
+            raise UserError(f"unknown strategy {s!r}; available: {', '.join(CACHE_STRATEGIES)}")
+    if args.random_weights and args.checkpoint_path:
+        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    return strategies
+
+
+def refuse_existing_report(out_dir: Path, overwrite: bool) -> None:
+    if (out_dir / "bench.json").exists() and not overwrite:
+        raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
+
+
+def make_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out_dir}: {e.strerror}") from None
+
+
+def corpus_token_ids(tokenizer, vocab_size: int, length: int) -> list[int]:
+    """The bench's prompt: the pydoc corpus, or random ids without a tokenizer (speed does not depend on them)."""
+    if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
-        corpus_ids = torch.randint(0, model_args.vocab_size, (max_context,), generator=generator).tolist()
-    else:
-        corpus_ids = tokenizer.encode(pydoc_corpus()[: 40 * max_context])
-    if len(corpus_ids) < max_context:
-        raise UserError(f"the corpus has {len(corpus_ids)} tokens, fewer than the longest context {max_context}")
-    # Without a tokenizer, the hybrid cache's special / punctuation classes are empty.
-    classes = None if tokenizer is not None else {
-        name: torch.zeros(model_args.vocab_size, dtype=torch.bool) for name in ("special", "punct")}
-    rows: list[dict] = []
+        return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+    ids = tokenizer.encode(pydoc_corpus()[: 40 * length])
+    if len(ids) < length:
+        raise UserError(f"the corpus has {len(ids)} tokens, fewer than the longest context {length}")
+    return ids[:length]
+
+
+def token_classes(tokenizer, vocab_size: int) -> dict | None:
+    """Without a tokenizer, the hybrid cache's special / punctuation classes are empty."""
+    if tokenizer is not None:
+        return None
+    return {name: torch.zeros(vocab_size, dtype=torch.bool) for name in ("special", "punct")}
+
+
+def measure_rows(args: argparse.Namespace, plan: list, model, tokenizer, model_args, device: str,
+                 dtype: torch.dtype, bandwidth: float, partial: Path) -> list[dict]:
+    """Every planned row, ours first, then transformers' with our model released (peak device memory is one
+    model's). Each row is appended to `partial` as it is measured: a run cut short keeps its rows."""
     from tqdm import tqdm
 
-    started = time.perf_counter()
+    corpus_ids = corpus_token_ids(tokenizer, model_args.vocab_size, max(j.context for j in plan))
+    classes = token_classes(tokenizer, model_args.vocab_size)
+    source = {"random_weights": args.random_weights, "checkpoint_path": args.checkpoint_path}
+    rows: list[dict] = []
     group = None  # compiled graphs are kept from a same-size reference through the strategy rows of its size
     full_caches: dict = {}
-    partial = out_dir / "bench.partial.jsonl"  # each row as it is measured: a run cut short keeps its rows
     partial.write_text("")
-    # Ours first, then transformers' rows with our model released: peak device memory is one model's.
     plan = [j for j in plan if not j.kind.startswith("hf")] + [j for j in plan if j.kind.startswith("hf")]
     for job in tqdm(plan, desc="bench"):
         ids = corpus_ids[: job.context]
@@ -239,24 +278,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tqdm.write(json.dumps(row))
             with partial.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-    fill_comparisons(rows)
-    targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
-    table = format_table(rows) + "\n\n" + format_targets(targets)
-    print(table)
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
-            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-            "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
-            "processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "dtype": args.dtype, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-            "weight_bytes": total_weight_bytes, "argv": argv, "wall_seconds": round(time.perf_counter() - started),
-            "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
-            "inductor_freezing": bool(torch._inductor.config.freezing), "compile_scope": args.compile_scope,
-            "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
-    write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
-    partial.unlink()
     return rows
 
 
+def run_meta(args: argparse.Namespace, argv: list[str], device: str, bandwidth: float, total_weight_bytes: int,
+             started: float) -> dict:
+    """What a report says about the run that made it: machine, model, versions, bandwidth, wall time."""
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+            "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": args.dtype,
+            "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": total_weight_bytes, "argv": argv,
+            "wall_seconds": round(time.perf_counter() - started), "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
 
 
 def write_outputs(out_dir: Path, report: dict, table: str) -> None:
@@ -276,8 +309,8 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
     """--batch_sizes: the batched rows (eval/bench/batched.py), planned (and a cap that holds no row refused)
     before anything is written."""
     check_batch_flags(args)
-    if (out_dir / "bench.json").exists() and not args.overwrite and not args.dry_run:
-        raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
+    if not args.dry_run:
+        refuse_existing_report(out_dir, args.overwrite)
     shapes = load_model(args, "meta", dtype)[0] if args.random_weights else None
     model, tokenizer = (None, None) if shapes else load_model(args, device, dtype)
     model_args = (shapes or model).args
@@ -287,21 +320,13 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
               f"{job.cache_bytes / 1e9:.4g} GB, context {job.context}, new {job.new_tokens}", flush=True)
     if args.dry_run:
         return []
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror}") from None
+    make_out_dir(out_dir)
     bandwidth = measure_read_bandwidth(device)
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     if model is None:
         model, _ = load_model(args, device, dtype)
-    context = plan[0].context
-    if tokenizer is None:
-        ids = torch.randint(0, model_args.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    else:
-        ids = tokenizer.encode(pydoc_corpus()[: 40 * context])[:context]
-    classes = None if tokenizer is not None else {
-        name: torch.zeros(model_args.vocab_size, dtype=torch.bool) for name in ("special", "punct")}
+    ids = corpus_token_ids(tokenizer, model_args.vocab_size, plan[0].context)
+    classes = token_classes(tokenizer, model_args.vocab_size)
     started, rows = time.perf_counter(), []
     for job in plan:
         rows.append(bench_batch(model, tokenizer, ids, job, bandwidth, args.kv_memory_gb, classes))
@@ -310,12 +335,7 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
     targets = summarize_batch_targets(rows, args.speedup_budget, args.speedup_strategies)
     table = format_batch_table(rows) + "\n\n" + format_targets(targets)
     print(table)
-    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.machine(),
-            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-            "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": args.dtype,
-            "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": weight_bytes(model),
-            "kv_memory_cap_gb": args.kv_memory_gb, "engine": ENGINE, "argv": argv,
-            "wall_seconds": round(time.perf_counter() - started), "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
+    meta = run_meta(args, argv, device, bandwidth, weight_bytes(model), started) | {
+        "kv_memory_cap_gb": args.kv_memory_gb, "engine": ENGINE}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     return rows

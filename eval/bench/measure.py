@@ -17,14 +17,10 @@ from cache import cache_statistics
 from cache_setup import attach_caches
 from checkpoint import bundled_checkpoint_path, load_checkpoint
 from checkpoint_hf import hf_model_args
+from compiled_step import compile_decode_step
 from eval.bench.plan import cache_args, recompile_check_shape
 from gates import attach_random_gates
-from generate import (
-    compile_decode_step,
-    decode_one_token,
-    generate,
-    prefill,
-)
+from generate import decode_one_token, generate, prefill
 from model import Transformer
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "batch_size", "kv_memory_cap_gb", "cache_slots",
