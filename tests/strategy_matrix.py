@@ -34,6 +34,11 @@ STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fract
 COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
+# The compiled matrix's cases: every strategy and twin on dense storage, every strategy on KIVI. A twin's
+# shadow is its strategy's own cache on that storage (its full cache is always dense), so what KIVI adds to a
+# compiled twin's graph is its strategy's KIVI graph; each KIVI case is a cold compile of ~10 s here.
+COMPILED_CASES = ([(s, *COMPILED_STORAGE_BUDGETS[0]) for s in ALL]
+                  + [(s, *sb) for sb in COMPILED_STORAGE_BUDGETS[1:] for s in STRATEGIES])
 # The budget-allocation axis (--budget_allocation adakv, budget_allocation.py): every head-specific strategy that
 # can pool its heads (hybrid sizes them itself) and its debug_ twin, on dense and per-token-quantized storage
 # (KIVI is refused). A short SnapKV window, so heavy_hitter's prompt rule protects less than the budget and
@@ -44,6 +49,9 @@ ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items())
                     if c.head_specific and not c.profiles_prompt and s not in VARIABLE]
 ADAKV = ADAKV_STRATEGIES + [f"debug_{s}" for s in ADAKV_STRATEGIES]
 ADAKV_STORAGES = ["dense", "4bit"]
+# Compiled: every strategy and twin on dense storage, every strategy quantized (a twin's quantized part is its
+# shadow, the strategy's own cache, as in COMPILED_CASES).
+ADAKV_COMPILED_CASES = [(s, "dense") for s in ADAKV] + [(s, "4bit") for s in ADAKV_STRATEGIES]
 ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapkv_window", "4"]}
 # --prefill_chunk (KVCache.prefill_chunk_tokens): every strategy and twin but those that declare why they
 # cannot compress a prompt chunk by chunk (cache_spec refuses the flag for them).

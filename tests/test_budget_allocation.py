@@ -32,6 +32,7 @@ from strategies import CACHE_STRATEGIES
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,
+    ADAKV_COMPILED_CASES,
     ADAKV_STORAGES,
     ADAKV_STRATEGIES,
     ALLOCATIONS,
@@ -97,8 +98,7 @@ def test_adakv_matrix_eager(strategy, storage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("storage", ADAKV_STORAGES)
-@pytest.mark.parametrize("strategy", ADAKV)
+@pytest.mark.parametrize(("strategy", "storage"), ADAKV_COMPILED_CASES)
 def test_adakv_matrix_compiled_no_recompilation(strategy, storage):
     """Compiled decode keeps what eager decode keeps, step for step, with one graph and no recompilation."""
     model = make_tiny_model(n_layer=1)
