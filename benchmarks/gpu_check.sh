@@ -8,8 +8,9 @@
 #      the bandwidth bound (measured in the same run);
 #   3. the batched bench under a memory cap, same shapes, 32k-token prompts: the full cache and
 #      recent_global at 10%, each at the largest batch whose caches fit the GPU's memory less the
-#      weights and a headroom for prefill (the cap in the report), tokens/s summed over the rows, the ratio
-#      to the full cache and the bandwidth bound's prediction.
+#      weights and a headroom for prefill (the cap in the report), compiled and replayed as a CUDA graph
+#      per configuration, tokens/s summed over the rows, the ratio to the full cache and the bandwidth
+#      bound's prediction.
 # The timeouts keep the whole script under 8 minutes.
 # Writes gpu_check.md (and the raw files) into $OUT (default results/gpu_check). Nothing is downloaded.
 #   bash benchmarks/gpu_check.sh [out_dir]
@@ -42,7 +43,7 @@ tests_rc=$?
 } >> "$REPORT"
 
 start=$(date +%s)
-timeout 210 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 190 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --contexts 4096 --hf_static --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
   --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 \
   --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1
@@ -71,7 +72,7 @@ bench_rc=$?
 # activations and the batch-1 row a batch is copied from (eval/bench/batched.py).
 CAP=$($PY -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 1e9 - 16.1 - 12, 1))")
 start=$(date +%s)
-timeout 80 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 100 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --batch_sizes 1 8 16 24 28 32 64 128 256 --kv_memory_gb "$CAP" --batch_context 32768 \
   --strategies recent_global --budgets 0.1 --speedup_budget 0.1 --new_tokens 32 \
   --out_dir "$OUT_DIR/batched" --overwrite > "$OUT_DIR/batched_log.txt" 2>&1

@@ -251,6 +251,51 @@ def test_every_buffer_has_the_row_first_or_is_declared_shared():
                         assert name in shared or buf.shape[0] == len(LENGTHS), (strategy, storage, name)
 
 
+def decode_rows_at_one_position(strategy: str, storage: str, compiled: bool, device: str = "cpu"):
+    """The batched bench's step: rows of equal prompt lengths, each prefilled in its row, then decoded at one
+    shared position per step (input_pos [1]); compiled with prepare(model, B) (a CUDA graph on CUDA).
+    Returns the logits [steps, B, vocab] (on the CPU), each row's kept positions per layer, and the graphs
+    compiled after prepare (None eager)."""
+    n, g = LENGTHS[0], torch.Generator().manual_seed(0)
+    seqs = [torch.randperm(VOCAB, generator=g)[: n + NEW].to(device) for _ in LENGTHS]
+    model = tiny_model().to(device)
+    model.init_rope_tables()
+    attach_row_caches(model, cache_args(strategy, BUDGETS["fraction"], storage), [n] * len(seqs), NEW,
+                      classes=TOKEN_CLASSES)
+    step, graphs = decode_one_token, None
+    if compiled:
+        torch._dynamo.reset()
+        step = compile_decode_step()
+        step.prepare(model, len(seqs))
+        counters.clear()
+    logits = []
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        model.reset_caches()
+        prefill_rows(model, [s[:n] for s in seqs])
+        for i in range(NEW - 1):
+            token = torch.stack([s[n + i] for s in seqs])[:, None]
+            logits.append(step(model, token, torch.tensor([n + i], device=device)).cpu())
+    if compiled:
+        graphs = counters["stats"]["unique_graphs"]
+    kept = []
+    for b in range(len(seqs)):
+        with model.cache_row(b):
+            kept.append([held(c) for c in model.caches()])
+    return torch.stack(logits), kept, graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "storage"), [("heavy_hitter", "dense"), ("hybrid", "kivi4")])
+def test_compiled_rows_at_one_shared_position_equal_eager(strategy, storage):
+    """Compiled, those rows keep eager's positions in every row and layer and its logits (float32, ATOL),
+    with every graph compiled by prepare."""
+    eager_logits, eager_kept, _ = decode_rows_at_one_position(strategy, storage, compiled=False)
+    compiled_logits, compiled_kept, graphs = decode_rows_at_one_position(strategy, storage, compiled=True)
+    assert compiled_kept == eager_kept and graphs == 0
+    atol = QUANTIZED_ATOL if storage != "dense" else ATOL
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=atol, rtol=atol)
+
+
 # Each case a compile: attention state, FastGen's own decode, a graph constant (the seed), a debug twin; KIVI's
 # per-row flush on two of them.
 COMPILED = [("heavy_hitter", "dense"), ("hybrid", "kivi4"), ("random", "dense"), ("debug_keydiff", "kivi4")]

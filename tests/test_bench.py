@@ -203,12 +203,12 @@ def test_batch_plan_takes_the_largest_batch_whose_measured_caches_fit_the_cap():
 
 
 def test_batched_comparisons_are_against_the_full_cache_under_the_same_cap():
-    from eval.bench.batched import ENGINE, fill_batch_comparisons
+    from eval.bench.batched import ENGINES, fill_batch_comparisons
     from eval.bench.report import summarize_batch_targets
 
     def row(strategy, budget, batch, tok_s, bound):
         r = dict.fromkeys(FIELDS)
-        r.update(engine=ENGINE, strategy=strategy, budget=budget, context=2048, new_tokens=16, batch_size=batch,
+        r.update(engine=ENGINES[True], strategy=strategy, budget=budget, context=2048, new_tokens=16, batch_size=batch,
                  kv_memory_cap_gb=0.2, decode_tokens_per_second=tok_s, bound_tokens_per_second=bound)
         return r
 
@@ -250,7 +250,8 @@ def test_batched_run_writes_rows_of_measured_batches(tmp_path, bundled):
                  "--new_tokens", "3", "--strategies", "recent_global", "--budgets", "0.25", "--dtype", "float32",
                  "--out_dir", str(out)])
     assert [(r["strategy"], r["batch_size"]) for r in rows] == [("full", 1), ("recent_global", 4)]
-    for r in rows:
+    for r in rows:  # compiled by default, as the batch-1 rows; each configuration its own graph
+        assert r["engine"] == "ours compiled, batched" and r["compile_seconds"] > 0
         assert set(r) == set(FIELDS) and r["cache_bytes"] <= 0.002e9 and r["decode_tokens_per_second"] > 0
         assert r["bound_tokens_per_second"] > 0 and r["peak_rss_mb"] > 0
     assert rows[1]["speedup_vs_full"] > 0 and rows[1]["bound_speedup_vs_full"] > 1

@@ -53,6 +53,17 @@ def test_cuda_graph_keeps_what_the_cpu_keeps(strategy, storage):
     assert compiled == kept_per_step(strategy, storage, "cpu")
 
 
+@pytest.mark.parametrize(("strategy", "storage"), [("heavy_hitter", "dense"), ("hybrid", "kivi4")])
+def test_cuda_graph_batched_rows_at_one_position_keep_what_the_cpu_keeps(strategy, storage):
+    """The batched bench's step (rows at one shared position, prepare(model, B)) as a CUDA graph keeps in
+    every row and layer the positions the CPU's eager rows keep."""
+    from tests.test_batching import decode_rows_at_one_position
+
+    _, cuda_kept, graphs = decode_rows_at_one_position(strategy, storage, compiled=True, device="cuda")
+    _, cpu_kept, _ = decode_rows_at_one_position(strategy, storage, compiled=False)
+    assert cuda_kept == cpu_kept and graphs == 0
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_compiled_step_does_not_recompile_over_256_steps(strategy):
     """The compiled block without the graph (dynamo runs its guards every step), on a budget of 16 that

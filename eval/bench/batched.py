@@ -12,6 +12,10 @@ included (positions, masks, scores: cache_bytes, docs/DESIGN.md §6); the caches
 real and counted again. Every row holds the same prefilled prompt: one prompt is prefilled at batch 1
 and copied into every row (decode speed does not depend on the tokens, and prefilling B prompts would
 cost B times as long as the decode being measured); each row then evicts on its own.
+
+Rows are compiled as the bench's batch-1 rows are (compiled_step.CompiledDecodeStep, prepared for the batch
+at one shared position per step, a CUDA graph on a GPU), or eager with --no_compile. Each configuration is
+a graph of its own (its caches' shapes), compiled before its prompt and reported apart from its speed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from cache import cache_statistics
 from cache_setup import cache_specs
 from cache_spec import LayerCacheSpec, build_caches
+from compiled_step import compile_decode_step
 from errors import UserError
 from eval.batching import attach_row_caches, fill_rows
 from eval.bench.measure import (
@@ -40,7 +45,7 @@ from eval.bench.plan import cache_args
 from generate import decode_one_token, prefill
 from model import ModelArgs, Transformer
 
-ENGINE = "ours eager, batched"
+ENGINES = {False: "ours eager, batched", True: "ours compiled, batched"}  # by whether the rows are compiled
 GB = 1e9  # --kv_memory_gb is in 10^9 bytes
 
 
@@ -98,15 +103,22 @@ def batch_plan(args: argparse.Namespace, strategies: list[str], model_args: Mode
 
 
 def bench_batch(model: Transformer, tokenizer: object, ids: list[int], job: BatchJob, bandwidth: float,
-                cap_gb: float | None, classes: dict | None = None) -> dict:
+                cap_gb: float | None, classes: dict | None = None, compile_scope: str | None = None) -> dict:
     """One row: the job's caches at its batch size, one prompt prefilled and copied into every row, then
     `new_tokens` greedy steps of all rows at shared positions; the first step is a warm-up, the rest timed
-    with one synchronisation at the end."""
+    with one synchronisation at the end. `compile_scope` (block or step) compiles the step, before the
+    prompt, on these caches (dynamo's caches reset first: no graph of another configuration is reused)."""
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     specs = cache_specs(cache_args(job.strategy, job.budget), model.args, len(ids), job.new_tokens)
     caches, single = attach_row_caches(model, specs, len(ids) + job.new_tokens, job.batch_size, tokenizer, classes)
+    step, compile_seconds = decode_one_token, None
+    if compile_scope is not None:
+        torch._dynamo.reset()
+        step = compile_decode_step(scope=compile_scope)
+        step.prepare(model, job.batch_size)  # on the B-row caches, attached last; they are reset afterwards
+        compile_seconds = round(step.compile_seconds, 1)
     model.setup_caches(single)
     model.reset_caches()
     with torch.inference_mode():
@@ -120,13 +132,13 @@ def bench_batch(model: Transformer, tokenizer: object, ids: list[int], job: Batc
         del single
         token = logits.argmax(dim=-1, keepdim=True).expand(job.batch_size, 1).contiguous()
         pos = torch.tensor([len(ids)], device=device)
-        token = decode_one_token(model, token, pos).argmax(dim=-1, keepdim=True)  # warm-up
+        token = step(model, token, pos).argmax(dim=-1, keepdim=True)  # warm-up
         steps = job.new_tokens - 1
         synchronize(device)
         t0 = time.perf_counter()
         for _ in range(steps):
             pos = pos + 1
-            token = decode_one_token(model, token, pos).argmax(dim=-1, keepdim=True)
+            token = step(model, token, pos).argmax(dim=-1, keepdim=True)
         synchronize(device)
         seconds = time.perf_counter() - t0
     stats = cache_statistics(caches)
@@ -136,16 +148,16 @@ def bench_batch(model: Transformer, tokenizer: object, ids: list[int], job: Batc
     bound = bandwidth_bound(bandwidth, weight_bytes(model), kv, job.batch_size)
     tok_s = job.batch_size * steps / seconds
     row = dict.fromkeys(FIELDS)
-    row.update({"engine": ENGINE, "strategy": job.strategy, "budget": job.budget, "context": len(ids),
-                "new_tokens": job.new_tokens, "batch_size": job.batch_size, "kv_memory_cap_gb": cap_gb,
-                "cache_slots": max(s.max_cache_length for s in specs),
+    row.update({"engine": ENGINES[compile_scope is not None], "strategy": job.strategy, "budget": job.budget,
+                "context": len(ids), "new_tokens": job.new_tokens, "batch_size": job.batch_size,
+                "kv_memory_cap_gb": cap_gb, "cache_slots": max(s.max_cache_length for s in specs),
                 "prefill_tokens_per_second": round(len(ids) / prefill_s, 1),
                 "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 * seconds / steps, 3),
                 "median_ms_per_step": round(1000 * seconds / steps, 3),
                 "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
                 "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
-                "fraction_of_bound": round(tok_s / bound, 3), "peak_rss_mb": peak_rss_mb(),
-                "peak_device_memory_mb": peak_device_memory_mb(device)})
+                "fraction_of_bound": round(tok_s / bound, 3), "compile_seconds": compile_seconds,
+                "peak_rss_mb": peak_rss_mb(), "peak_device_memory_mb": peak_device_memory_mb(device)})
     model.remove_caches()
     return row
 
@@ -154,9 +166,9 @@ def fill_batch_comparisons(rows: list[dict]) -> None:
     """Each batched row's throughput over the full cache's under the same cap (with no cap: at the same
     batch size), measured and as the bound predicts it."""
     for r in rows:
-        if r["engine"] != ENGINE or r["strategy"] == "full":
+        if r["engine"] not in ENGINES.values() or r["strategy"] == "full":
             continue
-        full = next((f for f in rows if f["engine"] == ENGINE and f["strategy"] == "full"
+        full = next((f for f in rows if f["engine"] == r["engine"] and f["strategy"] == "full"
                      and f["context"] == r["context"] and f["new_tokens"] == r["new_tokens"]
                      and (r["kv_memory_cap_gb"] is not None or f["batch_size"] == r["batch_size"])), None)
         if full is not None:
@@ -167,11 +179,12 @@ def fill_batch_comparisons(rows: list[dict]) -> None:
 def format_batch_table(rows: list[dict]) -> str:
     cols = ["strategy", "budget", "context", "batch_size", "cache_bytes", "decode_tokens_per_second",
             "bound_tokens_per_second", "fraction_of_bound", "speedup_vs_full", "bound_speedup_vs_full",
-            "median_ms_per_step", "peak_rss_mb", "peak_device_memory_mb"]
+            "median_ms_per_step", "compile_seconds", "peak_rss_mb", "peak_device_memory_mb"]
     short = {"batch_size": "batch", "decode_tokens_per_second": "decode tok/s (all rows)",
              "bound_tokens_per_second": "bound tok/s", "fraction_of_bound": "of bound",
              "speedup_vs_full": "× full at cap", "bound_speedup_vs_full": "bound × full",
-             "median_ms_per_step": "ms/step", "peak_rss_mb": "peak RSS MB", "peak_device_memory_mb": "peak GPU MB"}
+             "median_ms_per_step": "ms/step", "compile_seconds": "compile s", "peak_rss_mb": "peak RSS MB",
+             "peak_device_memory_mb": "peak GPU MB"}
     lines = ["| " + " | ".join(short.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |")

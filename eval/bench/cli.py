@@ -21,7 +21,7 @@ from atomic_files import atomic_write, write_json_atomic
 from checkpoint import add_compile_scope_argument, add_model_arguments, parse_dtype, positive_int, resolve_device
 from errors import CliParser, UserError
 from eval.bench.batched import (
-    ENGINE,
+    ENGINES,
     batch_plan,
     bench_batch,
     check_batch_flags,
@@ -116,8 +116,8 @@ def build_parser() -> CliParser:
 QUICK_SETS = ("contexts", "strategy_contexts", "speedup_contexts", "bound_contexts", "new_tokens", "no_compile",
               "budgets", "speedup_budget")
 PLAN_ONLY = ("contexts", "bound_contexts", "strategy_contexts", "speedup_contexts", "budget_strategies",
-             "recompile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_compile", "no_hf",
-             "hf_static", "quick", "compile_scope")
+             "recompile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_hf", "hf_static",
+             "quick")
 BATCHED_ONLY = ("kv_memory_gb", "batch_context")
 
 
@@ -328,14 +328,15 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
     ids = corpus_token_ids(tokenizer, model_args.vocab_size, plan[0].context)
     classes = token_classes(tokenizer, model_args.vocab_size)
     started, rows = time.perf_counter(), []
+    scope = None if args.no_compile else args.compile_scope
     for job in plan:
-        rows.append(bench_batch(model, tokenizer, ids, job, bandwidth, args.kv_memory_gb, classes))
+        rows.append(bench_batch(model, tokenizer, ids, job, bandwidth, args.kv_memory_gb, classes, scope))
         print(json.dumps(rows[-1]), flush=True)
     fill_batch_comparisons(rows)
     targets = summarize_batch_targets(rows, args.speedup_budget, args.speedup_strategies)
     table = format_batch_table(rows) + "\n\n" + format_targets(targets)
     print(table)
     meta = run_meta(args, argv, device, bandwidth, weight_bytes(model), started) | {
-        "kv_memory_cap_gb": args.kv_memory_gb, "engine": ENGINE}
+        "kv_memory_cap_gb": args.kv_memory_gb, "engine": ENGINES[scope is not None], "compile_scope": scope}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     return rows

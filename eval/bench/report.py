@@ -26,34 +26,57 @@ def fill_comparisons(rows: list[dict]) -> None:
 def summarize_targets(rows: list[dict], speedup_budget: float, weights: int = 0) -> dict:
     """The targets as measured ratios (`weights`: bytes of the model's weights); `met` is None where the
     run has no row to judge by."""
+    targets = _bound_and_peer_targets(rows)
+    targets["max_eviction_overhead"] = _overhead_target(rows)
+    targets["speedup_of_predicted"], longest = _speedup_target(rows, speedup_budget)
+    targets["peak_memory_at_longest"] = _peak_memory_target(rows, longest, speedup_budget, weights)
+    targets["scored_prefill_of_full"] = _scored_prefill_target(rows)
+    targets["recompilations"] = _recompilation_target(rows)
+    return targets
 
-    def find(engine: str, context: int, strategy: str = "full", budget: float | None = None) -> dict | None:
-        return next((r for r in rows if r["engine"] == engine and r["context"] == context
-                     and r["strategy"] == strategy and (budget is None or r["budget"] == budget)), None)
 
-    def target(value: object, goal: str, met: bool | None) -> dict:
-        return {"value": value, "target": goal, "met": met}
+def _find(rows: list[dict], engine: str, context: int, strategy: str = "full",
+          budget: float | None = None) -> dict | None:
+    return next((r for r in rows if r["engine"] == engine and r["context"] == context
+                 and r["strategy"] == strategy and (budget is None or r["budget"] == budget)), None)
 
-    targets: dict = {}
+
+def _target(value: object, goal: str, met: bool | None) -> dict:
+    return {"value": value, "target": goal, "met": met}
+
+
+def _bound_and_peer_targets(rows: list[dict]) -> dict:
+    """The compiled full cache's fraction of the bound, and its speed over transformers' two recipes, at the
+    longest context with a transformers row (else the longest compiled one)."""
     hf_contexts = [r["context"] for r in rows if r["engine"].startswith("hf generate")]
     context = max(hf_contexts or [r["context"] for r in rows if r["engine"] == "ours compiled"] or [0])
-    ours = find("ours compiled", context)
+    ours = _find(rows, "ours compiled", context)
     frac = ours["fraction_of_bound"] if ours else None
-    targets["compiled_fraction_of_bound"] = target(frac, f">= {TARGET_FRACTION_OF_BOUND} (context {context})",
-                                                   None if frac is None else frac >= TARGET_FRACTION_OF_BOUND)
+    targets = {"compiled_fraction_of_bound": _target(
+        frac, f">= {TARGET_FRACTION_OF_BOUND} (context {context})",
+        None if frac is None else frac >= TARGET_FRACTION_OF_BOUND)}
     for key, engine, strategy in (("compiled_over_hf_generate", "hf generate", "full (DynamicCache)"),
                                   ("compiled_over_hf_static_compiled", "hf generate, static cache compiled",
                                    "full (StaticCache)")):
-        hf = find(engine, context, strategy)
+        hf = _find(rows, engine, context, strategy)
         ratio = round(hf["median_ms_per_step"] / ours["median_ms_per_step"], 2) if hf and ours else None
-        targets[key] = target(ratio, "> 1", None if ratio is None else ratio > 1)
-    overhead = {}
+        targets[key] = _target(ratio, "> 1", None if ratio is None else ratio > 1)
+    return targets
+
+
+def _overhead_target(rows: list[dict]) -> dict:
+    overhead: dict = {}
     for r in rows:
         if r["overhead_vs_same_size_full"] is not None and r["engine"] == "ours compiled":
             overhead[r["strategy"]] = max(overhead.get(r["strategy"], -1.0), r["overhead_vs_same_size_full"])
     judged = [v for s, v in overhead.items() if not s.startswith("debug_")]
-    targets["max_eviction_overhead"] = target(overhead, f"<= {TARGET_MAX_OVERHEAD} (debug_* excluded)",
-                                              max(judged) <= TARGET_MAX_OVERHEAD if judged else None)
+    return _target(overhead, f"<= {TARGET_MAX_OVERHEAD} (debug_* excluded)",
+                   max(judged) <= TARGET_MAX_OVERHEAD if judged else None)
+
+
+def _speedup_target(rows: list[dict], speedup_budget: float) -> tuple[dict, int | None]:
+    """Each budget row's speed-up over the full cache against the bound's prediction, judged at the longest
+    context; also returns that context."""
     speedups = {}
     for r in rows:
         if r["engine"] == "ours compiled" and r["budget"] == speedup_budget and r["speedup_vs_full"] is not None:
@@ -63,36 +86,43 @@ def summarize_targets(rows: list[dict], speedup_budget: float, weights: int = 0)
                 "context": r["context"]}
     longest = max((v["context"] for v in speedups.values()), default=None)
     at_longest = [v["ratio_of_predicted"] for v in speedups.values() if v["context"] == longest]
-    targets["speedup_of_predicted"] = target(
-        speedups, f"speed-up / predicted >= {TARGET_SPEEDUP_OF_PREDICTED} at {speedup_budget:g} budget, "
-        f"longest context ({longest})", min(at_longest) >= TARGET_SPEEDUP_OF_PREDICTED if at_longest else None)
+    return _target(speedups, f"speed-up / predicted >= {TARGET_SPEEDUP_OF_PREDICTED} at {speedup_budget:g} budget, "
+                   f"longest context ({longest})",
+                   min(at_longest) >= TARGET_SPEEDUP_OF_PREDICTED if at_longest else None), longest
+
+
+def _peak_memory_target(rows: list[dict], longest: int | None, speedup_budget: float, weights: int) -> dict:
     peak = {}
     if longest is not None:
-        full = find("ours compiled", longest)
+        full = _find(rows, "ours compiled", longest)
         for r in rows:
             if (r["engine"] == "ours compiled" and r["context"] == longest and r["strategy"] != "full"
                     and r["budget"] == speedup_budget and full and r["peak_device_memory_mb"] is not None and weights):
                 limit = (weights + TARGET_PEAK_KV_SHARE * full["kv_bytes_read_per_step"]) / 2**20
                 peak[r["strategy"]] = {"peak_mb": r["peak_device_memory_mb"], "limit_mb": round(limit, 1),
                                        "full_cache_peak_mb": full["peak_device_memory_mb"]}
-    targets["peak_memory_at_longest"] = target(
-        peak, f"<= weights + {TARGET_PEAK_KV_SHARE} x the full cache's K/V",
-        all(v["peak_mb"] <= v["limit_mb"] for v in peak.values()) if peak else None)
+    return _target(peak, f"<= weights + {TARGET_PEAK_KV_SHARE} x the full cache's K/V",
+                   all(v["peak_mb"] <= v["limit_mb"] for v in peak.values()) if peak else None)
+
+
+def _scored_prefill_target(rows: list[dict]) -> dict:
     prefill = {}
     for r in rows:
-        full = find(r["engine"], r["context"])
+        full = _find(rows, r["engine"], r["context"])
         if r["strategy"] in SCORED_PREFILL and r["engine"] == "ours compiled" and full:
             prefill[f"{r['strategy']}@{r['context']}"] = round(
                 r["prefill_tokens_per_second"] / full["prefill_tokens_per_second"], 3)
-    targets["scored_prefill_of_full"] = target(prefill, f">= {TARGET_SCORED_PREFILL} of the full cache's prefill",
-                                               min(prefill.values()) >= TARGET_SCORED_PREFILL if prefill else None)
+    return _target(prefill, f">= {TARGET_SCORED_PREFILL} of the full cache's prefill",
+                   min(prefill.values()) >= TARGET_SCORED_PREFILL if prefill else None)
+
+
+def _recompilation_target(rows: list[dict]) -> dict:
     checked = [r for r in rows if r["recompile_check_steps"] is not None]
     recompiles = [r["recompilations"] for r in rows if r["recompilations"] is not None]
     check_steps = min((r["recompile_check_steps"] for r in checked), default=None)
-    targets["recompilations"] = {"value": max(recompiles) if recompiles else None, "check_steps": check_steps,
-                                 "checked": sorted({r["strategy"] for r in checked}), "target": "0 over >= 256 steps",
-                                 "met": max(recompiles) == 0 and check_steps >= 256 if checked else None}
-    return targets
+    return {"value": max(recompiles) if recompiles else None, "check_steps": check_steps,
+            "checked": sorted({r["strategy"] for r in checked}), "target": "0 over >= 256 steps",
+            "met": max(recompiles) == 0 and check_steps >= 256 if checked else None}
 
 
 def summarize_batch_targets(rows: list[dict], speedup_budget: float, judged: list[str]) -> dict:
@@ -107,7 +137,7 @@ def summarize_batch_targets(rows: list[dict], speedup_budget: float, judged: lis
     goal = (f">= {TARGET_BATCHED_OVER_FULL}x the full cache's tokens/s under the same cap (full: batch {full}), "
             f"{', '.join(judged)} at {speedup_budget:g}")
     met = min(checked) >= TARGET_BATCHED_OVER_FULL if checked else None
-    return {"batched_over_full_at_cap": {"value": value, "target": goal, "met": met}}
+    return {"batched_over_full_at_cap": _target(value, goal, met)}
 
 
 def format_targets(targets: dict) -> str:
