@@ -446,14 +446,20 @@ def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, 
 def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]],
               load_seconds: float) -> dict:
     """Several prompts: decoded in batches of --batch_size rows (generate_batch), each row with the caches
-    and budgets its own length resolves to; statistics per row and the batches' decode throughput."""
+    and budgets its own length resolves to; statistics per row (in the prompts' order) and the batches'
+    decode throughput. Batches take the prompts longest first: a layer gives every row of a batch the slots
+    of its largest budget, so a short prompt beside a long one would hold empty slots (a row's tokens do not
+    depend on its batch). Each row prints when its batch finishes, under its prompt's index."""
     step = compile_decode_step(scope=args.compile_scope) if args.compile else decode_one_token
-    rows, specs_of, decode_seconds, decoded, compile_seconds, batch_bytes = [], [], 0.0, 0, 0.0, 0
-    for first in range(0, len(prompts), args.batch_size):
-        batch = prompts[first : first + args.batch_size]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
+    batches = [order[first : first + args.batch_size] for first in range(0, len(order), args.batch_size)]
+    rows, specs_of = [None] * len(prompts), [None] * len(prompts)
+    decode_seconds, decoded, compile_seconds, batch_bytes = 0.0, 0, 0.0, 0
+    for k, indices in enumerate(batches):
+        batch = [prompts[i] for i in indices]
         row_specs = attach_row_caches(model, args, [len(ids) for ids in batch], args.max_new_tokens, tokenizer,
-                                      quiet=first > 0)
-        if args.print_cache_spec and first == 0:
+                                      quiet=k > 0)
+        if args.print_cache_spec and k == 0:
             print(format_cache_spec(row_specs[0]))
         lengths = [prefill_length_for(s, len(ids), args.feed_long_prompts) for s, ids in zip(row_specs, batch,
                                                                                               strict=True)]
@@ -463,14 +469,16 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         decoded += sum(len(r.tokens) - 1 for r in results)
         compile_seconds += results[0].compile_seconds
         batch_bytes = max(batch_bytes, sum(c.nbytes() for c in model.caches()))
-        for b, (ids, result) in enumerate(zip(batch, results, strict=True)):
+        for b in sorted(range(len(indices)), key=indices.__getitem__):  # within a batch, in the prompts' order
+            i, result = indices[b], results[b]
             text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-            print(f"---- row {first + b} ----\n{text}")
-            rows.append({**row_stats(len(ids), result, model, b), "text": text, "tokens": result.tokens})
-        specs_of += row_specs
+            print(f"---- row {i} ----\n{text}")
+            rows[i] = {**row_stats(len(batch[b]), result, model, b), "text": text, "tokens": result.tokens}
+            specs_of[i] = row_specs[b]
     stats = {
         "load_seconds": round(load_seconds, 3),
         "batch_size": args.batch_size,
+        "batches": batches,  # the prompts' indices decoded together, longest prompts first
         "rows": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "generated_tokens": sum(r["generated_tokens"] for r in rows),

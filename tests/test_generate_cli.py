@@ -74,8 +74,9 @@ def test_prompt_longer_than_context(long_prompt_file):
 
 
 def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys):
-    """Three prompts of different lengths, two rows at a time (a batch of 2, then of 1): every row's tokens
-    and cache statistics are those of the prompt run alone."""
+    """Three prompts of different lengths, two rows at a time: batched longest first (the first and third
+    prompts, then the second), and every row's tokens and cache statistics, recorded in the prompts' order,
+    are those of the prompt run alone."""
     import generate
 
     prompts = ["Hello there, how are you", "Hi", "What is a KV cache?"]
@@ -85,7 +86,7 @@ def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys
     stats = generate.main([arg for p in prompts for arg in ("--prompt", p)] + ["--batch_size", "2",
                           "--stats_json", str(batched), *common])
     rows = json.loads(batched.read_text())["row_statistics"]
-    assert stats["rows"] == len(rows) == 3 and stats["batch_size"] == 2
+    assert stats["rows"] == len(rows) == 3 and stats["batch_size"] == 2 and stats["batches"] == [[0, 2], [1]]
     for prompt, row in zip(prompts, rows, strict=True):
         alone = tmp_path / "alone.json"
         generate.main(["--prompt", prompt, "--stats_json", str(alone), "--overwrite", *common])
