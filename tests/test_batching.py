@@ -287,9 +287,10 @@ def decode_rows_at_one_position(strategy: str, storage: str, compiled: bool, dev
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "storage"), [("hybrid", "kivi4")])
 def test_compiled_rows_at_one_shared_position_equal_eager(strategy, storage):
-    """Compiled, those rows keep eager's positions in every row and layer and its logits (float32, ATOL),
-    with every graph compiled by prepare. One case (a compile, FastGen's own decode, KIVI's flush in every
-    row at once): what differs from the per-row-position cases below is only input_pos's shape."""
+    """Compiled, those rows keep eager's positions in every row and layer and its logits (float32: ATOL on
+    dense storage, QUANTIZED_ATOL on quantized), with every graph compiled by prepare. One case (a compile,
+    FastGen's own decode, KIVI's flush in every row at once): what differs from the per-row-position cases
+    below is only input_pos's shape."""
     eager_logits, eager_kept, _ = decode_rows_at_one_position(strategy, storage, compiled=False)
     compiled_logits, compiled_kept, graphs = decode_rows_at_one_position(strategy, storage, compiled=True)
     assert compiled_kept == eager_kept and graphs == 0
