@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The prepared GPU check, run once on a CUDA machine (about 8 minutes on an H200):
 #   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
-#      CPU's kept positions, no recompilation over 256 steps, logits parity with transformers;
+#      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
+#      batched step's graph, no recompilation over 256 steps, logits parity with transformers;
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: transformers' generate (default
 #      cache and its static-cache compiled recipe), ours eager and compiled, every strategy at 10% at 4k,
 #      10% vs full at 16k and 32k; decode tok/s, ms/step, compile seconds, peak GPU memory, fraction of
-#      the bandwidth bound (measured in the same run);
+#      the bandwidth bound (measured in the same run), and torch.profiler's kernel time by kind for the
+#      full cache and the 10% rows (--profile_steps);
 #   3. the batched bench under a memory cap, same shapes, 32k-token prompts: the full cache and
 #      recent_global at 10%, each at the largest batch whose caches fit the GPU's memory less the
 #      weights and a headroom for prefill (the cap in the report), compiled and replayed as a CUDA graph
@@ -30,22 +32,39 @@ REPORT="$OUT_DIR/gpu_check.md"
   echo '```'
 } > "$REPORT"
 
+# The CUDA tests in 8 processes (the device machine has 16 cores; each compiled case is a cold triton compile
+# of a few seconds, ~65 of them), round-robin over the collected test ids; no pytest plugin needed.
 start=$(date +%s)
-timeout 180 $PY -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rfE > "$OUT_DIR/cuda_tests.txt" 2>&1
-tests_rc=$?
+$PY -m pytest --collect-only -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>/dev/null | grep '::' \
+  > "$OUT_DIR/cuda_test_ids.txt"
+WORKERS=8
+for i in $(seq 0 $((WORKERS - 1))); do
+  awk -v n=$WORKERS -v i="$i" 'NR % n == i' "$OUT_DIR/cuda_test_ids.txt" > "$OUT_DIR/cuda_tests_$i.ids"
+  (
+    mapfile -t ids < "$OUT_DIR/cuda_tests_$i.ids"
+    TORCHINDUCTOR_COMPILE_THREADS=2 timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
+      > "$OUT_DIR/cuda_tests_$i.txt" 2>&1
+    echo $? > "$OUT_DIR/cuda_tests_$i.rc"
+  ) &
+done
+wait
+tests_rc=$(cat "$OUT_DIR"/cuda_tests_*.rc | sort -n | tail -1)
+cat "$OUT_DIR"/cuda_tests_[0-9]*.txt > "$OUT_DIR/cuda_tests.txt"
 {
   echo
-  echo "## CUDA tests (pytest -m cuda tests/test_cuda.py, exit $tests_rc, $(( $(date +%s) - start )) s)"
+  echo "## CUDA tests (pytest -m cuda tests/test_cuda.py, $(wc -l < "$OUT_DIR/cuda_test_ids.txt") collected, \
+$WORKERS processes, worst exit $tests_rc, $(( $(date +%s) - start )) s)"
   echo
   echo '```'
-  grep -E "passed|failed|error|FAILED|ERROR" "$OUT_DIR/cuda_tests.txt" | tail -40
+  grep -hE "^(FAILED|ERROR)" "$OUT_DIR/cuda_tests.txt" | head -40
+  grep -hE "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT_DIR"/cuda_tests_[0-9]*.txt
   echo '```'
 } >> "$REPORT"
 
 start=$(date +%s)
-timeout 190 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 210 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --contexts 4096 --hf_static --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
-  --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 \
+  --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 --profile_steps 16 \
   --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1
 bench_rc=$?
 {

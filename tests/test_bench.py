@@ -22,8 +22,8 @@ STRATEGIES = ["recent_global", "random", "keep_it_odd", "l2", "heavy_hitter", "g
 
 @pytest.mark.slow
 def test_bench_quick_schema(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "eval.bench", "--quick", "--out_dir", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "eval.bench", "--quick", "--profile_steps", "4",
+                           "--out_dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["read_bandwidth_gb_s"] > 0 and report["meta"]["weight_bytes"] > 0
@@ -35,8 +35,14 @@ def test_bench_quick_schema(tmp_path):
     engines = {r["engine"] for r in rows}
     assert {"ours eager", "ours eager (same-size ref)"} <= engines
     assert {r["strategy"] for r in rows if r["engine"] == "ours eager"} == {"full", "recent_global", "heavy_hitter"}
+    # --profile_steps: the full-cache row and the --speedup_strategies row at --speedup_budget, nothing else
+    profiled = [(r["strategy"], r["budget"]) for r in rows if "profile" in r]
+    assert profiled == [("full", 1.0), ("recent_global", 0.25)]
+    assert all(r["profile"]["steps"] == 4 and r["profile"]["ms_per_step_by_kind"]["linear"] > 0
+               for r in rows if "profile" in r)
+    assert "Where a decode step's time goes" in (tmp_path / "bench.md").read_text()
     for row in rows:
-        assert set(row) == set(FIELDS)
+        assert set(row) - {"profile"} == set(FIELDS)
         assert row["decode_tokens_per_second"] > 0 and row["bound_tokens_per_second"] > 0
         assert 0 < row["fraction_of_bound"]
         assert row["recompilations"] is None and row["recompile_check_steps"] is None  # eager only

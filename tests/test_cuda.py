@@ -1,7 +1,8 @@
 """On a CUDA device (`pytest -m cuda`; skipped where there is none): the strategy x storage matrix, eager
-and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for step, in float32; the
-compiled step does not recompile over 256 steps; and logits match transformers on CUDA for small random
-models built with transformers' own classes."""
+and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for step, in float32, and so do
+the other axes of the registry matrices (adakv's pooled budgets, --rerotate_positions past the model's
+context, --prefill_chunk); the compiled step does not recompile over 256 steps; and logits match
+transformers on CUDA for small random models built with transformers' own classes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,20 @@ from cache_spec import build_caches, resolve_cache_spec
 from checkpoint import load_checkpoint
 from generate import compile_decode_step, decode_one_token, prefill
 from tests.conftest import make_tiny_model
-from tests.strategy_matrix import ALL, PROMPT, STORAGES, STRATEGIES, attach, cache_args, held_positions, run, token_ids
+from tests.strategy_matrix import (
+    ADAKV,
+    ALL,
+    ALLOCATIONS,
+    CHUNKABLE,
+    PROMPT,
+    STORAGES,
+    STRATEGIES,
+    attach,
+    cache_args,
+    held_positions,
+    run,
+    token_ids,
+)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -20,14 +34,15 @@ pytestmark = [pytest.mark.cuda,
 LOGIT_ATOL = 1e-3  # float32 on both sides, TF32 off
 
 
-def kept_per_step(strategy: str, storage: str, device: str, step=decode_one_token) -> list:
-    model = make_tiny_model().to(device)
+def kept_per_step(strategy: str, storage: str, device: str, step=decode_one_token, flags: tuple = (),
+                  context_length: int | None = None) -> list:
+    model = make_tiny_model(**({"context_length": context_length} if context_length else {})).to(device)
     model.init_rope_tables()
     # Distinct tokens: RoPE preserves norms, so two equal tokens have equal layer-0 key norms, an exact tie
     # (for l2) that rounding breaks differently on each device.
     ids = token_ids().to(device)
     ids[0] = torch.randperm(256, generator=torch.Generator().manual_seed(0))[: ids.shape[1]].to(device)
-    caches = attach(model, cache_args(strategy, "0.5", storage), device=device)
+    caches = attach(model, cache_args(strategy, "0.5", storage, *flags), device=device)
     if hasattr(step, "prepare"):
         step.prepare(model)
     kept = []
@@ -40,6 +55,25 @@ def kept_per_step(strategy: str, storage: str, device: str, step=decode_one_toke
 @pytest.mark.parametrize("strategy", ALL)
 def test_cuda_eager_keeps_what_the_cpu_keeps(strategy, storage):
     assert kept_per_step(strategy, storage, "cuda") == kept_per_step(strategy, storage, "cpu")
+
+
+# The registry matrices' other axes, eager: (flags, the strategies the CPU matrix runs them on). Re-rotation
+# runs past a 32-token context (the sequence is 40) where the cache can, as in test_rerotate.
+AXES = {"adakv": (tuple(ALLOCATIONS["adakv"]), ADAKV), "rerotate_positions": (("--rerotate_positions",), ALL),
+        "prefill_chunk": (("--prefill_chunk", "8"), CHUNKABLE)}
+
+
+def past_the_context(strategy: str, flags: tuple) -> int | None:
+    holds_everything = strategy == "full" or strategy.startswith("debug_")
+    return 32 if "--rerotate_positions" in flags and not holds_everything else None
+
+
+@pytest.mark.parametrize(("axis", "strategy"), [(a, s) for a, (_, names) in AXES.items() for s in names])
+def test_cuda_eager_keeps_what_the_cpu_keeps_on_every_axis(axis, strategy):
+    flags = AXES[axis][0]
+    context = past_the_context(strategy, flags)
+    cuda = kept_per_step(strategy, "dense", "cuda", flags=flags, context_length=context)
+    assert cuda == kept_per_step(strategy, "dense", "cpu", flags=flags, context_length=context)
 
 
 # Compiled on CUDA: every strategy and debug_ twin on dense storage, every storage under heavy_hitter.

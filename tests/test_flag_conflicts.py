@@ -77,6 +77,7 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (EVAL, ["--compile_scope", "block"], "--compile_scope would be ignored"),
     (STREAMING, ["--compile_scope", "step"], "--compile_scope would be ignored"),
     (BENCH, ["--batch_context", "64"], "--batch_context would be ignored: it applies to --batch_sizes only"),
+    (BENCH, ["--batch_sizes", "1", "--profile_steps", "4"], "--profile_steps would be ignored: --batch_sizes"),
     (REPRODUCE, ["--summarize"], "--runs_dir would be ignored: --summarize only rebuilds"),
     (REPRODUCE, ["--list"], "--list takes no experiment names"),
     (REPRODUCE, ["--out_dir", "reports"], "--out_dir would be ignored: --dry_run prints"),
@@ -84,6 +85,8 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     # ---- sizes that leave a benchmark nothing to measure ---------------------------------------------------
     (GATED, ["--seq_len", "64", "--prefill_tokens", "64"], "leaves no token of the --seq_len 64 window to score"),
     (STREAMING, ["--budget", "64", "--tokens", "64"], "--tokens 64 must exceed --budget 64"),
+    (BENCH, ["--bound_contexts", "16", "--contexts", "--strategy_contexts", "--speedup_contexts", "--profile_steps",
+             "16"], "--profile_steps 16 needs prompts longer than 18 tokens; context 16 is not"),
     (STREAMING, ["--budget", "64", "--global_tokens", "4", "64"], "--global_tokens 64 leaves no slot"),
 ]
 GRID = "tasks: [fidelity, qa]\nargs: {haystack: noise}\n"

@@ -38,6 +38,7 @@ from eval.bench.measure import (
     weight_bytes,
 )
 from eval.bench.plan import build_plan, plan_summary
+from eval.bench.profile import format_profiles
 from eval.bench.report import (
     fill_comparisons,
     format_table,
@@ -76,6 +77,11 @@ def build_parser() -> CliParser:
     p.add_argument("--recompile_steps", type=count(0), default=256,
                    help="per compiled strategy (once), decode this many more steps on its compiled graph, with a "
                         "prompt that lets the cache fill and then evict, and count new graphs (0: off)")
+    p.add_argument("--profile_steps", type=count(0), default=0,
+                   help="profile this many more decode steps of each full-cache row and each --speedup_strategies "
+                        "row at --speedup_budget with torch.profiler: ms per step by kind of work (linear, "
+                        "attention, cache write, fused kernels, compiled code's entry; bench.json rows' profile, a "
+                        "table in bench.md; 0: off)")
     p.add_argument("--overhead_blocks", type=positive_int, default=8,
                    help="strategy rows: decode --new_tokens more steps on the strategy's caches and as many on a "
                         "same-size full cache, alternating in this many blocks, for overhead_vs_same_size_full")
@@ -116,8 +122,8 @@ def build_parser() -> CliParser:
 QUICK_SETS = ("contexts", "strategy_contexts", "speedup_contexts", "bound_contexts", "new_tokens", "no_compile",
               "budgets", "speedup_budget")
 PLAN_ONLY = ("contexts", "bound_contexts", "strategy_contexts", "speedup_contexts", "budget_strategies",
-             "recompile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_hf", "hf_static",
-             "quick")
+             "recompile_steps", "profile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_hf",
+             "hf_static", "quick")
 BATCHED_ONLY = ("kv_memory_gb", "batch_context")
 
 
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for job in plan:
             print(f"{job.engine():<30} {job.strategy:<14} budget {job.budget:<5g} context {job.context:<6} "
                   f"slots {job.slots:<6} new {job.new_tokens}"
-                  + (f" + {job.recompile_steps}-step recompile check" if job.recompile_steps else ""))
+                  + (f" + {job.recompile_steps}-step recompile check" if job.recompile_steps else "")
+                  + (f" + {job.profile_steps} profiled steps" if job.profile_steps else ""))
         print(plan_summary(plan))
         return []
     refuse_existing_report(out_dir, args.overwrite)
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = measure_rows(args, plan, model, tokenizer, model_args, device, dtype, bandwidth, partial)
     fill_comparisons(rows)
     targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
-    table = format_table(rows) + "\n\n" + format_targets(targets)
+    table = "\n\n".join(filter(None, [format_table(rows), format_profiles(rows), format_targets(targets)]))
     print(table)
     meta = run_meta(args, argv, device, bandwidth, total_weight_bytes, started) | {
         "processor": platform.processor() or platform.machine(),
@@ -199,6 +206,11 @@ def check_values(args: argparse.Namespace) -> list[str]:
     for s in strategies + args.speedup_strategies + [b for b in args.budget_strategies if b != "all"]:
         if s not in CACHE_STRATEGIES:
             raise UserError(f"unknown strategy {s!r}; available: {', '.join(CACHE_STRATEGIES)}")
+    contexts = args.contexts + args.bound_contexts + args.strategy_contexts + args.speedup_contexts
+    if args.profile_steps and contexts and min(contexts) <= args.profile_steps + 2:
+        # every context has a full-cache row, profiled after a prefill of all but its steps and 2 warm-up steps
+        raise UserError(f"--profile_steps {args.profile_steps} needs prompts longer than {args.profile_steps + 2} "
+                        f"tokens; context {min(contexts)} is not")
     if args.random_weights and args.checkpoint_path:
         raise UserError("--random_weights and --checkpoint_path exclude each other")
     return strategies
@@ -271,7 +283,7 @@ def measure_rows(args: argparse.Namespace, plan: list, model, tokenizer, model_a
                                  bandwidth, job.recompile_steps, job.engine(), job.pair_blocks,
                                  reset=key is None or key != group, full_caches=full_caches,
                                  keep_as_reference=job.kind == "ref", classes=classes,
-                                 compile_scope=args.compile_scope)
+                                 compile_scope=args.compile_scope, profile_steps=job.profile_steps)
             group = key
         if row is not None:
             rows.append(row)
@@ -296,7 +308,7 @@ def write_outputs(out_dir: Path, report: dict, table: str) -> None:
     """bench.json (meta, targets, rows), bench.csv (the rows) and bench.md (the tables), each atomically."""
     write_json_atomic(out_dir / "bench.json", report, overwrite=True)
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS, extrasaction="ignore")  # a row's profile: bench.json
     writer.writeheader()
     writer.writerows(report["rows"])
     atomic_write(out_dir / "bench.csv", buffer.getvalue(), overwrite=True)

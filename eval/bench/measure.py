@@ -19,6 +19,7 @@ from checkpoint import bundled_checkpoint_path, load_checkpoint
 from checkpoint_hf import hf_model_args
 from compiled_step import compile_decode_step
 from eval.bench.plan import cache_args, recompile_check_shape
+from eval.bench.profile import profile_decode_steps
 from gates import attach_random_gates
 from generate import decode_one_token, generate, prefill
 from model import Transformer
@@ -177,13 +178,14 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
 def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,
                bandwidth: float, recompile_steps: int = 0, engine: str | None = None, pair_blocks: int = 0,
                reset: bool = True, full_caches: dict | None = None, keep_as_reference: bool = False,
-               classes: dict | None = None, compile_scope: str = "block") -> dict:
+               classes: dict | None = None, compile_scope: str = "block", profile_steps: int = 0) -> dict:
     """One row: build the caches, (compile and capture before the prompt,) time prefill + `new` tokens; with
     `recompile_steps`, run that many more decode steps on the same compiled step (fill, then evict) and
     count new graphs over both runs; with `pair_blocks`, measure the overhead over a same-size full cache
     (`paired_overhead`). `reset=False` keeps the graphs compiled so far, so that the pairing reuses the
     same-size reference row's graph. `full_caches` maps (compiled, slots) to the caches of same-size reference
-    rows: filled by the rows with `keep_as_reference`, read by the pairing."""
+    rows: filled by the rows with `keep_as_reference`, read by the pairing. With `profile_steps`, the row's
+    "profile": that many more steps under torch.profiler (eval/bench/profile.py)."""
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -219,7 +221,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
         full_caches[(compiled, slots)] = model.caches()
     bound = bandwidth_bound(bandwidth, weight_bytes(model), kv)
     tok_s = result.decode_steps / result.decode_seconds
-    return {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
+    row = {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
             "budget": budget, "context": len(ids), "new_tokens": new, "batch_size": 1, "kv_memory_cap_gb": None,
             "cache_slots": slots,
             "prefill_tokens_per_second": round(len(ids) / result.prefill_seconds, 1),
@@ -232,6 +234,9 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
             "recompilations": recompilations, "recompile_check_steps": check_steps,
             "compile_seconds": round(result.compile_seconds, 1) if compiled else None, "peak_rss_mb": peak_rss_mb(),
             "peak_device_memory_mb": peak_device_memory_mb(device)}
+    if profile_steps:  # not a CSV column: bench.json and bench.md's profile table
+        row["profile"] = profile_decode_steps(model, ids, step, profile_steps)
+    return row
 
 
 def load_hf_model(source: dict, dtype: torch.dtype, device: str):

@@ -48,6 +48,7 @@ class Job:
     recompile_steps: int = 0
     new_tokens: int = 0
     pair_blocks: int = 0  # > 0: paired overhead measurement against a same-size full cache
+    profile_steps: int = 0  # > 0: that many more steps under torch.profiler (eval/bench/profile.py)
 
     def engine(self) -> str:
         if self.kind == "hf":
@@ -82,7 +83,7 @@ def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, co
         if any(j.kind == "full" and (j.context, j.compiled) == (context, is_compiled) for j in plan):
             return
         plan.append(Job("full", context, compiled=is_compiled, slots=context + new, new_tokens=new,
-                        recompile_steps=check("full") if is_compiled else 0))
+                        recompile_steps=check("full") if is_compiled else 0, profile_steps=args.profile_steps))
         refs.add((is_compiled, context + new))
 
     def strategy_rows(context: int, budgets: list[float], names: list[str], overhead: bool = True) -> None:
@@ -99,7 +100,8 @@ def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, co
                         plan.append(Job("ref", slots - ref_new, compiled=compiled, slots=slots, new_tokens=ref_new))
                         refs.add((compiled, slots))
                 pair = args.overhead_blocks if measure_overhead else 0
-                plan.append(Job("strategy", context, s, b, compiled, slots, check(s), new, pair))
+                profiled = args.profile_steps if (s in args.speedup_strategies and b == args.speedup_budget) else 0
+                plan.append(Job("strategy", context, s, b, compiled, slots, check(s), new, pair, profiled))
 
     for context in map(fit, args.contexts):
         if not args.no_hf:
@@ -142,6 +144,10 @@ def plan_summary(plan: list[Job]) -> str:
         if j.recompile_steps:
             seconds += prefill_s(j.slots // 2) + j.recompile_steps * step_s(j, j.slots)
             steps += j.recompile_steps
+        if j.profile_steps:  # a second prefill, then the profiled steps (the profiler's own cost not counted)
+            seconds += prefill_s(j.context, j.strategy) + j.profile_steps * step_s(j, j.slots)
+            prefill += j.context
+            steps += j.profile_steps
         if j.pair_blocks:  # the strategy's prefill of `slots` tokens, then as many steps on each cache
             seconds += prefill_s(min(j.slots, j.context), j.strategy) + 2 * j.new_tokens * step_s(j, j.slots)
             prefill += min(j.slots, j.context)

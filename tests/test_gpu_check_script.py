@@ -1,0 +1,43 @@
+"""benchmarks/gpu_check.sh is run on a lent GPU with minutes to spare: every eval.bench command in it must
+plan without a flag error. Here each is planned (--dry_run) on the CPU, where the plan is the same."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from eval.bench.cli import main
+from tests.conftest import ROOT
+
+SCRIPT = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
+
+
+def bench_commands() -> list[list[str]]:
+    """The words after `-m eval.bench` of each command, continuation lines joined, shell variables given
+    plain values (the cap: 100 GB)."""
+    joined = SCRIPT.replace("\\\n", " ")
+    commands = []
+    for line in joined.splitlines():
+        if "-m eval.bench" not in line:
+            continue
+        words = shlex.split(line.split("-m eval.bench", 1)[1].split(">", 1)[0])
+        commands.append([re.sub(r"\$\{?\w+\}?", "100" if w == "$CAP" else "out", w) for w in words])
+    return commands
+
+
+def test_the_script_runs_the_bench_twice():
+    assert [("--batch_sizes" in c) for c in bench_commands()] == [False, True]
+
+
+@pytest.mark.parametrize("command", bench_commands(), ids=["bench", "batched"])
+def test_every_bench_command_of_the_gpu_check_plans_on_the_cpu(command, tmp_path, capsys):
+    assert command[:2] == ["--device", "cuda"]
+    argv = ["--device", "cpu", *command[2:]]
+    out = argv.index("--out_dir") + 1
+    argv[out] = str(tmp_path / "bench")
+    assert main([*argv, "--dry_run"]) == []
+    printed = capsys.readouterr().out
+    assert ("batch" in printed) if "--batch_sizes" in argv else ("profiled steps" in printed)
+    assert not (tmp_path / "bench").exists()
