@@ -46,6 +46,30 @@ def strategy_settings() -> list[tuple[str, Setting]]:
     return list(found.values())
 
 
+def add_storage_arguments(g: argparse._ArgumentGroup) -> None:
+    """How the held K/V are stored (kv_storage.py): quantized per token or as KIVI, ThinK's thin keys."""
+    g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
+                   help="store keys/values as 2/4/8-bit integers (16 = unquantized)")
+    g.add_argument("--cache_quantization", choices=SCHEMES, default="per_token",
+                   help="with --cache_bits < 16: per_token scales, or kivi (keys per channel in token groups, "
+                        "values per token in channel groups, the newest tokens in full precision)")
+    g.add_argument("--q_group_size", type=int, default=DENSE.q_group_size,
+                   help="kivi: tokens per key group and channels per value group (64 as transformers' "
+                        "QuantizedCache; the KIVI paper uses 32)")
+    g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
+                   help="kivi: newest tokens kept in full precision (a multiple of --q_group_size; 128 as "
+                        "KIVI and transformers)")
+    g.add_argument("--think_ratio", type=real(0, 1, high_open=True), default=DENSE.think_ratio,
+                   help="ThinK (arXiv 2407.21018): prune this fraction of each KV head's key channels, chosen at "
+                        "prefill by the window queries' interaction with the keys; the kept channels alone are "
+                        "stored, values whole (0: keys whole; the paper uses 0.4-0.5)")
+    g.add_argument("--think_window", type=count(), default=DENSE.think_window,
+                   help="ThinK: the last prompt queries that score the key channels (32 as ThinK and kvpress)")
+    g.add_argument("--think_recent", type=count(0), default=DENSE.think_recent,
+                   help="ThinK: the newest tokens whose keys stay whole (0: every key pruned, the paper's method; "
+                        "the authors' code keeps 32 prompt tokens and every decoded one whole)")
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """The cache flags (cold-compress names): the shared settings here, each strategy's own from its
     declaration (`settings`), so every flag has one definition."""
@@ -71,26 +95,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         "chunk by its strategy's prompt rule over what it holds plus the chunk: memory holds the "
                         "budget plus one chunk, whatever the prompt's length (1: token by token, as decoding)")
     g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
-    g.add_argument("--cache_bits", type=int, choices=[2, 4, 8, 16], default=16,
-                   help="store keys/values as 2/4/8-bit integers (16 = unquantized)")
-    g.add_argument("--cache_quantization", choices=SCHEMES, default="per_token",
-                   help="with --cache_bits < 16: per_token scales, or kivi (keys per channel in token groups, "
-                        "values per token in channel groups, the newest tokens in full precision)")
-    g.add_argument("--q_group_size", type=int, default=DENSE.q_group_size,
-                   help="kivi: tokens per key group and channels per value group (64 as transformers' "
-                        "QuantizedCache; the KIVI paper uses 32)")
-    g.add_argument("--residual_length", type=int, default=DENSE.residual_length,
-                   help="kivi: newest tokens kept in full precision (a multiple of --q_group_size; 128 as "
-                        "KIVI and transformers)")
-    g.add_argument("--think_ratio", type=real(0, 1, high_open=True), default=DENSE.think_ratio,
-                   help="ThinK (arXiv 2407.21018): prune this fraction of each KV head's key channels, chosen at "
-                        "prefill by the window queries' interaction with the keys; the kept channels alone are "
-                        "stored, values whole (0: keys whole; the paper uses 0.4-0.5)")
-    g.add_argument("--think_window", type=count(), default=DENSE.think_window,
-                   help="ThinK: the last prompt queries that score the key channels (32 as ThinK and kvpress)")
-    g.add_argument("--think_recent", type=count(0), default=DENSE.think_recent,
-                   help="ThinK: the newest tokens whose keys stay whole (0: every key pruned, the paper's method; "
-                        "the authors' code keeps 32 prompt tokens and every decoded one whole)")
+    add_storage_arguments(g)
     g.add_argument("--budget_allocation", choices=ALLOCATIONS, default=ALLOCATIONS[0],
                    help="uniform: every KV head of a layer holds up to the budget; adakv: the heads share n_kv × "
                         "budget slots by score mass, chosen at prefill (Ada-KV, arXiv 2407.11550; "

@@ -233,11 +233,7 @@ def generate_batch(
     generators = None
     if temperature > 0:
         generators = [torch.Generator(device=device).manual_seed(seed if seed is not None else 0) for _ in prompts]
-    compile_seconds = 0.0
-    if hasattr(decode_step, "prepare"):
-        before = decode_step.compile_seconds
-        decode_step.prepare(model, B, per_row_positions=True)
-        compile_seconds = decode_step.compile_seconds - before
+    compile_seconds = prepare_rows(decode_step, model, B)
     eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
     check_every = 1 if device.type == "cpu" else EOS_CHECK_INTERVAL
     model.reset_caches()
@@ -266,13 +262,27 @@ def generate_batch(
         bar.close()
         _synchronize(device)
         decode_seconds = time.perf_counter() - t1
-    results = []
-    for b, row in enumerate(out[:, :n].tolist()):
-        first_eos = next((i for i, t in enumerate(row) if t in eos_ids), None)
-        tokens = row if first_eos is None else row[: first_eos + 1]
-        results.append(GenerationResult(tokens, prefill_seconds[b], decode_seconds, n - 1, first_eos is not None,
-                                        compile_seconds, snapshots[b]))
-    return results
+    return [row_result(row, eos_ids, prefill_seconds[b], decode_seconds, n - 1, compile_seconds, snapshots[b])
+            for b, row in enumerate(out[:, :n].tolist())]
+
+
+def prepare_rows(decode_step, model: Transformer, batch_size: int) -> float:
+    """A compiled step compiled (and on CUDA captured) for `batch_size` rows at one position each; its
+    seconds (0 for the eager step)."""
+    if not hasattr(decode_step, "prepare"):
+        return 0.0
+    before = decode_step.compile_seconds
+    decode_step.prepare(model, batch_size, per_row_positions=True)
+    return decode_step.compile_seconds - before
+
+
+def row_result(row: list[int], eos_ids: list[int], prefill_seconds: float, decode_seconds: float, steps: int,
+               compile_seconds: float, cache_stats: dict | None) -> GenerationResult:
+    """One row of a batch: its tokens up to and with its first EOS (the batch decoded past it)."""
+    first_eos = next((i for i, t in enumerate(row) if t in eos_ids), None)
+    tokens = row if first_eos is None else row[: first_eos + 1]
+    return GenerationResult(tokens, prefill_seconds, decode_seconds, steps, first_eos is not None, compile_seconds,
+                            cache_stats)
 
 
 def prefill_each_row(model: Transformer, prompts: list[list[int]], prefill_lengths: list[int] | None,

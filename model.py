@@ -298,17 +298,7 @@ class Attention(nn.Module):
         if cache is None and self.soft_gating is not None:
             y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
         elif append and cache is not None:
-            # A chunk after the prompt (kvpress protocol): into the cache's empty slots, then each query attends
-            # over the held tokens at or before its own position.
-            k_all, v_all, mask = cache.append(input_pos, k, v)
-            if by_rank:
-                q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
-            pos = cache.pos.expand(B, self.n_kv_head, -1)
-            visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))  # [B, n_kv, T, L]
-            visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
-            if cache.pooled:  # one K/V pool for all heads (budget_allocation.py): every query row over it
-                visible = visible.reshape(B, 1, -1, visible.shape[-1])
-            y, _ = grouped_attention(q, k_all, v_all, visible)
+            y = self.attend_appended(q, k, v, input_pos, cos, sin, by_rank)
         elif T > 1 or cache is None:
             # Prefill: causal attention over the prompt itself (the fused kernel; no probabilities).
             if self.sliding_window and T > self.sliding_window:
@@ -319,25 +309,47 @@ class Attention(nn.Module):
             if cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
                 cache.prefill(input_pos, k, v, q, **({"k_store": k_plain} if rerotate else {}))
         else:
-            k_all, v_all, mask = cache.update_kv(input_pos, k, v)
-            if cache.pooled:
-                # One K/V pool for all heads (budget_allocation.py): each query head attends over the slots its KV
-                # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
-                mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
-            if by_rank:
-                q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
-            if cache.needs_attention or x.device.type == "cpu":
-                # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached
-                # tokens (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
-                y, probs = grouped_attention(q, k_all, v_all, mask)
-                if cache.needs_attention:
-                    # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
-                    cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
-            else:  # GPU: the fused kernel, no probabilities materialised
-                head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
-                    self.n_head // self.n_kv_head, dim=1)
-                y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)
+            y = self.attend_decode(q, k, v, input_pos, cos, sin, by_rank)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend_appended(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor,
+                        by_rank: bool) -> Tensor:
+        """A chunk after the prompt (kvpress protocol): into the cache's empty slots, then each query attends
+        over the held tokens at or before its own position."""
+        cache, (B, _, T, _) = self.kv_cache, q.shape
+        k_all, v_all, mask = cache.append(input_pos, k, v)
+        if by_rank:
+            q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
+        pos = cache.pos.expand(B, self.n_kv_head, -1)
+        visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))  # [B, n_kv, T, L]
+        visible = visible.repeat(1, 1, self.n_head // self.n_kv_head, 1)
+        if cache.pooled:  # one K/V pool for all heads (budget_allocation.py): every query row over it
+            visible = visible.reshape(B, 1, -1, visible.shape[-1])
+        return grouped_attention(q, k_all, v_all, visible)[0]
+
+    def attend_decode(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor,
+                      by_rank: bool) -> Tensor:
+        """A decode step: the new token into the cache (its strategy evicts), then attention over its slots."""
+        cache, B = self.kv_cache, q.shape[0]
+        k_all, v_all, mask = cache.update_kv(input_pos, k, v)
+        if cache.pooled:
+            # One K/V pool for all heads (budget_allocation.py): each query head attends over the slots its KV
+            # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
+            mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
+        if by_rank:
+            q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
+        if cache.needs_attention or q.device.type == "cpu":
+            # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached
+            # tokens (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
+            y, probs = grouped_attention(q, k_all, v_all, mask)
+            if cache.needs_attention:
+                # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
+                cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
+            return y
+        # GPU: the fused kernel, no probabilities materialised
+        head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
+            self.n_head // self.n_kv_head, dim=1)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)
 
 
     def forward_chunk(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, input_pos: Tensor) -> Tensor:
@@ -520,6 +532,21 @@ class Transformer(nn.Module):
         for cache in self.caches():
             cache.reset()
 
+    def rope_tables(self, input_pos: Tensor, by_rank: bool, chunk: bool,
+                    decode: bool) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """(cos, sin, the sliding-window layers' (cos, sin)): the tables' rows at input_pos, or whole when the
+        layers index them themselves (by rank, or a prompt chunk's positions)."""
+        index = slice(None) if by_rank or chunk else input_pos
+        tables = [self.rope_cos[index], self.rope_sin[index]]
+        if self.args.local_rope_base:
+            tables += [self.rope_local_cos[index], self.rope_local_sin[index]]
+        if decode and not by_rank:
+            # A decode step's rows may be at different positions (input_pos [B]): its rows of the tables,
+            # [1 or B, R], become [1 or B, 1, 1, R], which broadcast against q/k [B, heads, 1, D] row by row.
+            tables = [t[:, None, None] for t in tables]
+        cos, sin = tables[:2]
+        return cos, sin, tuple(tables[2:]) or (cos, sin)
+
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
                 run_block: Callable[..., Tensor] | None = None, append: bool = False, chunk: bool = False) -> Tensor:
         """idx: [B, T] token ids; input_pos: [T] absolute positions shared by the rows (a device tensor), or
@@ -540,16 +567,7 @@ class Transformer(nn.Module):
         # Re-rotating caches after the prompt: the layers index the tables by rank (rotate_by_rank), and
         # input_pos, which may lie past the context then, indexes nothing.
         by_rank = bool(caches) and caches[0].rerotate_positions and (append or idx.shape[1] == 1)
-        index = slice(None) if by_rank or chunk else input_pos
-        tables = [self.rope_cos[index], self.rope_sin[index]]
-        if self.args.local_rope_base:
-            tables += [self.rope_local_cos[index], self.rope_local_sin[index]]
-        if idx.shape[1] == 1 and not by_rank:
-            # A decode step's rows may be at different positions (input_pos [B]): its rows of the tables,
-            # [1 or B, R], become [1 or B, 1, 1, R], which broadcast against q/k [B, heads, 1, D] row by row.
-            tables = [t[:, None, None] for t in tables]
-        cos, sin = tables[:2]
-        local = tuple(tables[2:]) or (cos, sin)
+        cos, sin, local = self.rope_tables(input_pos, by_rank, chunk, decode=idx.shape[1] == 1)
         x = self.tok_embeddings(idx)
         if self.args.embedding_scale != 1.0:
             # Scaled in the weights' dtype, as the reference does (the scale itself is rounded there too).

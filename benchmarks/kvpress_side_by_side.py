@@ -81,6 +81,19 @@ def kvpress_answer(pipe, press_name: str, ratio: float, context: list[int], ques
     return answers[0]
 
 
+def summarize_blocks(args: argparse.Namespace, blocks: list[dict]) -> dict:
+    """The report: CPU seconds per item of each tool, weighted by the blocks' items, their ratio and the
+    median of the blocks' ratios, and the answers both tools gave alike."""
+    n_items = sum(b["items"] for b in blocks)
+    ours_mean = sum(b["ours_s_per_item"] * b["items"] for b in blocks) / n_items
+    kvpress_mean = sum(b["kvpress_s_per_item"] * b["items"] for b in blocks) / n_items
+    return {"press": args.press, "compression_ratio": args.compression_ratio, "items": n_items,
+            "seq_len": args.seq_len, "ours_s_per_item": ours_mean, "kvpress_s_per_item": kvpress_mean,
+            "ratio_of_means": ours_mean / kvpress_mean,
+            "median_block_ratio": statistics.median(b["ours_s_per_item"] / b["kvpress_s_per_item"] for b in blocks),
+            "same_answers": sum(b["same_answers"] for b in blocks), "blocks": blocks}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.out:
@@ -129,16 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
                        "same_answers": sum(x == y for x, y in zip(a_ours, a_kvpress, strict=True))})
         print(f"block {b}: ours {t_ours / n:.3f} s/item, kvpress {t_kvpress / n:.3f} s/item, "
               f"ratio {t_ours / t_kvpress:.3f}", flush=True)
-    n_items = sum(b["items"] for b in blocks)
-    ours_mean = sum(b["ours_s_per_item"] * b["items"] for b in blocks) / n_items
-    kvpress_mean = sum(b["kvpress_s_per_item"] * b["items"] for b in blocks) / n_items
-    report = {"press": args.press, "compression_ratio": args.compression_ratio, "items": n_items,
-              "seq_len": args.seq_len, "ours_s_per_item": ours_mean, "kvpress_s_per_item": kvpress_mean,
-              "ratio_of_means": ours_mean / kvpress_mean,
-              "median_block_ratio": statistics.median(b["ours_s_per_item"] / b["kvpress_s_per_item"] for b in blocks),
-              "same_answers": sum(b["same_answers"] for b in blocks), "blocks": blocks}
-    print(f"{args.press} at {args.compression_ratio}: ours {ours_mean:.3f} s/item, kvpress {kvpress_mean:.3f} s/item, "
-          f"ratio {report['ratio_of_means']:.3f}, identical answers {report['same_answers']}/{n_items}")
+    report = summarize_blocks(args, blocks)
+    print(f"{args.press} at {args.compression_ratio}: ours {report['ours_s_per_item']:.3f} s/item, kvpress "
+          f"{report['kvpress_s_per_item']:.3f} s/item, ratio {report['ratio_of_means']:.3f}, identical answers "
+          f"{report['same_answers']}/{report['items']}")
     if args.out:
         write_json_atomic(args.out, report, overwrite=args.overwrite)
     return report

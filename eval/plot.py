@@ -229,6 +229,19 @@ def strategy_pairs(group: pd.DataFrame, out_dir: Path, table: pd.DataFrame, metr
     return rows
 
 
+def paired_sections(task: str, metrics: list[str], paired_rows: list[tuple]) -> list[str]:
+    """Every metric with item values paired against the full cache (the main table shows the headline's
+    only), when there is more than one: a table's lines, or none."""
+    paired_metrics = [m for m in metrics if any(d[m] for *_, d in paired_rows)]
+    if len(paired_metrics) <= 1:
+        return []
+    table_rows = [[label, budget, *[format_interval(d[m], signed=True) for m in paired_metrics],
+                   next(iv.n for iv in d.values() if iv)] for label, budget, d in paired_rows]
+    return [f"Paired differences vs the full cache on the same items ({task}):", "",
+            markdown_table(["strategy", "budget", *[f"Δ {m} [95% CI]" for m in paired_metrics], "pairs"],
+                           table_rows), ""]
+
+
 def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) -> str:
     parts = ["# KV-cache evaluation summary", "",
              f"{len(frame)} finished runs in `{out_dir}`. *full* is the full cache on the same items; compression "
@@ -275,14 +288,7 @@ def summary_markdown(frame: pd.DataFrame, figures: list[Path], out_dir: Path) ->
         if task == kvpress_runs.TASK:  # scores x100 per task, as kvpress's leaderboard shows them
             parts += [f"Per task ({task}, kvpress's scorer; runs imported from kvpress measure nothing):", "",
                       kvpress_runs.leaderboard_markdown(group), ""]
-        # Every metric with item values (the main table shows the headline's only).
-        paired_metrics = [m for m in metrics if any(d[m] for *_, d in paired_rows)]
-        if len(paired_metrics) > 1:
-            table_rows = [[label, budget, *[format_interval(d[m], signed=True) for m in paired_metrics],
-                           next(iv.n for iv in d.values() if iv)] for label, budget, d in paired_rows]
-            parts += [f"Paired differences vs the full cache on the same items ({task}):", "",
-                      markdown_table(["strategy", "budget", *[f"Δ {m} [95% CI]" for m in paired_metrics], "pairs"],
-                                     table_rows), ""]
+        parts += paired_sections(task, metrics, paired_rows)
         between = strategy_pairs(group, out_dir, table, head) if head else []
         if between:
             parts += [f"Paired differences between strategies at the same budget ({task}, {head}):", "",

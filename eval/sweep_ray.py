@@ -253,6 +253,27 @@ def record(out_dir: Path, job: list[str], path: Path, reply: dict) -> str | None
     return None
 
 
+def replace_worker(ray, sweep: argparse.Namespace, dead, actors: list, idle: list) -> None:
+    """A new worker, idle, in place of one that died mid-run (whatever is left of it is killed)."""
+    ray.kill(dead)
+    actor = new_worker(ray, sweep)
+    actors.append(actor)
+    idle.append(actor)
+
+
+def record_reply(out_dir: Path, job: list[str], path: Path, reply: dict, attempts: int,
+                 failed_rows: list[dict]) -> str | None:
+    """A run's reply recorded (its files, or its error in the failed-runs table) and the results table
+    rewritten, after every run, so both are current even if the sweep is killed; the error, if any."""
+    error = record(out_dir, job, path, reply)
+    if error:
+        failed_rows.append({"run_dir": str(path.relative_to(out_dir)), "attempts": attempts,
+                            "error": error.strip(), "command": " ".join(job)})
+        write_failed_table(out_dir, failed_rows)
+    results.write_results_table(out_dir)
+    return error
+
+
 def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, bar: tqdm) -> dict[int, str]:
     """Run the pending jobs on Ray actors; returns {index in pending: error} of the runs that failed."""
     ray = import_ray()
@@ -286,10 +307,7 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
                     reply = ray.get(ref)
                     idle.append(actor)
                 except died as e:
-                    ray.kill(actor)  # whatever is left of it
-                    actor = new_worker(ray, sweep)
-                    actors.append(actor)
-                    idle.append(actor)
+                    replace_worker(ray, sweep, actor, actors, idle)
                     if attempts[index] <= sweep.max_retries:
                         queue.appendleft(index)
                         retried += 1
@@ -303,14 +321,9 @@ def run_ray(pending: list[tuple[list[str], Path]], sweep: argparse.Namespace, ba
                     reply = {"error": short_error(e)}
                 if "pid" in reply:
                     model_loads[reply["pid"]] = reply["model_loads"]
-                job, path = pending[index]
-                error = record(out_dir, job, path, reply)
+                error = record_reply(out_dir, *pending[index], reply, attempts[index], failed_rows)
                 if error:
                     failures[index] = error
-                    failed_rows.append({"run_dir": str(path.relative_to(out_dir)), "attempts": attempts[index],
-                                        "error": error.strip(), "command": " ".join(job)})
-                    write_failed_table(out_dir, failed_rows)
-                results.write_results_table(out_dir)  # after every run: the table is current even if killed
                 bar.set_postfix(failed=len(failures), retried=retried)
                 bar.update()
     finally:

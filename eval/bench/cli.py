@@ -51,6 +51,19 @@ from flag_types import POSITIVE, count, explicit_dests, refuse_unused
 from strategies import CACHE_STRATEGIES
 
 
+def add_batch_arguments(p: CliParser) -> None:
+    """--batch_sizes' mode: throughput under a memory cap (eval/bench/batched.py)."""
+    p.add_argument("--batch_sizes", nargs="+", type=positive_int, default=None,
+                   help="throughput under a memory cap instead of the plan above: the full cache and each of "
+                        "--strategies at each of --budgets, at a --batch_context prompt, decoded as one batch: the "
+                        "largest of these batch sizes whose caches fit --kv_memory_gb (without it, each size)")
+    p.add_argument("--kv_memory_gb", type=POSITIVE, default=None,
+                   help="the cap for --batch_sizes: bytes of every cache buffer of the batch (K/V and bookkeeping), "
+                        "in 10^9 bytes")
+    p.add_argument("--batch_context", type=positive_int, default=2048,
+                   help="prompt tokens of every row of --batch_sizes")
+
+
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
     p.add_argument("--contexts", nargs="*", type=positive_int, default=[512, 2048, 4096, 8192],
@@ -90,15 +103,7 @@ def build_parser() -> CliParser:
     p.add_argument("--inductor_freezing", action="store_true",
                    help="experiment: compile with torch._inductor.config.freezing (weights folded and prepacked for "
                         "oneDNN; faster decode here, but each compile is cold and keeps ~250 MB in the process)")
-    p.add_argument("--batch_sizes", nargs="+", type=positive_int, default=None,
-                   help="throughput under a memory cap instead of the plan above: the full cache and each of "
-                        "--strategies at each of --budgets, at a --batch_context prompt, decoded as one batch: the "
-                        "largest of these batch sizes whose caches fit --kv_memory_gb (without it, each size)")
-    p.add_argument("--kv_memory_gb", type=POSITIVE, default=None,
-                   help="the cap for --batch_sizes: bytes of every cache buffer of the batch (K/V and bookkeeping), "
-                        "in 10^9 bytes")
-    p.add_argument("--batch_context", type=positive_int, default=2048,
-                   help="prompt tokens of every row of --batch_sizes")
+    add_batch_arguments(p)
     p.add_argument("--no_compile", action="store_true", help="eager rows only")
     p.add_argument("--no_hf", action="store_true", help="skip the Hugging Face rows")
     p.add_argument("--hf_static", action="store_true",

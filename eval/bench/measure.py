@@ -189,7 +189,6 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    capacity = len(ids) + new
     specs = attach_caches(model, cache_args(strategy, budget), len(ids), new, tokenizer, classes=classes)
     slots = max(s.max_cache_length for s in specs)
     step = decode_one_token
@@ -201,13 +200,12 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     result = generate(model, ids, new, [], step)  # a compiled step is compiled and captured first (prepare)
     stats = cache_statistics(model.caches())
     kv = kv_bytes_read(model.caches())
-    check_steps = None
-    if compiled and recompile_steps > 0:
-        prompt, steps = recompile_check_shape(slots, capacity, recompile_steps)
-        check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
-    # The graphs of the timed run itself (compiled in prepare) are not recompilations.
-    recompilations = None
+    check_steps = recompilations = None
     if compiled:
+        if recompile_steps > 0:
+            prompt, steps = recompile_check_shape(slots, len(ids) + new, recompile_steps)
+            check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
+        # The graphs of the timed run itself (compiled in prepare) are not recompilations.
         recompilations = counters["stats"]["unique_graphs"] - graphs_before - step.graphs_per_set(model)
     ref_ms = overhead = None
     if pair_blocks > 0:
@@ -259,17 +257,9 @@ def load_hf_model(source: dict, dtype: torch.dtype, device: str):
     return model.to(device).eval()
 
 
-def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device: str, bandwidth: float,
-             static_compiled: bool = False) -> dict | None:
-    """transformers' generate on the same model: its default dynamic cache, or (`static_compiled`) its
-    documented recipe for speed, a static cache with the forward compiled (mode "reduce-overhead": CUDA graphs),
-    timed after a first, compiling generate. None when transformers is absent.
-
-    A logits processor timestamps every step, so one generate call gives the prefill (up to the first
-    step's logits) and each decode step."""
-    model = load_hf_model(source, dtype, device)
-    if model is None:
-        return None
+def timed_hf_generate(model, x: torch.Tensor, kwargs: dict) -> tuple[float, list[float]]:
+    """(prefill seconds, each decode step's seconds) of one transformers generate call: a logits processor
+    timestamps every step, so the prefill ends at the first step's logits."""
     import transformers
 
     class Clock(transformers.LogitsProcessor):
@@ -280,6 +270,21 @@ def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device:
             self.times.append(time.perf_counter())
             return scores
 
+    clock = Clock()
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(x, **kwargs, logits_processor=transformers.LogitsProcessorList([clock]))
+    return clock.times[0] - t, [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+
+
+def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device: str, bandwidth: float,
+             static_compiled: bool = False) -> dict | None:
+    """transformers' generate on the same model: its default dynamic cache, or (`static_compiled`) its
+    documented recipe for speed, a static cache with the forward compiled (mode "reduce-overhead": CUDA graphs),
+    timed after a first, compiling generate (timed_hf_generate). None when transformers is absent."""
+    model = load_hf_model(source, dtype, device)
+    if model is None:
+        return None
     x = torch.tensor([ids], device=device)
     kwargs = dict(attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                   pad_token_id=0)
@@ -297,13 +302,8 @@ def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    clock = Clock()
-    with torch.inference_mode():
-        t = time.perf_counter()
-        model.generate(x, **kwargs, logits_processor=transformers.LogitsProcessorList([clock]))
-    prefill_s = clock.times[0] - t
-    steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
-    tok_s = len(steps) / (clock.times[-1] - clock.times[0])
+    prefill_s, steps = timed_hf_generate(model, x, kwargs)
+    tok_s = len(steps) / sum(steps)
     a = model.config
     head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
     kv = 2 * a.num_hidden_layers * a.num_key_value_heads * head_dim * (
