@@ -64,8 +64,9 @@ AXES = {"adakv": (tuple(ALLOCATIONS["adakv"]), ADAKV), "rerotate_positions": (("
 
 
 def past_the_context(strategy: str, flags: tuple) -> int | None:
-    holds_everything = strategy == "full" or strategy.startswith("debug_")
-    return 32 if "--rerotate_positions" in flags and not holds_everything else None
+    from tests.test_rerotate import CONTEXT, holds_whole_sequence
+
+    return CONTEXT if "--rerotate_positions" in flags and not holds_whole_sequence(strategy) else None
 
 
 @pytest.mark.parametrize(("axis", "strategy"), [(a, s) for a, (_, names) in AXES.items() for s in names])

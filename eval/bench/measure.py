@@ -220,18 +220,18 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     bound = bandwidth_bound(bandwidth, weight_bytes(model), kv)
     tok_s = result.decode_steps / result.decode_seconds
     row = {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
-            "budget": budget, "context": len(ids), "new_tokens": new, "batch_size": 1, "kv_memory_cap_gb": None,
-            "cache_slots": slots,
-            "prefill_tokens_per_second": round(len(ids) / result.prefill_seconds, 1),
-            "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 3),
-            "median_ms_per_step": round(1000 / tok_s, 3),
-            "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
-            "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
-            "fraction_of_bound": round(tok_s / bound, 3), "same_size_full_median_ms": ref_ms,
-            "overhead_vs_same_size_full": overhead, "speedup_vs_full": None, "bound_speedup_vs_full": None,
-            "recompilations": recompilations, "recompile_check_steps": check_steps,
-            "compile_seconds": round(result.compile_seconds, 1) if compiled else None, "peak_rss_mb": peak_rss_mb(),
-            "peak_device_memory_mb": peak_device_memory_mb(device)}
+           "budget": budget, "context": len(ids), "new_tokens": new, "batch_size": 1, "kv_memory_cap_gb": None,
+           "cache_slots": slots,
+           "prefill_tokens_per_second": round(len(ids) / result.prefill_seconds, 1),
+           "decode_tokens_per_second": round(tok_s, 2), "ms_per_step": round(1000 / tok_s, 3),
+           "median_ms_per_step": round(1000 / tok_s, 3),
+           "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
+           "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
+           "fraction_of_bound": round(tok_s / bound, 3), "same_size_full_median_ms": ref_ms,
+           "overhead_vs_same_size_full": overhead, "speedup_vs_full": None, "bound_speedup_vs_full": None,
+           "recompilations": recompilations, "recompile_check_steps": check_steps,
+           "compile_seconds": round(result.compile_seconds, 1) if compiled else None, "peak_rss_mb": peak_rss_mb(),
+           "peak_device_memory_mb": peak_device_memory_mb(device)}
     if profile_steps:  # not a CSV column: bench.json and bench.md's profile table
         row["profile"] = profile_decode_steps(model, ids, step, profile_steps)
     return row
