@@ -170,3 +170,21 @@ def test_reproduce_list_refuses_the_flags_it_ignores(capsys):
         reproduce_cli.main(["--list", "--profile", "full"])
     reproduce_cli.main(["--list"])
     assert "streamingllm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry run", "run"])
+@pytest.mark.parametrize(("new_tokens", "fragment"), [
+    ("8188", "--profile_steps 4 needs prompts longer than 6 tokens; context 8000 is cut to 4 so that --new_tokens "
+     "8188 fit the model's context of 8192"),
+    ("9000", "--new_tokens 9000 leaves no room for a prompt in the model's context of 8192 tokens"),
+])
+def test_bench_refuses_a_context_that_new_tokens_cut_below_the_profile(new_tokens, fragment, dry_run, tmp_path,
+                                                                       capsys, monkeypatch):
+    """The model's context is known once its config is read: the bench fits each prompt to it (prompt + new
+    tokens), so a prompt that passed the profile's length check can still be cut below it. Refused then, after
+    the model loads and before the output directory exists."""
+    argv = ["--out_dir", str(tmp_path / "bench"), "--bound_contexts", "8000", "--contexts", "--strategy_contexts",
+            "--speedup_contexts", "--new_tokens", new_tokens, "--profile_steps", "4", "--no_hf",
+            *(["--dry_run"] if dry_run else [])]
+    line = refused(BENCH, argv, tmp_path, capsys, monkeypatch, early=False)
+    assert fragment in line, line

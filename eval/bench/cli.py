@@ -171,12 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(plan_summary(plan))
         return []
     refuse_existing_report(out_dir, args.overwrite)
-    make_out_dir(out_dir)
     torch.set_grad_enabled(False)
-    if args.inductor_freezing:
-        torch._inductor.config.freezing = True
-    bandwidth = measure_read_bandwidth(device)
-    print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     model = tokenizer = None
     if args.random_weights:  # built on the device when its first row runs; its shapes from a meta copy now
         shapes = load_model(args, "meta", dtype)[0]
@@ -184,7 +179,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         model, tokenizer = load_model(args, device, dtype)
         model_args, total_weight_bytes = model.args, weight_bytes(model)
-    plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
+    plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)  # may refuse: before writing
+    make_out_dir(out_dir)
+    if args.inductor_freezing:
+        torch._inductor.config.freezing = True
+    bandwidth = measure_read_bandwidth(device)
+    print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     print(plan_summary(plan), flush=True)
     started, partial = time.perf_counter(), out_dir / "bench.partial.jsonl"
     rows = measure_rows(args, plan, model, tokenizer, model_args, device, dtype, bandwidth, partial)

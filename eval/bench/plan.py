@@ -67,7 +67,15 @@ def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, co
     def fit(context: int) -> int:  # the prompt, so that prompt + new tokens fit the model's context
         if context < 1:
             raise UserError(f"contexts must be ≥ 1, got {context}")
-        return min(context, context_length - new)
+        fitted = min(context, context_length - new)
+        if fitted < 1:
+            raise UserError(f"--new_tokens {new} leaves no room for a prompt in the model's context of "
+                            f"{context_length} tokens")
+        if args.profile_steps and fitted <= args.profile_steps + 2:  # see check_values: after fitting, again
+            raise UserError(f"--profile_steps {args.profile_steps} needs prompts longer than "
+                            f"{args.profile_steps + 2} tokens; context {context} is cut to {fitted} so that "
+                            f"--new_tokens {new} fit the model's context of {context_length}")
+        return fitted
 
     plan: list[Job] = []
     refs: set[tuple[bool, int]] = set()  # (compiled, slots) already measured by a full or ref row
