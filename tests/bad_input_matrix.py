@@ -24,6 +24,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+import torch._inductor.config
 
 import calibrate_duo
 import calibrate_qfilters
@@ -222,4 +224,6 @@ def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, e
     assert exit_info.value.code == 2, err
     assert len(errors) == 1 and "Traceback" not in err, err
     assert snapshot(workspace) == before, "a refused command wrote files"
+    # The process goes on (a notebook, the next test): a refusal leaves torch's global modes as it found them.
+    assert torch.is_grad_enabled() and not torch._inductor.config.freezing, "a refused command left torch's modes"
     return errors[0]

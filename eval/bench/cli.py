@@ -171,7 +171,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(plan_summary(plan))
         return []
     refuse_existing_report(out_dir, args.overwrite)
-    torch.set_grad_enabled(False)
+    return run_rows(args, argv, strategies, device, dtype, out_dir)
+
+
+@torch.no_grad()  # scoped, as run_batched: tests call the bench in process, and training tests follow
+def run_rows(args: argparse.Namespace, argv: list[str], strategies: list[str], device: str, dtype: torch.dtype,
+             out_dir: Path) -> list[dict]:
+    """The rows of the plan, measured and written; the model is loaded first, since the plan fits each context
+    to its length, and a plan that cannot fit is refused before anything is written."""
     model = tokenizer = None
     if args.random_weights:  # built on the device when its first row runs; its shapes from a meta copy now
         shapes = load_model(args, "meta", dtype)[0]
@@ -179,15 +186,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         model, tokenizer = load_model(args, device, dtype)
         model_args, total_weight_bytes = model.args, weight_bytes(model)
-    plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)  # may refuse: before writing
+    plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
     make_out_dir(out_dir)
-    if args.inductor_freezing:
-        torch._inductor.config.freezing = True
-    bandwidth = measure_read_bandwidth(device)
-    print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
-    print(plan_summary(plan), flush=True)
-    started, partial = time.perf_counter(), out_dir / "bench.partial.jsonl"
-    rows = measure_rows(args, plan, model, tokenizer, model_args, device, dtype, bandwidth, partial)
+    freezing = args.inductor_freezing or torch._inductor.config.freezing
+    with torch._inductor.config.patch(freezing=freezing):  # scoped too: later compiles in the process keep theirs
+        bandwidth = measure_read_bandwidth(device)
+        print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
+        print(plan_summary(plan), flush=True)
+        started, partial = time.perf_counter(), out_dir / "bench.partial.jsonl"
+        rows = measure_rows(args, plan, model, tokenizer, model_args, device, dtype, bandwidth, partial)
     fill_comparisons(rows)
     targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
     table = "\n\n".join(filter(None, [format_table(rows), format_profiles(rows), format_targets(targets)]))
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = run_meta(args, argv, device, bandwidth, total_weight_bytes, started) | {
         "processor": platform.processor() or platform.machine(),
         "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
-        "inductor_freezing": bool(torch._inductor.config.freezing), "compile_scope": args.compile_scope}
+        "inductor_freezing": freezing, "compile_scope": args.compile_scope}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     partial.unlink()
     return rows
