@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import partial
 
 from cache_setup import cache_config
 from cache_spec import resolve_cache_spec
@@ -59,24 +60,28 @@ class Job:
         return f"{mode} (same-size ref)" if self.kind == "ref" else mode
 
 
+def fit_context(context: int, context_length: int, new_tokens: int, profile_steps: int) -> int:
+    """The prompt's length, cut so that prompt + new tokens fit the model's context; refused where nothing is
+    left, or less than --profile_steps needs (check_values checks the contexts as typed; this, after the cut)."""
+    if context < 1:
+        raise UserError(f"contexts must be ≥ 1, got {context}")
+    fitted = min(context, context_length - new_tokens)
+    if fitted < 1:
+        raise UserError(f"--new_tokens {new_tokens} leaves no room for a prompt in the model's context of "
+                        f"{context_length} tokens")
+    if profile_steps and fitted <= profile_steps + 2:
+        raise UserError(f"--profile_steps {profile_steps} needs prompts longer than {profile_steps + 2} tokens; "
+                        f"context {context} is cut to {fitted} so that --new_tokens {new_tokens} fit the model's "
+                        f"context of {context_length}")
+    return fitted
+
+
 def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, context_length: int) -> list[Job]:
     """Every row the run measures, in order; the same-size references right before the strategies they serve."""
     new = args.new_tokens
     compiled = not args.no_compile
 
-    def fit(context: int) -> int:  # the prompt, so that prompt + new tokens fit the model's context
-        if context < 1:
-            raise UserError(f"contexts must be ≥ 1, got {context}")
-        fitted = min(context, context_length - new)
-        if fitted < 1:
-            raise UserError(f"--new_tokens {new} leaves no room for a prompt in the model's context of "
-                            f"{context_length} tokens")
-        if args.profile_steps and fitted <= args.profile_steps + 2:  # see check_values: after fitting, again
-            raise UserError(f"--profile_steps {args.profile_steps} needs prompts longer than "
-                            f"{args.profile_steps + 2} tokens; context {context} is cut to {fitted} so that "
-                            f"--new_tokens {new} fit the model's context of {context_length}")
-        return fitted
-
+    fit = partial(fit_context, context_length=context_length, new_tokens=new, profile_steps=args.profile_steps)
     plan: list[Job] = []
     refs: set[tuple[bool, int]] = set()  # (compiled, slots) already measured by a full or ref row
     checked: set[str] = set()  # strategies whose compiled graph got a recompilation check
