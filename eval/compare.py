@@ -1,5 +1,6 @@
 """Intervals over finished runs, from their items.jsonl: a configuration's metric pooled over its runs
-(seeds), and a configuration against the full cache on the same items (paired bootstrap).
+(seeds), and a configuration against another on the same items (paired bootstrap): the full cache in the
+summary's tables, any run with `python -m eval.compare RUN REFERENCE`.
 
 Items are matched by content, not by index: two runs' items pair when their token ids are identical and
 the runs share task options (answer length, query mode: what else decides an item's score). Runs
@@ -8,11 +9,13 @@ written before items were recorded have none, and get no interval (the summary l
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
 from pathlib import Path
 
+from errors import UserError, run_cli
 from eval import results
 from eval.uncertainty import Interval, bootstrap_mean, paired_difference
 
@@ -66,9 +69,9 @@ def pooled(run_dirs: list[Path], metric: str) -> Interval | None:
     return bootstrap_mean(values)
 
 
-def paired_vs(run_dirs: list[Path], reference_dirs: list[Path], metric: str) -> Interval | None:
-    """mean(metric - reference's metric) over the items both have (same tokens, same task options), with
-    the paired-bootstrap interval; None when no item pairs."""
+def paired_values(run_dirs: list[Path], reference_dirs: list[Path], metric: str) -> tuple[list[float], list[float]]:
+    """The metric of every item the runs and the references both scored (same tokens, same task options and
+    seed), as two aligned lists: the runs' values and the references'."""
     references: dict[tuple[str, str], float] = {}
     for ref in reference_dirs:
         items = run_items(ref)
@@ -82,6 +85,13 @@ def paired_vs(run_dirs: list[Path], reference_dirs: list[Path], metric: str) -> 
             if metric in m and (options, key) in references:
                 ours.append(m[metric])
                 theirs.append(references[(options, key)])
+    return ours, theirs
+
+
+def paired_vs(run_dirs: list[Path], reference_dirs: list[Path], metric: str) -> Interval | None:
+    """mean(metric - reference's metric) over the items both have (same tokens, same task options), with
+    the paired-bootstrap interval; None when no item pairs."""
+    ours, theirs = paired_values(run_dirs, reference_dirs, metric)
     return paired_difference(ours, theirs) if ours else None
 
 
@@ -94,3 +104,81 @@ def format_interval(interval: Interval | None, signed: bool = False) -> str:
     if interval.n < 2:
         return point
     return f"{point} [{fmt.format(interval.low)}, {fmt.format(interval.high)}]"
+
+
+# ---- python -m eval.compare: one run against another on the items both scored -------------------------------
+
+# Flags that never change what a run computes, so two runs differing in them are not told apart.
+NOT_DIFFERENCES = {"out_dir", "overwrite", "baseline", "tasks", "batch_size", "print_cache_spec"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eval.compare",
+        description="Two finished runs of python -m eval on the same items (e.g. one shot vs --prefill_chunk, "
+                    "two strategies at one budget): each metric's mean over the items both scored, with its 95%% "
+                    "bootstrap interval, and the paired difference run - reference with its interval. Writes "
+                    "nothing.")
+    p.add_argument("run", type=Path, help="a run directory (it holds items.jsonl)")
+    p.add_argument("reference", type=Path, help="the run directory it is compared with")
+    p.add_argument("--metrics", nargs="+", help="per-item metrics (default: every one both runs record)")
+    return p
+
+
+def checked_items(run_dir: Path) -> dict[str, dict]:
+    """A run's items by content, or a UserError saying why there are none."""
+    if not (run_dir / ITEMS).is_file():
+        raise UserError(f"{run_dir}: no {ITEMS} (not a run directory of python -m eval, or a run written before "
+                        f"items were recorded)")
+    try:
+        items = results.read_items(run_dir, with_kept=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{run_dir}: {e}") from None
+    if not items:
+        raise UserError(f"{run_dir}: {ITEMS} holds no item")
+    return {item_key(it): it.get("metrics", {}) for it in items}
+
+
+def flag_differences(run_dir: Path, reference_dir: Path) -> list[str]:
+    """The flags the two runs were made with that differ, as `flag: run's value vs reference's`."""
+    def flags(d: Path) -> dict:
+        try:
+            return json.loads((d / "config.json").read_text()).get("flags") or {}
+        except (OSError, ValueError):
+            return {}
+
+    ours, theirs = flags(run_dir), flags(reference_dir)
+    return [f"{k}: {ours.get(k)} vs {theirs.get(k)}" for k in sorted(ours.keys() | theirs.keys())
+            if k not in NOT_DIFFERENCES and ours.get(k) != theirs.get(k)]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    ours, theirs = checked_items(args.run), checked_items(args.reference)
+    recorded = sorted({k for m in ours.values() for k, v in m.items() if isinstance(v, (int, float))}
+                      & {k for m in theirs.values() for k in m})
+    for metric in args.metrics or []:
+        if metric not in recorded:
+            raise UserError(f"--metrics: {metric!r} is not a per-item metric of both runs; they record: "
+                            f"{', '.join(recorded) or 'none in common'}")
+    rows = []
+    for metric in args.metrics or recorded:
+        run_values, reference_values = paired_values([args.run], [args.reference], metric)
+        if not run_values:
+            raise UserError(f"no item of {args.run} is in {args.reference} (items pair by their tokens, task "
+                            f"options and seed)")
+        rows.append({"metric": metric, "items": len(run_values), "run": bootstrap_mean(run_values),
+                     "reference": bootstrap_mean(reference_values),
+                     "difference": paired_difference(run_values, reference_values)})
+    differences = flag_differences(args.run, args.reference)
+    print(f"run:       {args.run}\nreference: {args.reference}\nflags that differ: "
+          f"{'; '.join(differences) or 'none'}\n")
+    print("| metric | items | run | reference | run - reference |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['metric']} | {r['items']} | {format_interval(r['run'])} | {format_interval(r['reference'])} | "
+              f"{format_interval(r['difference'], signed=True)} |")
+    return rows
+
+
+if __name__ == "__main__":
+    run_cli(main)

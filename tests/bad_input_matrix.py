@@ -93,6 +93,7 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
 NOT_PROBED: dict[str, str] = {
     "benchmarks/foundation_speed.py": "takes no flags (its parser refuses any word)",
     "benchmarks/checkpoint_load_memory.py": "no numeric flags (--size has choices, --dir is a path)",
+    "eval/compare.py": "no numeric flags (two run directories and metric names; tests/test_eval_compare.py)",
 }
 
 # Ranges of flags typed `int` or `finite_float` in modules that do not declare one yet (cache_spec's shared
@@ -206,11 +207,13 @@ def tripwire(*args: object, **kwargs: object) -> None:
     raise AssertionError("a model was loaded before the flags were checked")
 
 
-def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, early: bool = True) -> str:
-    """Run the entry point in-process; assert the refusal contract and return its error line."""
+def refused(entry: str | EntryPoint, argv: list[str], workspace: Path, capsys, monkeypatch, early: bool = True) -> str:
+    """Run the entry point (a name in ENTRY_POINTS, or one outside the matrix) in-process; assert the refusal
+    contract and return its error line."""
+    entry = ENTRY_POINTS[entry] if isinstance(entry, str) else entry
     cli.load_model.cache_clear()
     if early:
-        for module in ENTRY_POINTS[entry].loaders:
+        for module in entry.loaders:
             for name in ("load_checkpoint", "load_model"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, tripwire)
@@ -218,7 +221,7 @@ def refused(entry: str, argv: list[str], workspace: Path, capsys, monkeypatch, e
     before = snapshot(workspace)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(ENTRY_POINTS[entry].main, argv)
+        run_cli(entry.main, argv)
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2, err
