@@ -125,18 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def checked_items(run_dir: Path) -> dict[str, dict]:
-    """A run's items by content, or a UserError saying why there are none."""
+def required_items(run_dir: Path) -> list[dict]:
+    """A run's items (without kept positions), or a UserError saying why there are none."""
     if not (run_dir / ITEMS).is_file():
         raise UserError(f"{run_dir}: no {ITEMS} (not a run directory of python -m eval, or a run written before "
-                        f"items were recorded)")
+                        f"items were recorded: run it again with --overwrite)")
     try:
         items = results.read_items(run_dir, with_kept=False)
     except (OSError, ValueError) as e:
         raise UserError(f"{run_dir}: {e}") from None
     if not items:
         raise UserError(f"{run_dir}: {ITEMS} holds no item")
-    return {item_key(it): it.get("metrics", {}) for it in items}
+    return items
 
 
 def flag_differences(run_dir: Path, reference_dir: Path) -> list[str]:
@@ -154,7 +154,8 @@ def flag_differences(run_dir: Path, reference_dir: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    ours, theirs = checked_items(args.run), checked_items(args.reference)
+    ours, theirs = ({item_key(it): it.get("metrics", {}) for it in required_items(d)}
+                    for d in (args.run, args.reference))
     recorded = sorted({k for m in ours.values() for k, v in m.items() if isinstance(v, (int, float))}
                       & {k for m in theirs.values() for k in m})
     for metric in args.metrics or []:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from errors import UserError
 from eval import cli, results
-from eval.compare import item_key
+from eval.compare import item_key, required_items
 from eval.reproduce import matching
 from eval.reproduce.experiments import Arm, Comparison, Experiment
 from eval.uncertainty import Interval, bootstrap_mean, paired_difference
@@ -184,14 +184,8 @@ def run_arm(argv: list[str]) -> tuple[Path, dict, bool]:
 
 def item_values(run_dir: Path, metric: str) -> dict[str, float]:
     """The metric of every item of a run, keyed by the item's content (its token ids), in run order."""
-    try:
-        items = results.read_items(run_dir, with_kept=False)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the items of {run_dir}: {e}") from None
-    if not items:
-        raise UserError(f"{run_dir} recorded no items; run it again with --overwrite in python -m eval")
     values: dict[str, float] = {}
-    for item in sorted(items, key=lambda it: it["index"]):
+    for item in sorted(required_items(run_dir), key=lambda it: it["index"]):
         value = item.get("metrics", {}).get(metric)
         if value is None:
             raise UserError(f"{run_dir}: item {item['index']} has no {metric}")
