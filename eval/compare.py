@@ -108,8 +108,8 @@ def format_interval(interval: Interval | None, signed: bool = False) -> str:
 
 # ---- python -m eval.compare: one run against another on the items both scored -------------------------------
 
-# Flags that never change what a run computes, so two runs differing in them are not told apart.
-NOT_DIFFERENCES = {"out_dir", "overwrite", "baseline", "tasks", "batch_size", "print_cache_spec"}
+# Flags that say only where a run was written and what else its command ran: not a difference between runs.
+NOT_DIFFERENCES = {"out_dir", "overwrite", "baseline", "tasks", "print_cache_spec"}
 
 
 def build_parser() -> argparse.ArgumentParser:

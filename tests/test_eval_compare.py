@@ -55,8 +55,9 @@ def test_means_and_difference_are_over_the_items_both_scored(two_runs, capsys):
     assert (row["difference"].low, row["difference"].high) == pytest.approx((expected.low, expected.high))
     assert row["difference"].low <= row["difference"].estimate <= row["difference"].high
     out = capsys.readouterr().out
-    # what tells the runs apart, and nothing that only says where they were written or how they were batched
-    assert "flags that differ: prefill_chunk: 64 vs None\n" in out
+    # what tells the runs apart (the batch size too: batched rows equal batch 1 only within a tolerance), and
+    # not where they were written
+    assert "flags that differ: batch_size: 4 vs 1; prefill_chunk: 64 vs None\n" in out
     assert "| kl_mean | 4 |" in out
 
 
