@@ -435,7 +435,9 @@ def resolve_cache_spec(
         if budget < total and budget < protected + 1:
             raise UserError(
                 f"layer {layer}: budget of {budget} tokens is smaller than the protected tokens "
-                f"(global_tokens {hp.get('global_tokens', 0)} + recent_window {hp.get('recent_window', 0)} + 1)"
+                f"(global_tokens {hp.get('global_tokens', 0)} + recent_window {hp.get('recent_window', 0)} + 1): "
+                f"raise --max_cache_length (a fraction is of prompt + new tokens, {total} here), or lower "
+                f"--global_tokens or --recent_window"
             )
         if (budget < prompt_length and compressor == "full" and not args.feed_long_prompts):
             raise UserError(

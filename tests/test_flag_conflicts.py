@@ -188,3 +188,12 @@ def test_bench_refuses_a_context_that_new_tokens_cut_below_the_profile(new_token
             *(["--dry_run"] if dry_run else [])]
     line = refused(BENCH, argv, tmp_path, capsys, monkeypatch, early=False)
     assert fragment in line, line
+
+
+def test_a_budget_below_the_protected_tokens_says_how_to_fix_it(tmp_path, capsys, monkeypatch):
+    """A quarter of a short prompt + 2 new tokens is fewer slots than the sinks and the recent window keep:
+    known once the prompt is tokenized, so after the model loads."""
+    argv = [*ENTRY_POINTS[GEN].prefix(tmp_path), "--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25"]
+    line = refused(GEN, argv, tmp_path, capsys, monkeypatch, early=False)
+    assert "is smaller than the protected tokens (global_tokens 4 + recent_window 10 + 1): raise " \
+           "--max_cache_length (a fraction is of prompt + new tokens" in line, line
