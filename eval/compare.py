@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def required_items(run_dir: Path) -> list[dict]:
-    """A run's items (without kept positions), or a UserError saying why there are none."""
+    """A run's items (without kept positions), or a UserError saying why there are none; what run_items then
+    returns for the run, without reading the file again."""
     if not (run_dir / ITEMS).is_file():
         raise UserError(f"{run_dir}: no {ITEMS} (not a run directory of python -m eval, or a run written before "
                         f"items were recorded: run it again with --overwrite)")
@@ -136,6 +137,7 @@ def required_items(run_dir: Path) -> list[dict]:
         raise UserError(f"{run_dir}: {e}") from None
     if not items:
         raise UserError(f"{run_dir}: {ITEMS} holds no item")
+    _CACHE[(run_dir, (run_dir / ITEMS).stat().st_mtime_ns)] = {item_key(it): it.get("metrics", {}) for it in items}
     return items
 
 
@@ -154,8 +156,9 @@ def flag_differences(run_dir: Path, reference_dir: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    ours, theirs = ({item_key(it): it.get("metrics", {}) for it in required_items(d)}
-                    for d in (args.run, args.reference))
+    for run_dir in (args.run, args.reference):
+        required_items(run_dir)
+    ours, theirs = run_items(args.run), run_items(args.reference)
     recorded = sorted({k for m in ours.values() for k, v in m.items() if isinstance(v, (int, float))}
                       & {k for m in theirs.values() for k in m})
     for metric in args.metrics or []:
