@@ -346,7 +346,8 @@ class Attention(nn.Module):
                 # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
                 cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
             return y
-        # GPU: the fused kernel, no probabilities materialised
+        # GPU: the fused kernel, no probabilities materialised. Faster than the grouped product above and than
+        # FlexAttention's decode kernel at 32k cached tokens on an H200 (docs/performance.md, 2026-12-04).
         head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
             self.n_head // self.n_kv_head, dim=1)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)

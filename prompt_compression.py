@@ -153,7 +153,7 @@ def top_prompt_tokens(scores: Tensor, global_tokens: int, recent_window: int, bu
     B, _, T = scores.shape
     pos = torch.arange(T, device=scores.device)
     protected = (pos < global_tokens) | (pos >= T - recent_window)
-    keep = scores.masked_fill(protected, float("inf")).topk(budget, dim=-1).indices.sort(dim=-1).values
+    keep = largest(scores.masked_fill(protected, float("inf")), budget).sort(dim=-1).values
     return keep.expand(B, pos_heads, budget)
 
 
@@ -171,6 +171,13 @@ def adaptive_prompt_tokens(scores: Tensor, global_tokens: int, recent_window: in
     protected = (pos < global_tokens) | (pos >= T - recent_window)
     s = scores.float().masked_fill(protected, float("inf"))
     if floor > 0:  # the safeguard: each head's best `floor` cannot lose to another head's
-        s = s.scatter(-1, s.topk(min(floor, T), dim=-1).indices, float("inf"))
-    chosen = s.flatten(1).topk(H * budget, dim=-1).indices
+        s = s.scatter(-1, largest(s, min(floor, T)), float("inf"))
+    chosen = largest(s.flatten(1), H * budget)
     return torch.zeros(B, H * T, dtype=torch.bool, device=scores.device).scatter(1, chosen, True).view(B, H, T)
+
+
+def largest(scores: Tensor, k: int) -> Tensor:
+    """Indices of the k largest scores along the last dimension, equal scores in index order. Max-pooled
+    votes tie exactly across a pooling window, and topk breaks ties differently on a CPU and a GPU; a
+    stable sort makes every device keep the same (head, token) pairs."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]

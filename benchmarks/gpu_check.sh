@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check, run once on a CUDA machine (about 8 minutes on an H200):
+# The prepared GPU check, run once on a CUDA machine (about 7.5 minutes on an H200):
 #   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
 #      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
 #      batched step's graph, no recompilation over 256 steps, logits parity with transformers;
@@ -13,7 +13,8 @@
 #      weights and a headroom for prefill (the cap in the report), compiled and replayed as a CUDA graph
 #      per configuration, tokens/s summed over the rows, the ratio to the full cache and the bandwidth
 #      bound's prediction.
-# The timeouts keep the whole script under 8 minutes.
+# The timeouts sum to 550 s; on 2026-12-04 the parts took ~75 s, ~330 s (estimated from the rows it ran) and 28 s.
+# The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
 # Writes gpu_check.md (and the raw files) into $OUT (default results/gpu_check). Nothing is downloaded.
 #   bash benchmarks/gpu_check.sh [out_dir]
 set -uo pipefail
@@ -33,7 +34,9 @@ REPORT="$OUT_DIR/gpu_check.md"
 } > "$REPORT"
 
 # The CUDA tests in 8 processes (the device machine has 16 cores; each compiled case is a cold triton compile
-# of a few seconds, ~65 of them), round-robin over the collected test ids; no pytest plugin needed.
+# of a few seconds, ~65 of them), round-robin over the collected test ids; no pytest plugin needed. Two torch
+# threads each: with torch's default (every core) the 8 processes' CPU references oversubscribed the 16
+# cores, and on 2026-12-04 each got through about a third of its tests in 150 s (all of them in 55-72 s with 2).
 start=$(date +%s)
 $PY -m pytest --collect-only -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>/dev/null | grep '::' \
   > "$OUT_DIR/cuda_test_ids.txt"
@@ -42,7 +45,7 @@ for i in $(seq 0 $((WORKERS - 1))); do
   awk -v n=$WORKERS -v i="$i" 'NR % n == i' "$OUT_DIR/cuda_test_ids.txt" > "$OUT_DIR/cuda_tests_$i.ids"
   (
     mapfile -t ids < "$OUT_DIR/cuda_tests_$i.ids"
-    TORCHINDUCTOR_COMPILE_THREADS=2 timeout 150 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
+    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=2 timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
       > "$OUT_DIR/cuda_tests_$i.txt" 2>&1
     echo $? > "$OUT_DIR/cuda_tests_$i.rc"
   ) &
@@ -62,7 +65,7 @@ $WORKERS processes, worst exit $tests_rc, $(( $(date +%s) - start )) s)"
 } >> "$REPORT"
 
 start=$(date +%s)
-timeout 210 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 330 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --contexts 4096 --hf_static --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
   --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 --profile_steps 16 \
   --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1

@@ -97,8 +97,11 @@ def max_attention_received(q: Tensor, k: Tensor, first_row: int, n_keys: int, ro
         qc = q[:, :, start:end].reshape(B, n_kv, H // n_kv, end - start, D)
         logits = (qc.float() @ k[:, :, None, :end].float().transpose(-1, -2)) / D**0.5
         logits = logits.masked_fill(torch.arange(end, device=q.device) > rows[:, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)[..., :n_keys]  # [B, n_kv, rep, rows, n_keys]
-        best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        # [B, n_kv, min(end, n_keys)]: keys past `end` get nothing from these rows (causal), and the prompt's own
+        # queries (first_row 0) reach them only in a later block of rows.
+        top = torch.softmax(logits, dim=-1)[..., :n_keys].amax(dim=(2, 3))
+        seen = top.shape[-1]
+        best[..., :seen] = torch.maximum(best[..., :seen], top)
     return best
 
 

@@ -75,9 +75,11 @@ def teacher_forced(model, seq: torch.Tensor, prompt: int, step, prefill_length: 
     return torch.cat(rows), [held(c) for c in model.caches()]
 
 
-def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=None):
-    """The same for every row at once: prompts prefilled row by row, then one step for all rows per token."""
-    lengths = torch.tensor(LENGTHS)
+def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=None, device: str = "cpu"):
+    """The same for every row at once: prompts prefilled row by row, then one step for all rows per token
+    (logits on the CPU)."""
+    seqs = [s.to(device) for s in seqs]
+    lengths = torch.tensor(LENGTHS, device=device)
     with torch.inference_mode():
         model.reset_caches()
         rows = [prefill_rows(model, [s[:n] for s, n in zip(seqs, LENGTHS, strict=True)], prefill_lengths)]
@@ -88,7 +90,7 @@ def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=
     for b in range(len(seqs)):
         with model.cache_row(b):
             kept.append([held(c) for c in model.caches()])
-    return torch.stack(rows, dim=1), kept  # [B, NEW, vocab]
+    return torch.stack(rows, dim=1).cpu(), kept  # [B, NEW, vocab]
 
 
 def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=None, atol: float = ATOL) -> None:

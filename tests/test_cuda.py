@@ -1,7 +1,8 @@
 """On a CUDA device (`pytest -m cuda`; skipped where there is none): the strategy x storage matrix, eager
 and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for step, in float32, and so do
 the other axes of the registry matrices (adakv's pooled budgets, --rerotate_positions past the model's
-context, --prefill_chunk); the compiled step does not recompile over 256 steps; and logits match
+context, --prefill_chunk); batched rows as a CUDA graph give the CPU's logits; the compiled step
+does not recompile over 256 steps; and logits match
 transformers on CUDA for small random models built with transformers' own classes."""
 
 from __future__ import annotations
@@ -97,6 +98,49 @@ def test_cuda_graph_batched_rows_at_one_position_keep_what_the_cpu_keeps(strateg
     _, cuda_kept, graphs = decode_rows_at_one_position(strategy, storage, compiled=True, device="cuda")
     _, cpu_kept, _ = decode_rows_at_one_position(strategy, storage, compiled=False)
     assert cuda_kept == cpu_kept and graphs == 0
+
+
+def rows_at_their_own_positions(strategy: str, storage: str, device: str, compiled: bool):
+    """generate.py's batch (tests/test_batching.py's rows: unequal prompts, each row at its own positions,
+    input_pos [B]), teacher-forced: logits [B, steps, vocab] on the CPU and each row's kept positions."""
+    from cache_setup import attach_row_caches
+    from tests.test_batching import LENGTHS, NEW, TOKEN_CLASSES, sequences, teacher_forced_batch, tiny_model
+
+    model = tiny_model().to(device)
+    model.init_rope_tables()
+    attach_row_caches(model, cache_args(strategy, "0.5", storage), list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    step = decode_one_token
+    if compiled:
+        torch._dynamo.reset()
+        step = compile_decode_step()
+        step.prepare(model, len(LENGTHS), per_row_positions=True)
+    return teacher_forced_batch(model, sequences(), step, device=device)
+
+
+@pytest.mark.parametrize(("strategy", "storage"), [("recent_global", "dense"), ("heavy_hitter", "dense"),
+                                                   ("hybrid", "kivi4")])
+def test_cuda_graph_rows_at_their_own_positions_keep_what_the_cpu_keeps(strategy, storage):
+    """Rows of unequal prompts decoded at their own positions as one CUDA graph keep in every row and layer the
+    positions the CPU's eager batch keeps (which equal each row decoded alone, tests/test_batching.py), and on
+    dense storage give its logits within LOGIT_ATOL."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda_logits, cuda_kept = rows_at_their_own_positions(strategy, storage, "cuda", compiled=True)
+    cpu_logits, cpu_kept = rows_at_their_own_positions(strategy, storage, "cpu", compiled=False)
+    assert cuda_kept == cpu_kept
+    if storage == "dense":
+        assert (cuda_logits - cpu_logits).abs().max().item() < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("strategy", ["full", "recent_global"])
+def test_cuda_graph_batched_logits_match_the_cpu(strategy):
+    """SDPA's decode attention (the caches that need no probabilities), compiled as a CUDA graph over a batch of
+    rows, gives the CPU's eager float32 logits within LOGIT_ATOL at every step and keeps its positions."""
+    from tests.test_batching import decode_rows_at_one_position
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda_logits, cuda_kept, _ = decode_rows_at_one_position(strategy, "dense", compiled=True, device="cuda")
+    cpu_logits, cpu_kept, _ = decode_rows_at_one_position(strategy, "dense", compiled=False)
+    assert (cuda_logits - cpu_logits).abs().max().item() < LOGIT_ATOL and cuda_kept == cpu_kept
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -127,10 +127,12 @@ def build_plan(args: argparse.Namespace, strategies: list[str], n_layer: int, co
     for context in map(fit, args.bound_contexts):
         full_row(context, compiled)
     budget_strategies = strategies if args.budget_strategies == ["all"] else args.budget_strategies
+    # The long-context speed-ups before the per-strategy rows: a run cut short (a lent GPU's timeout) keeps
+    # the rows that answer the bound question and loses the tail of the strategy list.
+    for context in map(fit, args.speedup_contexts):  # the speed-up only: overheads are measured below
+        strategy_rows(context, [args.speedup_budget], args.speedup_strategies, overhead=False)
     for context in map(fit, args.strategy_contexts):
         strategy_rows(context, [args.speedup_budget, *args.budgets], strategies)
-    for context in map(fit, args.speedup_contexts):  # the speed-up only: overheads are measured above
-        strategy_rows(context, [args.speedup_budget], args.speedup_strategies, overhead=False)
     return plan
 
 
