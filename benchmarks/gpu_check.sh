@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check, run once on a CUDA machine (about 7.5 minutes on an H200):
+# The prepared GPU check, run once on a CUDA machine (about 9 minutes on an H200):
 #   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
 #      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
 #      batched step's graph, no recompilation over 256 steps, logits parity with transformers;
@@ -12,8 +12,11 @@
 #      recent_global at 10%, each at the largest batch whose caches fit the GPU's memory less the
 #      weights and a headroom for prefill (the cap in the report), compiled and replayed as a CUDA graph
 #      per configuration, tokens/s summed over the rows, the ratio to the full cache and the bandwidth
-#      bound's prediction.
-# The timeouts sum to 550 s; on 2026-12-04 the parts took ~75 s, ~330 s (estimated from the rows it ran) and 28 s.
+#      bound's prediction;
+#   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
+#      peak CUDA memory and prefill tokens/s.
+# The timeouts sum to 660 s; on 2026-12-04 the first three parts took ~75 s, ~330 s (estimated from the rows it
+# ran) and 28 s; the fourth has not run yet (estimated 1-2 minutes).
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
 # Writes gpu_check.md (and the raw files) into $OUT (default results/gpu_check). Nothing is downloaded.
 #   bash benchmarks/gpu_check.sh [out_dir]
@@ -94,7 +97,7 @@ bench_rc=$?
 # activations and the batch-1 row a batch is copied from (eval/bench/batched.py).
 CAP=$($PY -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 1e9 - 16.1 - 12, 1))")
 start=$(date +%s)
-timeout 100 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 60 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --batch_sizes 1 8 16 24 28 32 64 128 256 --kv_memory_gb "$CAP" --batch_context 32768 \
   --strategies recent_global --budgets 0.1 --speedup_budget 0.1 --new_tokens 32 \
   --out_dir "$OUT_DIR/batched" --overwrite > "$OUT_DIR/batched_log.txt" 2>&1
@@ -112,5 +115,22 @@ batched_rc=$?
     tail -20 "$OUT_DIR/batched_log.txt"
     echo '```'
   fi
+} >> "$REPORT"
+
+# Chunked prefill at the 8B shape: peak CUDA memory and prefill speed at 4x and 16x a budget of 8192 tokens
+# (32k and 128k-token prompts), one shot where it runs in reasonable time (32k), chunks of 4096.
+start=$(date +%s)
+timeout 150 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+  --strategies recent_global heavy_hitter --budget 8192 --chunk 4096 --lengths 32768 131072 --one_shot_max 32768 \
+  --out "$OUT_DIR/prefill_memory.json" --overwrite > "$OUT_DIR/prefill_memory.txt" 2> "$OUT_DIR/prefill_memory_log.txt"
+memory_rc=$?
+{
+  echo
+  echo "## benchmarks.prefill_memory, llama-3.1-8b shapes, bf16, budget 8192, chunks of 4096 (exit $memory_rc, \
+$(( $(date +%s) - start )) s)"
+  echo
+  cat "$OUT_DIR/prefill_memory.txt"
+  grep -E '^\{' "$OUT_DIR/prefill_memory_log.txt" | tail -6
+  grep -iE "error|Traceback" "$OUT_DIR/prefill_memory_log.txt" | tail -5
 } >> "$REPORT"
 cat "$REPORT"

@@ -1,20 +1,22 @@
 """Peak memory and speed of prefilling prompts of growing length at a fixed budget: one shot vs
---prefill_chunk, on the CPU with the bundled model.
+--prefill_chunk, on the CPU (peak RSS) or a GPU (peak CUDA memory allocated).
 
-Each configuration (strategy, length, chunked or not) runs in a fresh process: load the model, attach
-caches of `--budget` tokens per layer, reset the kernel's RSS high-water mark (/proc/self/clear_refs),
-prefill a prompt of random tokens, and read the high-water mark (VmHWM) back. Reported per row: the
-peak RSS, what the prefill added over the RSS before it (the loaded model and caches), and prefill
-tokens/s. One-shot memory grows with the prompt (its K/V and activations); chunked memory should not:
-the targets are a < 10% difference of the chunked peak between 4× and 16× the budget, and a chunked
+Each configuration (strategy, length, chunked or not) runs in a fresh process: load the model (the bundled
+one, `--checkpoint_path`, or `--random_weights` with a real model's shapes, built on the device), attach
+caches of `--budget` tokens per layer, reset the peak (the kernel's RSS high-water mark through
+/proc/self/clear_refs, or torch's CUDA peak), prefill a prompt of random tokens, and read the peak back.
+Reported per row: the peak, what the prefill added over the memory before it (the loaded model and caches),
+and prefill tokens/s. One-shot memory grows with the prompt (its K/V and activations); chunked memory should
+not: the targets are a < 10% difference of the chunked peak between 4× and 16× the budget, and a chunked
 prefill speed of at least half the one-shot speed at the same length. With `--rerotate_positions` the
-lengths may exceed the model's context (8192 for the bundled model): chunks then run at RoPE ranks below
-budget + chunk, and lengths past the context are measured chunked only (a one-shot prefill cannot run them).
-Linux only (/proc).
+lengths may exceed the model's context: chunks then run at RoPE ranks below budget + chunk, and lengths
+past the context (or past `--one_shot_max`) are measured chunked only. Linux only on the CPU (/proc).
 
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory                     # budget 256, 1k..4k tokens
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --lengths 1024 8192 --strategies recent_global
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --rerotate_positions --lengths 1024 4096 16384
+    python -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --budget 8192 --chunk 4096 \\
+        --lengths 32768 131072 --one_shot_max 32768 --out results/prefill_memory.json
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from atomic_files import check_writable, write_json_atomic
+from checkpoint import add_model_arguments, bundled_checkpoint_path, parse_dtype, resolve_device
+from errors import CliParser, UserError, run_cli
+from flag_types import count
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,68 +46,121 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def measure(strategy: str, length: int, budget: int, chunk: int | None, dtype_name: str,
-            rerotate: bool = False) -> dict:
-    """In this (fresh) process: the peak RSS and speed of one prefill of `length` tokens."""
+def load_model(spec: dict):
+    """(model, tokenizer or None) of a measurement's model source, on its device, in its dtype."""
+    import torch
+
+    from checkpoint import load_checkpoint
+    from eval.bench.measure import random_weight_model
+
+    dtype = getattr(torch, spec["dtype"])
+    if spec["random_weights"]:
+        return random_weight_model(spec["random_weights"], spec["device"], dtype), None
+    return load_checkpoint(spec["checkpoint_path"], spec["device"], dtype)
+
+
+class PeakMemory:
+    """The peak of the process's resident memory (CPU) or of torch's CUDA allocations, from `reset()` on."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.cuda = device.startswith("cuda")
+        self.torch = torch
+
+    def reset(self) -> int:
+        """Start a new peak; the memory in use now."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+            return self.torch.cuda.memory_allocated()
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_kb("VmRSS") * 1024
+
+    def peak(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated()
+        return _status_kb("VmHWM") * 1024
+
+
+def measure(spec: dict) -> dict:
+    """In this (fresh) process: the peak memory and speed of one prefill of spec["length"] tokens."""
     import torch
 
     from cache_setup import attach_caches, cache_config
-    from checkpoint import load_checkpoint
     from generate import prefill
 
     torch.manual_seed(0)
-    model, tokenizer = load_checkpoint(None, "cpu", getattr(torch, dtype_name))
-    flags = ["--cache_strategy", strategy, "--max_cache_length", str(budget)]
-    if chunk:
-        flags += ["--prefill_chunk", str(chunk)]
-    if rerotate:
+    model, tokenizer = load_model(spec)
+    flags = ["--cache_strategy", spec["strategy"], "--max_cache_length", str(spec["budget"])]
+    if spec["chunk"]:
+        flags += ["--prefill_chunk", str(spec["chunk"])]
+    if spec["rerotate_positions"]:
         flags += ["--rerotate_positions"]
+    length, device = spec["length"], spec["device"]
     attach_caches(model, cache_config(flags), length, 1, tokenizer)
     ids = torch.randint(0, model.args.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    memory = PeakMemory(device)
     with torch.inference_mode():
         model.reset_caches()
-        prefill(model, ids[:, :64])  # warm-up (first-call allocations), outside the measurement
+        prefill(model, ids[:, :64])  # warm-up (first-call allocations, kernels), outside the measurement
         model.reset_caches()
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _status_kb("VmRSS") * 1024
+        before = memory.reset()
         start, cpu_start = time.perf_counter(), time.process_time()
         prefill(model, ids)
+        peak = memory.peak()  # synchronizes a GPU before the clock stops
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    peak = _status_kb("VmHWM") * 1024
-    return {"strategy": strategy, "prompt_tokens": length, "budget": budget, "prefill_chunk": chunk,
-            "rerotate_positions": rerotate, "context_length": model.args.context_length,
-            "rss_before_bytes": before, "peak_rss_bytes": peak, "prefill_added_bytes": peak - before,
+    return {"strategy": spec["strategy"], "prompt_tokens": length, "budget": spec["budget"],
+            "prefill_chunk": spec["chunk"] or None, "rerotate_positions": spec["rerotate_positions"],
+            "context_length": model.args.context_length, "device": device,
+            "memory": "CUDA allocated" if memory.cuda else "RSS",
+            "before_bytes": before, "peak_bytes": peak, "prefill_added_bytes": peak - before,
             "prefill_seconds": round(seconds, 3), "prefill_tokens_per_second": round(length / seconds, 1),
             # CPU time of this process: on a shared machine less disturbed by other processes than wall time
             "prefill_cpu_seconds": round(cpu_seconds, 3),
             "prefill_tokens_per_cpu_second": round(length / cpu_seconds, 1)}
 
 
-def run_fresh(strategy: str, length: int, budget: int, chunk: int | None, dtype: str, rerotate: bool = False) -> dict:
-    command = [sys.executable, "-m", "benchmarks.prefill_memory", "--measure", strategy, str(length), str(budget),
-               str(chunk or 0), dtype, str(int(rerotate))]
-    proc = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+def run_fresh(spec: dict) -> dict:
+    """`measure(spec)` in a new process; its refusal (exit 2) as a UserError naming the configuration."""
+    command = [sys.executable, "-m", "benchmarks.prefill_memory", "--measure", json.dumps(spec)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode == 2:
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1].removeprefix("error: ")
+        raise UserError(f"{spec['strategy']}, {spec['length']} tokens: {last}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"the measurement of {spec} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bundled_context_length() -> int:
-    import torch
+def context_length(args: argparse.Namespace) -> int:
+    """The model's context, read from its config or header (no weights loaded)."""
+    from checkpoint_gguf import read_gguf
+    from checkpoint_hf import hf_model_args, read_config
+    from eval.bench.measure import RANDOM_SHAPES
 
-    from checkpoint import load_checkpoint
-
-    return load_checkpoint(None, "cpu", torch.float32)[0].args.context_length
+    if args.random_weights:
+        return hf_model_args(RANDOM_SHAPES[args.random_weights]).context_length
+    path = Path(args.checkpoint_path) if args.checkpoint_path else bundled_checkpoint_path()
+    if path.is_dir():
+        return hf_model_args(read_config(path), str(path / "config.json")).context_length
+    if path.suffix == ".gguf" and path.is_file():
+        return read_gguf(path)[0].context_length
+    raise UserError(f"--checkpoint_path {path}: expected a .gguf file or a Hugging Face directory")
 
 
 def table(rows: list[dict]) -> str:
     mib = 1 << 20
-    lines = ["| strategy | prompt tokens | × budget | prefill | peak RSS MiB | added by prefill MiB "
+    lines = ["| strategy | prompt tokens | × budget | prefill | peak MiB | added by prefill MiB "
              "| prefill tok/s (wall) | prefill tok/CPU-s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one shot"
         how += ", re-rotated" if r.get("rerotate_positions") else ""
         how += " (past the context)" if r["prompt_tokens"] > r.get("context_length", r["prompt_tokens"]) else ""
         lines.append(f"| {r['strategy']} | {r['prompt_tokens']} | {r['prompt_tokens'] / r['budget']:g} | {how} | "
-                     f"{r['peak_rss_bytes'] / mib:.0f} | {r['prefill_added_bytes'] / mib:.0f} | "
+                     f"{r['peak_bytes'] / mib:.0f} | {r['prefill_added_bytes'] / mib:.0f} | "
                      f"{r['prefill_tokens_per_second']} | {r['prefill_tokens_per_cpu_second']} |")
     return "\n".join(lines)
 
@@ -109,14 +171,12 @@ def targets(rows: list[dict], budget: int) -> list[str]:
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         chunked = {r["prompt_tokens"]: r for r in rows if r["strategy"] == strategy and r["prefill_chunk"]}
         whole = {r["prompt_tokens"]: r for r in rows if r["strategy"] == strategy and not r["prefill_chunk"]}
-        if 4 * budget in chunked and 16 * budget in chunked:
-            a, b = chunked[4 * budget]["peak_rss_bytes"], chunked[16 * budget]["peak_rss_bytes"]
-            out.append(f"{strategy}: chunked peak RSS at 16× vs 4× the budget: {b / a - 1:+.1%} (target < 10%)")
         longest = max(chunked, default=0)
-        if 4 * budget in chunked and longest > 16 * budget:
-            a, b = chunked[4 * budget]["peak_rss_bytes"], chunked[longest]["peak_rss_bytes"]
-            out.append(f"{strategy}: chunked peak RSS at {longest / budget:g}× vs 4× the budget: {b / a - 1:+.1%} "
-                       "(target < 10%)")
+        for far in sorted({16 * budget, longest} & set(chunked)):
+            if 4 * budget in chunked and far > 4 * budget:
+                a, b = chunked[4 * budget]["peak_bytes"], chunked[far]["peak_bytes"]
+                out.append(f"{strategy}: chunked peak at {far / budget:g}× vs 4× the budget: {b / a - 1:+.1%} "
+                           "(target < 10%)")
         for n in sorted(set(chunked) & set(whole)):
             wall = chunked[n]["prefill_tokens_per_second"] / whole[n]["prefill_tokens_per_second"]
             cpu = chunked[n]["prefill_tokens_per_cpu_second"] / whole[n]["prefill_tokens_per_cpu_second"]
@@ -125,41 +185,67 @@ def targets(rows: list[dict], budget: int) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--strategies", nargs="+", default=["heavy_hitter", "recent_global"])
-    parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096])
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rerotate_positions", action="store_true",
-                        help="re-rotated positions: lengths may exceed the model's context (measured chunked only)")
-    parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--measure", nargs=6, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    from eval.bench.measure import RANDOM_SHAPES
+
+    p = CliParser(prog="python -m benchmarks.prefill_memory", description=__doc__.split("\n")[0])
+    p.add_argument("--strategies", nargs="+", default=["heavy_hitter", "recent_global"])
+    p.add_argument("--budget", type=count(), default=256, help="cache slots per layer (tokens)")
+    p.add_argument("--chunk", type=count(), default=256, help="--prefill_chunk of the chunked rows")
+    p.add_argument("--lengths", nargs="+", type=count(), default=[1024, 2048, 4096], help="prompt tokens")
+    p.add_argument("--one_shot_max", type=count(), default=None,
+                   help="lengths above this run chunked only (default: the model's context)")
+    p.add_argument("--rerotate_positions", action="store_true",
+                   help="re-rotated positions: lengths may exceed the model's context (measured chunked only)")
+    p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
+                   help="random weights with a real model's shapes, built on the device (memory and speed "
+                        "depend on the shapes only)")
+    p.add_argument("--out", default=None, help="also write the rows here (JSON)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one configuration, in a fresh process
+    add_model_arguments(p, compile_flag=False, batch_flag=False)
+    return p
+
+
+def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> list[dict]:
+    if max(args.lengths) > context and not args.rerotate_positions:
+        raise UserError(f"lengths past the model's context of {context} need --rerotate_positions")
+    one_shot_max = min(args.one_shot_max or context, context)  # a one-shot prefill cannot run past the context
+    source = {"device": device, "dtype": dtype, "random_weights": args.random_weights,
+              "checkpoint_path": args.checkpoint_path, "budget": args.budget,
+              "rerotate_positions": args.rerotate_positions}
+    return [{**source, "strategy": strategy, "length": length, "chunk": chunk}
+            for strategy in args.strategies for length in args.lengths for chunk in (0, args.chunk)
+            if chunk or length <= one_shot_max]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     if args.measure:
-        strategy, length, budget, chunk, dtype, rerotate = args.measure
-        print(json.dumps(measure(strategy, int(length), int(budget), int(chunk) or None, dtype, rerotate == "1")))
-        return
+        print(json.dumps(measure(json.loads(args.measure))))
+        return []
+    if args.random_weights and args.checkpoint_path:
+        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    device = resolve_device(args.device)
+    dtype = str(parse_dtype(args.dtype, device)).removeprefix("torch.")
+    if args.out:
+        check_writable(args.out, args.overwrite, "--out")
+    specs = plan(args, context_length(args), device, dtype)
     print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {os.getloadavg()}",
           file=sys.stderr)
-    context = bundled_context_length()
-    if max(args.lengths) > context and not args.rerotate_positions:
-        parser.error(f"lengths past the model's context of {context} need --rerotate_positions")
     rows = []
-    for strategy in args.strategies:
-        for length in args.lengths:
-            for chunk in (None, args.chunk):
-                if chunk is None and length > context:  # a one-shot prefill cannot run past the context
-                    continue
-                rows.append(run_fresh(strategy, length, args.budget, chunk, args.dtype, args.rerotate_positions))
-                print(json.dumps(rows[-1]), file=sys.stderr)
+    for spec in tqdm(specs, desc="prefill_memory", unit="run"):
+        rows.append(run_fresh(spec))
+        print(json.dumps(rows[-1]), file=sys.stderr)
     print(table(rows))
     print("\n".join(targets(rows, args.budget)))
     print(f"load average after: {os.getloadavg()}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "measure"}
+        write_json_atomic(args.out, {"config": {**config, "device": device, "dtype": dtype}, "rows": rows},
+                          overwrite=args.overwrite)
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -41,3 +41,18 @@ def test_every_bench_command_of_the_gpu_check_plans_on_the_cpu(command, tmp_path
     printed = capsys.readouterr().out
     assert ("batch" in printed) if "--batch_sizes" in argv else ("profiled steps" in printed)
     assert not (tmp_path / "bench").exists()
+
+
+def test_the_prefill_memory_command_plans_on_the_cpu():
+    """The script's chunked-prefill command parses, and plans one shot and chunks at 4x the budget and chunks
+    only at 16x, for both strategies (its --device cuda replaced: the plan does not depend on it)."""
+    from benchmarks.prefill_memory import build_parser, context_length, plan
+
+    line = next(w for w in SCRIPT.replace("\\\n", " ").splitlines() if "-m benchmarks.prefill_memory" in w)
+    words = shlex.split(line.split("-m benchmarks.prefill_memory", 1)[1].split(">", 1)[0])
+    args = build_parser().parse_args([re.sub(r"\$\{?\w+\}?", "out", w) for w in words])
+    assert args.device == "cuda"
+    specs = plan(args, context_length(args), "cpu", "bfloat16")
+    assert [(s["strategy"], s["length"] // args.budget, bool(s["chunk"])) for s in specs] == [
+        (name, n, chunked) for name in ("recent_global", "heavy_hitter")
+        for n, chunked in ((4, False), (4, True), (16, True))]
