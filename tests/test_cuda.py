@@ -1,9 +1,9 @@
 """On a CUDA device (`pytest -m cuda`; skipped where there is none): the strategy x storage matrix, eager
 and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for step, in float32, and so do
 the other axes of the registry matrices (adakv's pooled budgets, --rerotate_positions past the model's
-context, --prefill_chunk); batched rows as a CUDA graph give the CPU's logits; the compiled step
-does not recompile over 256 steps; and logits match
-transformers on CUDA for small random models built with transformers' own classes."""
+context, --prefill_chunk); batched rows as a CUDA graph give the CPU's logits; the compiled step does not
+recompile over 256 steps; and logits match transformers on CUDA for small random models built with
+transformers' own classes."""
 
 from __future__ import annotations
 
