@@ -59,7 +59,11 @@ def query_moments(q: Tensor, n_kv: int) -> tuple[Tensor, Tensor]:
 def principal_directions(gram: Tensor, total: Tensor) -> Tensor:
     """The first right singular vector of the stacked queries (the top eigenvector of their Gram matrix),
     oriented so that the queries' mean projection on it is ≥ 0: [..., D] unit vectors."""
-    u = torch.linalg.eigh(gram.double())[1][..., -1].float()
+    # A GPU's few D × D problems go to the CPU: a GPU eigensolver runs them one small launch sequence at a time
+    # (the H200 run of 2026-12-04 read qfilters' uncalibrated prefill at 0.11 of the full cache's with them on
+    # the GPU; that this is the cause is an inference, not profiled).
+    gram = gram.double()
+    u = torch.linalg.eigh(gram.cpu() if gram.is_cuda else gram)[1][..., -1].to(gram.device).float()
     sign = torch.where((total * u).sum(-1, keepdim=True) < 0, -1.0, 1.0)
     return u * sign
 
