@@ -18,7 +18,10 @@
 # The timeouts sum to 660 s; on 2026-12-04 the first three parts took ~75 s, ~330 s (estimated from the rows it
 # ran) and 28 s; the fourth has not run yet (estimated 1-2 minutes).
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
-# Writes gpu_check.md (and the raw files) into $OUT (default results/gpu_check). Nothing is downloaded.
+# Writes gpu_check.md (and the raw files, ~40 of them) into out_dir (default $OUT, else results/gpu_check).
+# Nothing is downloaded. Where only a few files come back from a lent machine, run it into a scratch folder and
+# bring back one archive (as on 2026-12-04):
+#   bash benchmarks/gpu_check.sh /tmp/gc; tar czf "$OUT/gpu_check.tgz" -C /tmp gc; cp /tmp/gc/gpu_check.md "$OUT"
 #   bash benchmarks/gpu_check.sh [out_dir]
 set -uo pipefail
 cd "$(dirname "$0")/.."
