@@ -224,6 +224,8 @@ def build_model(
         model.output.weight = model.tok_embeddings.weight
     model = model.eval().requires_grad_(False)
     model.init_rope_tables()  # in float32 whatever the weights' dtype, on the weights' device
+    if torch.device(device).type != "cpu":
+        model.fuse_projections()
     return model
 
 

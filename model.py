@@ -56,6 +56,22 @@ def linears(x: Tensor, *layers: nn.Linear) -> list[Tensor]:
     return cpu_bf16_kernels.linears(x, [layer.weight for layer in layers], [layer.bias for layer in layers])
 
 
+def stack_projections(*layers: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """One contiguous [Σ out, in] weight (and bias) for projections of the same input; each layer's parameter
+    becomes a view of its rows, so the weights are held once and keep their names (state dicts, loaders,
+    calibration read them as before)."""
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+    start = 0
+    for layer in layers:
+        rows = slice(start, start + layer.out_features)
+        layer.weight.data = weight[rows]
+        if bias is not None:
+            layer.bias.data = bias[rows]
+        start = rows.stop
+    return weight, bias
+
+
 @dataclass
 class ModelArgs:
     n_layer: int
@@ -257,6 +273,9 @@ class Attention(nn.Module):
         self.q_rescale = args.query_scale * math.sqrt(args.head_dim) if args.query_scale else 1.0
         self.sliding_window = args.layer_window(layer_idx)  # 0: attends to everything
         self.kv_cache: KVCache | None = None
+        # q, k and v's weights stacked (Transformer.fuse_projections): one product where set.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
         # Learned forget gate (gates.Gate: normed hidden state -> log-gates [B, n_kv, T]), attached by
         # gates.attach_gates for gated caches and gate training; None otherwise.
         self.gate: nn.Module | None = None
@@ -268,7 +287,11 @@ class Attention(nn.Module):
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, dim] -> q [B, n_head, T, D], k and v [B, n_kv, T, D], before RoPE and the q/k norms."""
         B, T, _ = x.shape
-        q, k, v = linears(x, self.wq, self.wk, self.wv)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [self.wq.out_features, self.wk.out_features, self.wv.out_features], dim=-1)
+        else:
+            q, k, v = linears(x, self.wq, self.wk, self.wv)
         return (q.view(B, T, self.n_head, self.head_dim).transpose(1, 2),
                 k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2),
                 v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2))
@@ -416,9 +439,13 @@ class FeedForward(nn.Module):
         self.w3 = Linear(args.dim, args.intermediate_size, bias=False)  # up
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)  # down
         self.act = ACTIVATIONS[args.hidden_act]
+        self.register_buffer("gate_up_weight", None, persistent=False)  # Transformer.fuse_projections
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = linears(x, self.w1, self.w3)
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = linears(x, self.w1, self.w3)
         return self.w2(self.act(gate) * up)
 
 
@@ -468,6 +495,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_local_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_local_sin", torch.empty(0), persistent=False)
         self.init_rope_tables()
+
+    def fuse_projections(self) -> None:
+        """Stack each layer's q, k, v weights into one matrix, and gate with up: a batch-1 decode step only
+        reads weights, and on a GPU a matrix-vector product of a small matrix (k and v are 4096 x 1024 at the
+        8B shape) runs below the bandwidth a large one reaches; one product reads the same bytes in fewer,
+        larger kernels (gpt-fast stores them stacked for this reason). Call it once the weights are on their
+        device (build_model does, off the CPU): moving the model afterwards copies the views apart. The CPU
+        needs none of it: its bf16 kernel already reads stacked projections in one call (cpu_bf16_kernels.py)
+        and float32 stores the wide ones input-major (checkpoint.wide_projection_weights)."""
+        for layer in self.layers:
+            attention, mlp = layer.attention, layer.feed_forward
+            attention.qkv_weight, attention.qkv_bias = stack_projections(attention.wq, attention.wk, attention.wv)
+            mlp.gate_up_weight = stack_projections(mlp.w1, mlp.w3)[0]
 
     def init_rope_tables(self) -> None:
         """(Re)build the RoPE tables in float32 on the embedding's device; call after `.to(dtype)`,

@@ -21,6 +21,8 @@ pairs over the whole layer instead (`adaptive_prompt_tokens`: Ada-KV), so heads 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -47,27 +49,52 @@ def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
     return (attn >= 1.0 / (rows[:, None] + 1)).float() * (keys <= rows[:, None])
 
 
-def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, chunk: int = 256,
-                              first_query: int = 0) -> Tensor:
+# Probabilities per block of query rows in the whole-prompt passes (256 MiB in float32): a block is a few
+# kernels, so a long prompt's pass costs its reads, not thousands of launches of 256-row pieces.
+BLOCK_ELEMENTS = 2**26
+
+
+def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0,
+                            max_elements: int = BLOCK_ELEMENTS) -> Iterator[tuple[Tensor, Tensor]]:
+    """The prompt's causal attention from query `first_query` on, in blocks of query rows: (rows [n],
+    probs [B, n_kv, rep, n, end] float32, end = the last row + 1: the keys the block can see), every query
+    head's own probabilities (rep query heads per KV head), at most about `max_elements` of them a block.
+
+    One pass reads each probability once: a KV head's query heads and rows form one matrix against its keys
+    (K read once, no broadcast copy), the scale is folded into q, only the block's diagonal square is masked,
+    and the softmax reads the product's dtype and writes float32."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    rep = H // n_kv
+    size = max(1, max_elements // (B * H * T))
+    for start in range(first_query, T, size):
+        end = min(start + size, T)
+        n = end - start
+        rows = (q[:, :, start:end] * D**-0.5).reshape(B, n_kv, rep * n, D)
+        scores = (rows @ k[:, :, :end].transpose(-1, -2)).view(B, n_kv, rep, n, end)
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores[..., start:].masked_fill_(future, float("-inf"))
+        yield torch.arange(start, end, device=q.device), torch.softmax(scores, dim=-1, dtype=torch.float32)
+
+
+def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, first_query: int = 0) -> Tensor:
     """Attention each prompt key receives from all prompt queries (from `first_query` on: a chunked
     prefill's re-prefill counts only the chunk's), averaged over the query heads of each KV group and
     summed over queries: [B, n_kv, T].
 
     With `count_above_uniform`, the number of queries that gave the key at least uniform attention
-    (1 / number of keys the query sees) instead. Computed in query chunks, each over the keys it can see
-    only (causal: chunk [s, e) reads keys [0, e)), so memory stays O(chunk × T) and the work is half of a
-    full T × T pass.
-    """
-    B, _, T, _ = q.shape
-    received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
-    for start in range(first_query, T, chunk):
-        end = min(start + chunk, T)
-        rows = torch.arange(start, end, device=q.device)
-        attn = prompt_attention(q, k[:, :, :end], rows)  # [B, n_kv, rows, end]: the keys these rows can see
+    (1 / number of keys the query sees; of the group's mean attention) instead. Each block of queries reads
+    only the keys it can see (causal_attention_blocks), so the work is half of a full T × T pass."""
+    B, H, T, _ = q.shape
+    n_kv = k.shape[1]
+    received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)
+    for rows, probs in causal_attention_blocks(q, k, first_query):
+        end = probs.shape[-1]
         if count_above_uniform:
-            attn = above_uniform(attn, rows)
-        received[:, :, :end] += attn.sum(dim=2)
-    return received
+            received[:, :, :end] += above_uniform(probs.mean(dim=2), rows).sum(dim=2)
+        else:  # the group mean is linear: sum over heads and rows at once, one division at the end
+            received[:, :, :end] += probs.sum(dim=(2, 3))
+    return received if count_above_uniform else received / (H // n_kv)
 
 
 def random_seed(cache) -> int:

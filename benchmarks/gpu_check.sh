@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The prepared GPU check, run once on a CUDA machine (about 9 minutes on an H200):
+# The prepared GPU check, run once on a CUDA machine (about 6 minutes on an H200):
 #   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
 #      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
 #      batched step's graph, no recompilation over 256 steps, logits parity with transformers;
-#   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: transformers' generate (default
-#      cache and its static-cache compiled recipe), ours eager and compiled, every strategy at 10% at 4k,
-#      10% vs full at 16k and 32k; decode tok/s, ms/step, compile seconds, peak GPU memory, fraction of
+#   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: ours eager and compiled, the full
+#      cache at 4k and 32k and recent_global at 10% at 32k, then the strategies whose prefill needs the
+#      prompt's attention or whose step was the slowest (heavy_hitter, hybrid, duo_attention, qfilters,
+#      kvzip, lagkv, rkv) at 10% at 4k; decode tok/s, ms/step, compile seconds, peak GPU memory, fraction of
 #      the bandwidth bound (measured in the same run), and torch.profiler's kernel time by kind for the
-#      full cache and the 10% rows (--profile_steps);
+#      full cache and the 10% rows (--profile_steps). transformers' rows and every other strategy were
+#      measured on 2026-12-04 (docs/gpu_check_2026-12-04) and left out to fit the lent time;
 #   3. the batched bench under a memory cap, same shapes, 32k-token prompts: the full cache and
 #      recent_global at 10%, each at the largest batch whose caches fit the GPU's memory less the
 #      weights and a headroom for prefill (the cap in the report), compiled and replayed as a CUDA graph
@@ -15,8 +17,7 @@
 #      bound's prediction;
 #   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
 #      peak CUDA memory and prefill tokens/s.
-# The timeouts sum to 660 s; on 2026-12-04 the first three parts took ~75 s, ~330 s (estimated from the rows it
-# ran) and 28 s; the fourth has not run yet (estimated 1-2 minutes).
+# The timeouts sum to 500 s; on 2026-12-04 the first and third parts took ~75 s and 28 s, the bench ~15 s a row.
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
 # Writes gpu_check.md (and the raw files, ~40 of them) into out_dir (default $OUT, else results/gpu_check).
 # Nothing is downloaded. Where only a few files come back from a lent machine, run it into a scratch folder and
@@ -51,7 +52,7 @@ for i in $(seq 0 $((WORKERS - 1))); do
   awk -v n=$WORKERS -v i="$i" 'NR % n == i' "$OUT_DIR/cuda_test_ids.txt" > "$OUT_DIR/cuda_tests_$i.ids"
   (
     mapfile -t ids < "$OUT_DIR/cuda_tests_$i.ids"
-    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=2 timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
+    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=2 timeout 100 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
       > "$OUT_DIR/cuda_tests_$i.txt" 2>&1
     echo $? > "$OUT_DIR/cuda_tests_$i.rc"
   ) &
@@ -71,9 +72,10 @@ $WORKERS processes, worst exit $tests_rc, $(( $(date +%s) - start )) s)"
 } >> "$REPORT"
 
 start=$(date +%s)
-timeout 330 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
-  --contexts 4096 --hf_static --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
-  --speedup_contexts 16384 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 --profile_steps 16 \
+timeout 240 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+  --contexts 4096 --no_hf --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
+  --strategies recent_global heavy_hitter hybrid duo_attention qfilters kvzip lagkv rkv \
+  --speedup_contexts 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 --profile_steps 16 \
   --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1
 bench_rc=$?
 {
@@ -123,7 +125,7 @@ batched_rc=$?
 # Chunked prefill at the 8B shape: peak CUDA memory and prefill speed at 4x and 16x a budget of 8192 tokens
 # (32k and 128k-token prompts), one shot where it runs in reasonable time (32k), chunks of 4096.
 start=$(date +%s)
-timeout 150 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 100 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --strategies recent_global heavy_hitter --budget 8192 --chunk 4096 --lengths 32768 131072 --one_shot_max 32768 \
   --out "$OUT_DIR/prefill_memory.json" --overwrite > "$OUT_DIR/prefill_memory.txt" 2> "$OUT_DIR/prefill_memory_log.txt"
 memory_rc=$?

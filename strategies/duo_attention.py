@@ -42,25 +42,24 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, register_strategy
 from errors import UserError
-from prompt_compression import prompt_attention
+from prompt_compression import causal_attention_blocks
 from strategies.variable_occupancy import VariableOccupancy
 
 DUO_DIR = Path(__file__).resolve().parent.parent / "duo"
 SHIPPED = DUO_DIR / "SmolLM2-135M-Instruct.json"
 
 
-def streaming_loss(q: Tensor, k: Tensor, sinks: int, window: int, chunk: int = 256) -> Tensor:
+def streaming_loss(q: Tensor, k: Tensor, sinks: int, window: int) -> Tensor:
     """Per KV head, the mean over prompt queries of the attention mass outside the sinks and the query's
-    own window (keys j < sinks or i − window < j ≤ i, the pattern a streaming head keeps): [B, n_kv]."""
-    B, T = k.shape[0], k.shape[2]
+    own window (keys j < sinks or i − window < j ≤ i, the pattern a streaming head keeps; of the mean over
+    the KV group's query heads): [B, n_kv]."""
+    B, H, T = q.shape[0], q.shape[1], k.shape[2]
     missed = torch.zeros(B, k.shape[1], dtype=torch.float32, device=k.device)
-    keys = torch.arange(T, device=k.device)
-    for start in range(0, T, chunk):
-        rows = torch.arange(start, min(start + chunk, T), device=k.device)
-        attn = prompt_attention(q, k, rows)  # [B, n_kv, rows, T]
+    for rows, probs in causal_attention_blocks(q, k):
+        keys = torch.arange(probs.shape[-1], device=k.device)
         kept = (keys < sinks) | ((keys <= rows[:, None]) & (keys > rows[:, None] - window))
-        missed += (attn * ~kept).sum(dim=(-1, -2))
-    return missed / T
+        missed += (probs * ~kept).sum(dim=(-1, -2, -3))
+    return missed / (T * (H // k.shape[1]))
 
 
 def retrieval_heads(scores: list[list[float]], fraction: float) -> list[list[bool]]:

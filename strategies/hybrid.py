@@ -37,7 +37,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy, row_positions
 from errors import UserError
-from prompt_compression import prompt_attention
+from prompt_compression import causal_attention_blocks
 
 COMPONENTS = ("special", "punct", "frequent", "local", "full")
 DEFAULT_HYBRID_POLICIES = ("special", "special+punct", "special+punct+frequent",
@@ -158,23 +158,22 @@ class HybridCache(KVCache):
             "full": torch.ones_like(is_special),
         }
 
-    def _profile_attention(self, q: Tensor, k: Tensor, chunk: int = 256) -> tuple[Tensor, Tensor]:
+    def _profile_attention(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """(received, in_window), [B, n_kv, T] each: the attention every prompt key receives from all
         prompt queries (averaged over a KV group's query heads), and the part of it from the queries whose
-        own local window holds the key (i − j < ceil(r_l·(i + 1))). In query chunks over the keys each
-        chunk can see, so memory stays O(chunk × T) (docs/DESIGN.md §7)."""
-        B, T = q.shape[0], q.shape[2]
+        own local window holds the key (i − j < ceil(r_l·(i + 1))). In blocks of queries over the keys each
+        block can see, so memory stays O(block × T) (docs/DESIGN.md §7)."""
+        B, H, T, _ = q.shape
         received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
         in_window = torch.zeros_like(received)
-        for start in range(0, T, chunk):
-            end = min(start + chunk, T)
-            rows = torch.arange(start, end, device=q.device)
-            attn = prompt_attention(q, k[:, :, :end], rows)  # [B, n_kv, rows, end]
+        for rows, probs in causal_attention_blocks(q, k):
+            end = probs.shape[-1]
             window = torch.ceil(self.recent_frac * (rows + 1).float()).long()
             held = rows[:, None] - torch.arange(end, device=q.device) < window[:, None]
-            received[:, :, :end] += attn.sum(dim=2)
-            in_window[:, :, :end] += (attn * held).sum(dim=2)  # causal: attn is 0 past each row
-        return received, in_window
+            received[:, :, :end] += probs.sum(dim=(2, 3))
+            in_window[:, :, :end] += (probs * held).sum(dim=(2, 3))  # causal: probs are 0 past each row
+        rep = H // k.shape[1]
+        return received / rep, in_window / rep
 
     def _choose_policies(self, parts: dict[str, Tensor], received: Tensor, in_window: Tensor) -> tuple[Tensor, Tensor]:
         """(policy index [B, H], prompt tokens the policy keeps [B, H, T]): the first policy recovering

@@ -79,3 +79,32 @@ def test_generation_stops_at_eos():
     free = generate(model, [1, 2, 3], 10, eos_ids=[]).tokens
     stopped = generate(model, [1, 2, 3], 10, eos_ids=[free[3]])
     assert stopped.stopped_at_eos and stopped.tokens == free[: free.index(free[3]) + 1]
+
+
+@pytest.mark.parametrize("compiled", [False, "step"], ids=["eager", "compiled"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "qkv-bias"])
+def test_stacked_projections_give_the_separate_projections_logits(compiled, bias):
+    """Transformer.fuse_projections (every non-CPU model: one product for q, k, v and one for gate, up) changes
+    no result: prefill and decode logits equal the separate products' within float32 summation order, and the
+    weights are held once (each layer's parameters are views of the stacked matrix)."""
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    separate, fused = make_tiny_model(attention_bias=bias), make_tiny_model(attention_bias=bias)
+    if bias:  # the random init leaves biases at zero
+        for model in (separate, fused):
+            torch.manual_seed(3)
+            for layer in model.layers:
+                for linear in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                    linear.bias.normal_(std=0.2)
+    reference = separate.layers[0].attention.wk.weight.clone()
+    fused.fuse_projections()
+    attention, mlp = fused.layers[0].attention, fused.layers[0].feed_forward
+    assert attention.wk.weight.untyped_storage().data_ptr() == attention.qkv_weight.untyped_storage().data_ptr()
+    assert mlp.w3.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+    assert torch.equal(attention.wk.weight, reference) and attention.qkv_weight.shape == (64 + 32 + 32, 64)
+    torch._dynamo.reset()
+    step = compile_decode_step(scope=compiled) if compiled else decode_one_token
+    with torch.inference_mode():
+        want = incremental_logits(separate, ids, 24, decode_one_token)
+        got = incremental_logits(fused, ids, 24, step)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(want, incremental_logits(make_tiny_model(seed=1), ids, 24, decode_one_token))

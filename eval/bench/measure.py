@@ -96,6 +96,8 @@ def random_weight_model(shape: str, device: str, dtype: torch.dtype) -> Transfor
             if p.dim() > 1:
                 p.normal_(std=0.02)
     model.init_rope_tables()
+    if torch.device(device).type != "cpu":
+        model.fuse_projections()  # as build_model does for a loaded checkpoint
     return model.eval().requires_grad_(False)
 
 
