@@ -53,13 +53,13 @@ def streaming_loss(q: Tensor, k: Tensor, sinks: int, window: int) -> Tensor:
     """Per KV head, the mean over prompt queries of the attention mass outside the sinks and the query's
     own window (keys j < sinks or i − window < j ≤ i, the pattern a streaming head keeps; of the mean over
     the KV group's query heads): [B, n_kv]."""
-    B, H, T = q.shape[0], q.shape[1], k.shape[2]
+    B, T = k.shape[0], k.shape[2]
     missed = torch.zeros(B, k.shape[1], dtype=torch.float32, device=k.device)
     for rows, probs in causal_attention_blocks(q, k):
         keys = torch.arange(probs.shape[-1], device=k.device)
         kept = (keys < sinks) | ((keys <= rows[:, None]) & (keys > rows[:, None] - window))
-        missed += (probs * ~kept).sum(dim=(-1, -2, -3))
-    return missed / (T * (H // k.shape[1]))
+        missed += (probs.mean(dim=2) * ~kept).sum(dim=(-1, -2))  # the group mean first: one pass over the heads
+    return missed / T
 
 
 def retrieval_heads(scores: list[list[float]], fraction: float) -> list[list[bool]]:

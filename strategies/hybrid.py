@@ -163,17 +163,17 @@ class HybridCache(KVCache):
         prompt queries (averaged over a KV group's query heads), and the part of it from the queries whose
         own local window holds the key (i − j < ceil(r_l·(i + 1))). In blocks of queries over the keys each
         block can see, so memory stays O(block × T) (docs/DESIGN.md §7)."""
-        B, H, T, _ = q.shape
+        B, T = q.shape[0], q.shape[2]
         received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
         in_window = torch.zeros_like(received)
         for rows, probs in causal_attention_blocks(q, k):
             end = probs.shape[-1]
             window = torch.ceil(self.recent_frac * (rows + 1).float()).long()
             held = rows[:, None] - torch.arange(end, device=q.device) < window[:, None]
-            received[:, :, :end] += probs.sum(dim=(2, 3))
-            in_window[:, :, :end] += (probs * held).sum(dim=(2, 3))  # causal: probs are 0 past each row
-        rep = H // k.shape[1]
-        return received / rep, in_window / rep
+            group = probs.mean(dim=2)  # [B, n_kv, rows, end]: the one pass over every head's probabilities
+            received[:, :, :end] += group.sum(dim=2)
+            in_window[:, :, :end] += (group * held).sum(dim=2)  # causal: probs are 0 past each row
+        return received, in_window
 
     def _choose_policies(self, parts: dict[str, Tensor], received: Tensor, in_window: Tensor) -> tuple[Tensor, Tensor]:
         """(policy index [B, H], prompt tokens the policy keeps [B, H, T]): the first policy recovering

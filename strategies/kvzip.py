@@ -44,6 +44,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy
 from errors import UserError
+from prompt_compression import BLOCK_ELEMENTS, causal_attention_blocks
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
@@ -84,22 +85,17 @@ def capture_queries(model, observe: Callable[[int, Tensor, Tensor], None]) -> It
             layer.attention.kv_cache = cache
 
 
-def max_attention_received(q: Tensor, k: Tensor, first_row: int, n_keys: int, rows_per_step: int = 256) -> Tensor:
+def max_attention_received(q: Tensor, k: Tensor, first_row: int, n_keys: int,
+                           max_elements: int = BLOCK_ELEMENTS) -> Tensor:
     """The largest causal attention each of the first `n_keys` keys receives from the queries at rows
     first_row.. (softmax over all keys up to the query), maximised over those queries and over the query
-    heads of each KV group: [B, n_kv, n_keys] float32. q [B, n_head, S, D], k [B, n_kv, S, D]."""
-    B, H, S, D = q.shape
-    n_kv = k.shape[1]
-    best = torch.zeros(B, n_kv, n_keys, dtype=torch.float32, device=q.device)
-    for start in range(first_row, S, rows_per_step):
-        end = min(start + rows_per_step, S)
-        rows = torch.arange(start, end, device=q.device)
-        qc = q[:, :, start:end].reshape(B, n_kv, H // n_kv, end - start, D)
-        logits = (qc.float() @ k[:, :, None, :end].float().transpose(-1, -2)) / D**0.5
-        logits = logits.masked_fill(torch.arange(end, device=q.device) > rows[:, None], float("-inf"))
-        # [B, n_kv, min(end, n_keys)]: keys past `end` get nothing from these rows (causal), and the prompt's own
-        # queries (first_row 0) reach them only in a later block of rows.
-        top = torch.softmax(logits, dim=-1)[..., :n_keys].amax(dim=(2, 3))
+    heads of each KV group: [B, n_kv, n_keys] float32. q [B, n_head, S, D], k [B, n_kv, S, D]. In blocks of
+    rows (prompt_compression.causal_attention_blocks, at most about `max_elements` probabilities each)."""
+    best = torch.zeros(q.shape[0], k.shape[1], n_keys, dtype=torch.float32, device=q.device)
+    for _, probs in causal_attention_blocks(q, k, first_row, max_elements):
+        # [B, n_kv, min(end, n_keys)]: keys past the block's last row get nothing from it (causal), and the
+        # prompt's own queries (first_row 0) reach them only in a later block.
+        top = probs[..., :n_keys].amax(dim=(2, 3))
         seen = top.shape[-1]
         best[..., :seen] = torch.maximum(best[..., :seen], top)
     return best

@@ -121,6 +121,7 @@ class QFiltersCache(KVCache):
 
     def reset(self) -> None:
         super().reset()  # zeroes every buffer: the file's directions are a setting, not state
+        self.__dict__.pop("prompt_direction", None)
         if self.from_file:
             self.apply_file_direction()
 
@@ -134,6 +135,10 @@ class QFiltersCache(KVCache):
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         u = cls.layer_direction(cache, q, k.shape[1])
+        if isinstance(cache, QFiltersCache) and not cache.from_file:
+            # after_prefill stores the same queries' direction: one eigensolve a layer, not two (each one waits
+            # for the GPU, since the solve runs on the CPU)
+            cache.__dict__["prompt_direction"] = u
         return (k.float() * u[:, :, None]).sum(-1)
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
@@ -143,5 +148,6 @@ class QFiltersCache(KVCache):
         return (keys * self.direction[:, :, None]).sum(-1)
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        u = self.__dict__.pop("prompt_direction", None)
         if not self.from_file:
-            self.direction.copy_(principal_directions(*query_moments(q, k.shape[1])))
+            self.direction.copy_(principal_directions(*query_moments(q, k.shape[1])) if u is None else u)

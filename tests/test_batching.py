@@ -71,7 +71,7 @@ def teacher_forced(model, seq: torch.Tensor, prompt: int, step, prefill_length: 
         model.reset_caches()
         rows = [prefill(model, seq[None, :prompt], prefill_length)]
         for p in range(prompt, len(seq) - 1):
-            rows.append(step(model, seq[None, p : p + 1], torch.tensor([p])))
+            rows.append(step(model, seq[None, p : p + 1], torch.tensor([p])).clone())
     return torch.cat(rows), [held(c) for c in model.caches()]
 
 
@@ -85,7 +85,7 @@ def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=
         rows = [prefill_rows(model, [s[:n] for s, n in zip(seqs, LENGTHS, strict=True)], prefill_lengths)]
         for i in range(NEW - 1):
             token = torch.stack([s[n + i] for s, n in zip(seqs, LENGTHS, strict=True)])[:, None]
-            rows.append(step(model, token, lengths + i))
+            rows.append(step(model, token, lengths + i).clone())  # a CUDA graph's logits are overwritten next step
     kept = []
     for b in range(len(seqs)):
         with model.cache_row(b):

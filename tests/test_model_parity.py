@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from model import ModelArgs, apply_rope, grouped_attention, rope_tables
@@ -69,3 +70,22 @@ def test_rope_rotate_half_matches_complex_rotation():
     angles = torch.arange(16).double()[:, None] * freqs
     z = torch.complex(x[..., :4].double(), x[..., 4:].double()) * torch.polar(torch.ones_like(angles), angles)
     torch.testing.assert_close(ours, torch.cat([z.real, z.imag], -1).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_elements", [1, 2**10, 2**26], ids=["row-blocks", "blocks", "one-block"])
+def test_masked_attention_in_blocks_matches_the_grouped_product(max_elements):
+    """A later prompt chunk's attention off the CPU (SDPA over blocks of queries, K/V repeated per query head)
+    equals the grouped product the CPU uses, under per-KV-head masks (head-specific caches), rows that see a
+    single key included; float32, 1e-5."""
+    from model import masked_attention_in_blocks
+
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, T, L, D = 2, 6, 2, 7, 11, 8
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, L, D, generator=g), torch.randn(
+        B, n_kv, L, D, generator=g)
+    visible = torch.rand(B, n_kv, T, L, generator=g) < 0.5
+    visible[..., 0] = True  # every query sees at least one key
+    visible[0, 1, 3] = False
+    visible[0, 1, 3, 4] = True
+    want, _ = grouped_attention(q, k, v, visible.repeat(1, 1, H // n_kv, 1))
+    torch.testing.assert_close(masked_attention_in_blocks(q, k, v, visible, max_elements), want, atol=1e-5, rtol=1e-5)
