@@ -503,6 +503,9 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        # Bumped whenever the caches start over or a row is refilled (reset_caches, cache_row): what a prompt may
+        # change that the compiled step's guards read (CompiledDecodeStep checks them all once after it).
+        self.cache_epoch = 0
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
@@ -584,12 +587,14 @@ class Transformer(nn.Module):
     def cache_row(self, b: int) -> Iterator[Transformer]:
         """The row context of every layer's cache (KVCache.row): inside it the model is a batch-1 model of row
         b, for the work rows cannot share (a prompt of its own length, a chunk at its own positions)."""
+        self.cache_epoch += 1
         with ExitStack() as stack:
             for cache in self.caches():
                 stack.enter_context(cache.row(b))
             yield self
 
     def reset_caches(self) -> None:
+        self.cache_epoch += 1
         for cache in self.caches():
             cache.reset()
 

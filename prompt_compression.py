@@ -30,17 +30,14 @@ from torch import Tensor
 from errors import UserError
 
 
-def prompt_attention(q: Tensor, k: Tensor, rows: Tensor, per_query_head: bool = False) -> Tensor:
-    """Causal attention of the prompt queries at `rows` over the prompt keys k holds (positions 0..S-1,
-    S = k.shape[2], at least the last row + 1), averaged over the query heads of each KV group (GQA):
-    [B, n_kv, len(rows), S], float32; with `per_query_head` not averaged: [B, n_kv, rep, len(rows), S]."""
-    B, H, _, D = q.shape
-    n_kv, S = k.shape[1], k.shape[2]
-    qc = q[:, :, rows].reshape(B, n_kv, H // n_kv, len(rows), D)
-    scores = (qc @ k[:, :, None].transpose(-1, -2)).float() / D**0.5
-    scores = scores.masked_fill(torch.arange(S, device=q.device) > rows[:, None], float("-inf"))
-    attn = torch.softmax(scores, dim=-1)
-    return attn if per_query_head else attn.mean(dim=2)
+def prompt_attention(q: Tensor, k: Tensor, n_rows: int, per_query_head: bool = False) -> Tensor:
+    """Causal attention of the prompt's last `n_rows` queries (positions S − n_rows..S − 1, S = k.shape[2])
+    over the prompt keys, averaged over the query heads of each KV group (GQA): [B, n_kv, n_rows, S],
+    float32; with `per_query_head` not averaged: [B, n_kv, rep, n_rows, S]. One block of
+    causal_attention_blocks."""
+    S = k.shape[2]
+    (_, probs), = causal_attention_blocks(q[:, :, :S], k, S - n_rows, max_elements=0)
+    return probs if per_query_head else probs.mean(dim=2)
 
 
 def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
@@ -58,7 +55,8 @@ def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0,
                             max_elements: int = BLOCK_ELEMENTS) -> Iterator[tuple[Tensor, Tensor]]:
     """The prompt's causal attention from query `first_query` on, in blocks of query rows: (rows [n],
     probs [B, n_kv, rep, n, end] float32, end = the last row + 1: the keys the block can see), every query
-    head's own probabilities (rep query heads per KV head), at most about `max_elements` of them a block.
+    head's own probabilities (rep query heads per KV head), at most about `max_elements` of them a block
+    (0: one block).
 
     One pass reads each probability once: a KV head's query heads and rows form one matrix against its keys
     (K read once, no broadcast copy), the scale is folded into q, only the block's diagonal square is masked,
@@ -66,7 +64,7 @@ def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0,
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     rep = H // n_kv
-    size = max(1, max_elements // (B * H * T))
+    size = max(1, max_elements // (B * H * T)) if max_elements else T  # 0: the rows left, as one block
     for start in range(first_query, T, size):
         end = min(start + size, T)
         n = end - start
@@ -135,8 +133,7 @@ def snapkv_votes(q: Tensor, k: Tensor, window: int, kernel: int, pooling: str = 
     batch row, so the window stays (kvpress's SnapKVPress pads it with the score maximum)."""
     T = k.shape[2]
     w = min(window, T)
-    rows = torch.arange(T - w, T, device=k.device)
-    votes = prompt_attention(q, k, rows, per_query_head).sum(dim=-2)  # [B, n_kv, (rep,) T]
+    votes = prompt_attention(q, k, w, per_query_head).sum(dim=-2)  # [B, n_kv, (rep,) T]
     n = T - w if prefix_only else T
     if prefix_only and n == 0:  # the whole prompt is the window: nothing to choose from
         return torch.zeros(k.shape[0], k.shape[1], T, device=k.device)

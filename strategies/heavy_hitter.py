@@ -124,7 +124,7 @@ class HeavyHitterCache(KVCache):
             # the step counter points at the column the next decode step overwrites.
             w = min(self.window, T)
             rows = torch.arange(T - w, T, device=k.device)
-            attn = prompt_attention(q, k, rows)  # [B, H, w, T]
+            attn = prompt_attention(q, k, w)  # [B, H, w, T]
             if self.thresholding:
                 attn = above_uniform(attn, rows)
             self.attn_history.zero_()

@@ -16,7 +16,6 @@ One rule, used twice:
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from cache import KVCache, grouped_mean, register_strategy
@@ -36,8 +35,7 @@ class TovaCache(KVCache):
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        T = k.shape[2]
-        return prompt_attention(q, k, torch.arange(T - 1, T, device=k.device))[:, :, 0]
+        return prompt_attention(q, k, 1)[:, :, 0]
 
     def update_state(self, probs: Tensor) -> None:
         self.last_attention.copy_(grouped_mean(probs))

@@ -112,7 +112,9 @@ def test_matrix_eager(strategy, storage, budget):
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "storage", "budget"), COMPILED_CASES)
 def test_matrix_compiled_no_recompilation(strategy, storage, budget):
-    """Compiled decode equals eager decode step for step, with one graph and no recompilation."""
+    """Compiled decode equals eager decode step for step, with one graph and no recompilation. Prepared
+    before the prompt as generate.py prepares it, so every step after the first runs with dynamo's guard
+    evaluation skipped (CompiledDecodeStep): a cache whose decode changed what a guard reads would show here."""
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
@@ -126,6 +128,8 @@ def test_matrix_compiled_no_recompilation(strategy, storage, budget):
     compiled_held = []
     torch._dynamo.reset()
     step = compile_decode_step()
+    with torch.inference_mode():
+        step.prepare(model)
 
     def check(p: int) -> None:
         compiled_held.append(held_positions(caches[0]))
@@ -146,7 +150,8 @@ def test_whole_step_compiled_equals_eager(strategy):
     twins' compiled blocks are the compiled matrix's (what the step adds around a block, the embedding, the
     layer loop and the head, is the same code for a twin as for its strategy)."""
     model = make_tiny_model(n_layer=1)
-    ids = token_ids()
+    with torch.inference_mode():  # the tokens an inference loop feeds (prepare's are inference tensors too)
+        ids = token_ids().clone()
     args = cache_args(strategy, BUDGETS["fraction"])
     runs = []
     for step in (decode_one_token, compile_decode_step(scope="step")):
@@ -154,6 +159,9 @@ def test_whole_step_compiled_equals_eager(strategy):
         held, logits = [], []
         counters.clear()
         torch._dynamo.reset()
+        if step is not decode_one_token:  # as generate.py: guards skipped after the first step (CompiledDecodeStep)
+            with torch.inference_mode():
+                step.prepare(model)
 
         def recording(m, token, pos, step=step, logits=logits):
             logits.append(step(m, token, pos))
