@@ -216,19 +216,26 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Te
 
 def masked_attention_in_blocks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
                                max_elements: int = 2**26) -> Tensor:
-    """SDPA of q [B, n_head, T, D] over k, v [B, n_kv, L, D] where visible [B, n_kv, T, L] (bool), in blocks
-    of queries whose per-head masks hold at most about `max_elements` entries. A later chunk of a chunked
-    prefill on a GPU: the fused kernel keeps memory at budget + chunk (the grouped product's float32
-    probabilities of a 4096-token chunk over 12288 slots at the 8B shape were 6.4 GB a layer, and the prefill
-    peaked 23 GB above the weights on the H200), and K/V are repeated per query head once, not per block."""
+    """SDPA of q [B, n_head, T, D] over k, v [B, n_kv, L, D] where visible [B, n_kv, T, L] (bool): a later
+    chunk of a chunked prefill. In blocks of queries whose masks hold at most about `max_elements` entries,
+    each an additive mask made once per KV head and one SDPA call per query head of a group (the i-th query
+    head of every group at once), so neither K/V nor the mask is repeated per query head. The grouped
+    product's float32 probabilities of a 4096-token chunk over 12288 slots at the 8B shape held 6.4 GB a
+    layer (the prefill peaked 23 GB above the weights on the H200); SDPA given a boolean mask converts it
+    per query head itself (57% of a chunked prefill on the CPU at 32 heads, as a repeated copy 53%)."""
     B, H, T, D = q.shape
-    rep = H // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    rows = max(1, max_elements // (B * H * k.shape[2]))
-    return torch.cat([
-        F.scaled_dot_product_attention(q[:, :, s : s + rows], k, v,
-                                       attn_mask=visible[:, :, s : s + rows].repeat_interleave(rep, dim=1))
-        for s in range(0, T, rows)], dim=2)
+    n_kv = k.shape[1]
+    rep = H // n_kv
+    grouped = q.reshape(B, n_kv, rep, T, D)
+    rows = max(1, max_elements // (B * n_kv * k.shape[2]))
+    out = torch.empty_like(grouped)
+    for s in range(0, T, rows):
+        hidden = ~visible[:, :, s : s + rows]
+        bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        for r in range(rep):
+            out[:, :, r, s : s + rows] = F.scaled_dot_product_attention(grouped[:, :, r, s : s + rows], k, v,
+                                                                         attn_mask=bias)
+    return out.view(B, H, T, D)
 
 
 def soft_gated_attention(
@@ -443,11 +450,7 @@ class Attention(nn.Module):
             visible = valid[:, :, None, :] & (pos[:, :, None, :] <= query_pos)  # [B, n_kv, T, L + T]
             if self.sliding_window:
                 visible &= query_pos - pos[:, :, None, :] < self.sliding_window
-            keys, values = torch.cat([held, k], 2), torch.cat([held_v, v], 2)
-            if q.device.type == "cpu":
-                y, _ = grouped_attention(q, keys, values, visible.repeat(1, 1, rep, 1))
-            else:
-                y = masked_attention_in_blocks(q, keys, values, visible)
+            y = masked_attention_in_blocks(q, torch.cat([held, k], 2), torch.cat([held_v, v], 2), visible)
         cache.prefill_chunk_tokens(input_pos, k, v, q, rerotation)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
