@@ -221,8 +221,9 @@ def masked_attention_in_blocks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
     each an additive mask made once per KV head and one SDPA call per query head of a group (the i-th query
     head of every group at once), so neither K/V nor the mask is repeated per query head. The grouped
     product's float32 probabilities of a 4096-token chunk over 12288 slots at the 8B shape held 6.4 GB a
-    layer (the prefill peaked 23 GB above the weights on the H200); SDPA given a boolean mask converts it
-    per query head itself (57% of a chunked prefill on the CPU at 32 heads, as a repeated copy 53%)."""
+    layer (the prefill peaked 23 GB above the weights on the H200). Given a boolean mask per query head,
+    SDPA's own conversion took 57% of a chunked prefill's CPU time at 32 heads; a float mask repeated per
+    head, its copy 53%."""
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     rep = H // n_kv
