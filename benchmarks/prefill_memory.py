@@ -34,10 +34,10 @@ from tqdm import tqdm
 
 from atomic_files import check_writable, write_json_atomic
 from cache_setup import attach_caches, cache_config
-from checkpoint import add_model_arguments, checkpoint_model_args, load_checkpoint, parse_dtype, resolve_device
+from checkpoint import add_model_arguments, checkpoint_model_args, parse_dtype, resolve_device
 from checkpoint_hf import hf_model_args
 from errors import CliParser, UserError, run_cli
-from eval.bench.measure import RANDOM_SHAPES, random_weight_model
+from eval.bench.measure import RANDOM_SHAPES, check_model_source, load_model
 from flag_types import count
 from generate import prefill
 
@@ -49,14 +49,6 @@ def _status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def load_model(spec: dict):
-    """(model, tokenizer or None) of a measurement's model source, on its device, in its dtype."""
-    dtype = getattr(torch, spec["dtype"])
-    if spec["random_weights"]:
-        return random_weight_model(spec["random_weights"], spec["device"], dtype), None
-    return load_checkpoint(spec["checkpoint_path"], spec["device"], dtype)
 
 
 class PeakMemory:
@@ -84,7 +76,7 @@ class PeakMemory:
 def measure(spec: dict) -> dict:
     """In this (fresh) process: the peak memory and speed of one prefill of spec["length"] tokens."""
     torch.manual_seed(0)
-    model, tokenizer = load_model(spec)
+    model, tokenizer = load_model(argparse.Namespace(**spec), spec["device"], getattr(torch, spec["dtype"]))
     flags = ["--cache_strategy", spec["strategy"], "--max_cache_length", str(spec["budget"])]
     if spec["chunk"]:
         flags += ["--prefill_chunk", str(spec["chunk"])]
@@ -193,7 +185,8 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
         raise UserError(f"lengths past the model's context of {context} need --rerotate_positions")
     one_shot_max = min(args.one_shot_max or context, context)  # a one-shot prefill cannot run past the context
     source = {"device": device, "dtype": dtype, "random_weights": args.random_weights,
-              "checkpoint_path": args.checkpoint_path, "budget": args.budget,
+              "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
+              "budget": args.budget,
               "rerotate_positions": args.rerotate_positions}
     return [{**source, "strategy": strategy, "length": length, "chunk": chunk}
             for strategy in args.strategies for length in args.lengths for chunk in (0, args.chunk)
@@ -205,8 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure))))
         return []
-    if args.random_weights and args.checkpoint_path:
-        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    check_model_source(args)
     device = resolve_device(args.device)
     dtype = str(parse_dtype(args.dtype, device)).removeprefix("torch.")
     if args.out:

@@ -33,6 +33,7 @@ from eval.bench.measure import (
     RANDOM_SHAPES,
     bench_hf,
     bench_ours,
+    check_model_source,
     load_model,
     measure_read_bandwidth,
     weight_bytes,
@@ -223,8 +224,7 @@ def check_values(args: argparse.Namespace) -> list[str]:
         # every context has a full-cache row, profiled after a prefill of all but its steps and 2 warm-up steps
         raise UserError(f"--profile_steps {args.profile_steps} needs prompts longer than {args.profile_steps + 2} "
                         f"tokens; context {min(contexts)} is not")
-    if args.random_weights and args.checkpoint_path:
-        raise UserError("--random_weights and --checkpoint_path exclude each other")
+    check_model_source(args)
     return strategies
 
 

@@ -18,6 +18,7 @@ from cache_setup import attach_caches
 from checkpoint import bundled_checkpoint_path, load_checkpoint
 from checkpoint_hf import hf_model_args
 from compiled_step import compile_decode_step
+from errors import UserError
 from eval.bench.plan import cache_args, recompile_check_shape
 from eval.bench.profile import profile_decode_steps
 from gates import attach_random_gates
@@ -327,6 +328,12 @@ def bench_hf(source: dict, ids: list[int], new: int, dtype: torch.dtype, device:
                 "fraction_of_bound": round(tok_s / bound, 3), "compile_seconds": compile_seconds,
                 "peak_rss_mb": peak_rss_mb(), "peak_device_memory_mb": peak})
     return row
+
+
+def check_model_source(args: argparse.Namespace) -> None:
+    """`--random_weights` or `--checkpoint_path` (or neither: the bundled model), as load_model reads them."""
+    if args.random_weights and args.checkpoint_path:
+        raise UserError("--random_weights and --checkpoint_path exclude each other")
 
 
 def load_model(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[Transformer, object]:
