@@ -46,6 +46,7 @@ from torch import Tensor
 from cache import KVCache, row_positions
 from cache_chunking import Rerotation
 from errors import UserError
+from kv_storage import scatter_slots
 from prompt_compression import adaptive_prompt_tokens
 from strategies import CACHE_STRATEGIES, get_strategy
 from strategies.debug import DebugCache, debug_strategy
@@ -165,8 +166,8 @@ class PooledCache(KVCache):
         slot = self.choose_slot(input_pos)  # [B, n_kv]: distinct slots, each in its head's range
         B, H = k.shape[:2]
         self.storage.write(slot[:, None], k.transpose(1, 2), v.transpose(1, 2))  # H rows of the one pool head
-        self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, H, 1))
-        self.mask.scatter_(3, slot[..., None, None], True)
+        scatter_slots(self.pos, 2, slot[..., None], row_positions(input_pos).expand(B, H, 1))
+        scatter_slots(self.mask, 3, slot[..., None, None], True)
         self.inserted += 1
         self.filled += (self.filled < self.quota).long()
         self.after_insert(slot, input_pos, k)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from cache_chunking import ChunkedPrefill
 from errors import UserError
-from kv_storage import DENSE, Storage, StorageSpec, make_storage
+from kv_storage import DENSE, Storage, StorageSpec, make_storage, scatter_slots
 from prompt_compression import compress_prompt
 
 
@@ -273,8 +273,8 @@ class KVCache(ChunkedPrefill, nn.Module):
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
         self.storage.write(head_slot[..., None], k, v)
-        self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, slot.shape[1], 1))
-        self.mask.scatter_(3, head_slot[..., None, None], True)
+        scatter_slots(self.pos, 2, slot[..., None], row_positions(input_pos).expand(B, slot.shape[1], 1))
+        scatter_slots(self.mask, 3, head_slot[..., None, None], True)
         self.inserted += 1
         self.filled += (self.filled < self.row_budget).long()
         self.after_insert(slot, input_pos, k)

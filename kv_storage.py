@@ -110,13 +110,28 @@ class Storage(nn.Module):
         return exact + (held.sum(-1).double() - exact) * (self.bits / 16.0)
 
 
-def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
-    """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width).
+def scatter_slots(buf: Tensor, dim: int, index: Tensor, src: Tensor | float | bool) -> None:
+    """`buf.scatter_(dim, index, src)` for the per-step writes into a cache's per-slot state (positions, mask,
+    scores): `index` has buf's number of dimensions, sizes at most buf's; `src` a tensor of index's shape or
+    a scalar.
 
-    Compiled, an index_put_: inductor writes it in place, while it turns a scatter_ along the slots into a
-    copy of the whole buffer plus the new rows, copied back after the step (two passes over the cache per
-    layer and step, read in inductor's output code). Eager, the scatter_: an index_put_ there costs ~5x
-    its dispatch, and a decode step makes 60 or more writes."""
+    Compiled, an index_put_: inductor writes it in place, while it turns a scatter_ into a copy of the whole
+    buffer plus the new entries, copied back after the step (two passes over every slot per layer and step,
+    read in inductor's output code, for each buffer written so). Eager, the scatter_: an index_put_ there
+    costs ~5x its dispatch, and a decode step makes 60 or more writes."""
+    if not torch.compiler.is_compiling():
+        buf.scatter_(dim, index, src)
+        return
+    dims = range(index.dim())
+    indices = tuple(index if d == dim else torch.arange(index.shape[d], device=index.device).view(
+        [-1 if e == d else 1 for e in dims]) for d in dims)
+    value = src.to(buf.dtype) if isinstance(src, Tensor) else torch.tensor(src, dtype=buf.dtype, device=buf.device)
+    buf.index_put_(indices, value)
+
+
+def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
+    """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width): scatter_slots with
+    the rows' trailing dimensions taken whole when compiled (one index per row, not per element)."""
     if torch.compiler.is_compiling():
         B, H = slots.shape[:2]
         rows = torch.arange(B, device=slots.device).view(B, 1, 1)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from cache import KVCache
 from errors import UserError
+from kv_storage import scatter_slots
 
 _DEBUG_CLASSES: dict[type[KVCache], type[KVCache]] = {}
 
@@ -98,8 +99,8 @@ class DebugCache(KVCache):
         held_probs = probs.gather(3, index) * held[:, :, None, :]
         mass = held_probs.sum(dim=-1)  # [B, H, rep]
         loss = (1.0 - mass).clamp(min=0.0).mean(dim=2)
-        self.loss_history.scatter_(2, self.current_pos.view(B, 1, 1).expand(B, H, 1), loss[..., None])
-        self.loss_recorded.scatter_(1, self.current_pos.view(B, 1), True)
+        scatter_slots(self.loss_history, 2, self.current_pos.view(B, 1, 1).expand(B, H, 1), loss[..., None])
+        scatter_slots(self.loss_recorded, 1, self.current_pos.view(B, 1), True)
         if self.shadow.needs_attention:
             # What the shadow would have seen as the only cache: softmax over its own tokens, i.e. the
             # full probabilities restricted to them and renormalised, per query head.

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy
 from errors import UserError
+from kv_storage import scatter_slots
 
 COVARIANCE_MODES = ("full", "diagonal", "none")
 # Another cache using this rule as its --prompt_compression_strategy reads the defaults (not prompt_rule
@@ -120,4 +121,4 @@ class ExpectedAttentionCache(KVCache):
         self.expected_logit[:, :, :n] = expected_logit(k, mean, cov).gather(2, keep)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.expected_logit.scatter_(2, slot[..., None], expected_logit(k, self.query_mean, self.query_cov))
+        scatter_slots(self.expected_logit, 2, slot[..., None], expected_logit(k, self.query_mean, self.query_cov))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy, row_positions
 from errors import UserError
+from kv_storage import scatter_slots
 
 
 @register_strategy
@@ -83,7 +84,7 @@ class GatedCache(KVCache):
         self.prompt_log_gates = carried
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.log_gate.scatter_(2, slot[..., None], self.incoming_log_gate)
+        scatter_slots(self.log_gate, 2, slot[..., None], self.incoming_log_gate)
 
     def reset(self) -> None:
         super().reset()

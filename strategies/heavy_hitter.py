@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, Setting, grouped_mean, register_strategy
+from kv_storage import scatter_slots
 from prompt_compression import (
     SNAPKV_POOLINGS,
     above_uniform,
@@ -94,7 +95,7 @@ class HeavyHitterCache(KVCache):
         self.attn_steps += self.mask[:, :, 0].float()
         if self.window > 1:
             column = (self.step % self.window).view(-1, 1, 1, 1).expand(*attn.shape, 1)
-            self.attn_history.scatter_(3, column, attn[..., None])
+            scatter_slots(self.attn_history, 3, column, attn[..., None])
             self.step += 1
         else:
             self.attn_sum += attn
@@ -140,7 +141,7 @@ class HeavyHitterCache(KVCache):
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         index = slot[..., None]
-        self.attn_sum.scatter_(2, index, 0.0)
-        self.attn_steps.scatter_(2, index, 0.0)
+        scatter_slots(self.attn_sum, 2, index, 0.0)
+        scatter_slots(self.attn_steps, 2, index, 0.0)
         if self.window > 1:
-            self.attn_history.scatter_(2, index[..., None].expand(*index.shape, self.window), 0.0)
+            scatter_slots(self.attn_history, 2, index[..., None].expand(*index.shape, self.window), 0.0)

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy, row_positions
 from errors import UserError
+from kv_storage import scatter_slots
 from prompt_compression import causal_attention_blocks
 
 COMPONENTS = ("special", "punct", "frequent", "local", "full")
@@ -260,10 +261,10 @@ class HybridCache(KVCache):
         slot = torch.where(admitted, torch.where(can_grow, first_empty, evict), L)  # [B, H]
 
         self.storage.write(slot[..., None], k, v)
-        self.pos.scatter_(2, slot[..., None], row_positions(input_pos).expand(B, H, 1))
-        self.mask.scatter_(3, slot[..., None, None], True)
-        self.slot_special.scatter_(2, slot[..., None], new_is_special[..., None])
-        self.attn_sum.scatter_(2, slot[..., None], 0.0)
+        scatter_slots(self.pos, 2, slot[..., None], row_positions(input_pos).expand(B, H, 1))
+        scatter_slots(self.mask, 3, slot[..., None, None], True)
+        scatter_slots(self.slot_special, 2, slot[..., None], new_is_special[..., None])
+        scatter_slots(self.attn_sum, 2, slot[..., None], 0.0)
         self.mask[..., L] = False  # the scratch slot is never held
         self.pos[..., L] = -1
         self.inserted += 1

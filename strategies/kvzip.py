@@ -44,6 +44,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy
 from errors import UserError
+from kv_storage import scatter_slots
 from prompt_compression import BLOCK_ELEMENTS, causal_attention_blocks
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
@@ -220,4 +221,4 @@ class KvzipCache(KVCache):
         self.max_attention[:, :, :n] = scores.expand(-1, keep.shape[1], -1).gather(2, keep)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.max_attention.scatter_(2, slot[..., None], 0.0)  # this step's own query scores it next
+        scatter_slots(self.max_attention, 2, slot[..., None], 0.0)  # this step's own query scores it next

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from cache import KVCache, register_strategy
+from kv_storage import scatter_slots
 
 
 @register_strategy
@@ -28,4 +29,4 @@ class L2NormCache(KVCache):
         self.key_norm[:, :, :n] = k.float().norm(dim=-1).gather(2, keep)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.key_norm.scatter_(2, slot[..., None], k.float().norm(dim=-1))
+        scatter_slots(self.key_norm, 2, slot[..., None], k.float().norm(dim=-1))

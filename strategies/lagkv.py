@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy, row_positions
+from kv_storage import scatter_slots
 
 LAG = Setting("lag_size", 128, low=2, help="tokens per partition; each is scored against the next one")
 RANGE_FLOOR = 1e-6
@@ -177,7 +178,7 @@ class LagKVCache(KVCache):
         self.lag_score[:, :, : keep.shape[-1]] = scored.gather(2, keep)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.lag_score.scatter_(2, slot[..., None], -1.0)
+        scatter_slots(self.lag_score, 2, slot[..., None], -1.0)
         newest = row_positions(input_pos)  # [1 or B, 1, 1]
         seen = newest + 1 - self.global_tokens
         completes = (seen > 0) & (seen % self.lag == 0)  # this token closes partition `seen // lag − 1`

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from cache import Setting, finite_float, register_strategy
+from kv_storage import scatter_slots
 from strategies.tova import TovaCache
 from strategies.variable_occupancy import VariableOccupancy
 
@@ -55,7 +56,7 @@ class ThresholdCache(VariableOccupancy, TovaCache):
         self.attended.fill_(k.shape[2])  # the last prompt query attended over the whole prompt
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.last_attention.scatter_(2, slot[..., None], float("inf"))  # not yet attended: not judged
+        scatter_slots(self.last_attention, 2, slot[..., None], float("inf"))  # not yet attended: not judged
         relative = self.last_attention * self.attended[..., None]
         self.release(self.evictable(input_pos) & (relative < self.threshold))
 
