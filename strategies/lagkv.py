@@ -191,6 +191,24 @@ class LagKVCache(KVCache):
         keys, values = self.keys(), self.values()
         if keys.shape[1] != held.shape[1]:  # a pooled cache: one K/V head of pool slots, masked per head
             keys, values = keys.expand(-1, held.shape[1], -1, -1), values.expand(-1, held.shape[1], -1, -1)
+        if 2 * self.lag < held.shape[-1]:
+            self.score_closed_partition(keys, values, target, ref, completes)
+            return
         ranks = partition_lag_scores([keys, values], target, ref, self.lag, ranked=not self.pooled)
         update = completes & target & ref.any(dim=-1, keepdim=True)
         self.lag_score.copy_(torch.where(update, ranks, self.lag_score))
+
+    def score_closed_partition(self, keys: Tensor, values: Tensor, target: Tensor, ref: Tensor,
+                               completes: Tensor) -> None:
+        """`after_insert`'s scoring over the two partitions' slots only: a partition holds at most `lag`
+        tokens, so `lag` slots each (their members first, then slots masked out) carry every score the rule
+        reads, and a step reads 2 · lag slots' keys and values instead of every slot's (the same ranks)."""
+        t_slots, r_slots = (m.float().topk(self.lag, dim=-1).indices for m in (target, ref))  # [B, H, lag]
+        slots = torch.cat([t_slots, r_slots], dim=-1)
+        states = [x.gather(2, slots[..., None].expand(*slots.shape, x.shape[-1])) for x in (keys, values)]
+        t_in, r_in = target.gather(2, t_slots), ref.gather(2, r_slots)
+        neither = torch.zeros_like(t_in)
+        ranks = partition_lag_scores(states, torch.cat([t_in, neither], dim=-1), torch.cat([neither, r_in], dim=-1),
+                                     self.lag, ranked=not self.pooled)[..., : self.lag]
+        update = completes & t_in & r_in.any(dim=-1, keepdim=True)
+        scatter_slots(self.lag_score, 2, t_slots, torch.where(update, ranks, self.lag_score.gather(2, t_slots)))
