@@ -108,3 +108,27 @@ def test_a_compiled_step_scatters_into_no_slot_state(strategy, allocation, monke
              and c.max_cache_length in b.shape[1:]}
     scattered = {state[id(t)] for t in writes.targets if id(t) in state}
     assert not scattered, f"per-slot state written by scatter_ in a compiled step: {scattered}"
+
+
+@pytest.mark.parametrize(("shape", "dim", "src"), [((2, 3, 1, 10), 3, True), ((2, 1, 10), 2, "tensor"),
+                                                   ((2, 3, 10, 4), 3, 0.5), ((2, 3, 10), 2, float("inf"))])
+def test_scatter_slots_compiled_equals_torch_scatter(shape, dim, src):
+    """kv_storage.scatter_slots traced (an index_put_) writes what torch's scatter_ writes: distinct slots per
+    row, a tensor or a scalar source, the slot dimension last or not, index sizes below the buffer's."""
+    from kv_storage import scatter_slots
+
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bool if src is True else torch.float32
+    buf = torch.rand(shape, generator=g).gt(0.5) if dtype == torch.bool else torch.randn(shape, generator=g)
+    index_shape = list(shape)
+    index_shape[dim] = 2
+    if dim == 3 and len(shape) == 4 and shape[2] > 1:
+        index_shape[2] = shape[2] - 1  # a smaller index than the buffer in another dimension
+    index = torch.rand(*shape[:dim], shape[dim], *shape[dim + 1:], generator=g).argsort(dim=dim)
+    index = index.narrow(dim, 0, 2)[tuple(slice(0, n) for n in index_shape)]
+    value = torch.randn(index.shape, generator=g) if src == "tensor" else src
+    expected = buf.clone().scatter_(dim, index, value)
+    compiled = torch.compile(lambda b, i, v: scatter_slots(b, dim, i, v), fullgraph=True)
+    ours = buf.clone()
+    compiled(ours, index, value)
+    assert torch.equal(ours, expected)
