@@ -115,8 +115,9 @@ class CompiledDecodeStep:
                 if key in self.prepared:
                     self.guards_checked[key] = model.cache_epoch
                 return self.compiled_step(model, token, input_pos)
-            # Without a CUDA graph, dynamo checks every guard of a block at each of its 30 calls a step (~1.8 ms
-            # of a ~12 ms CPU step at 256 slots, docs/performance.md). Once a prepared set's graphs exist and the
+            # Without a CUDA graph, dynamo checks every guard of a block at each of its 30 calls a step (a profile
+            # put ~1.8 ms of a ~12 ms CPU step at 256 slots on it; an in-process A/B of this stance measured no
+            # difference past the noise, docs/performance.md). Once a prepared set's graphs exist and the
             # first step since the caches were last reset or refilled passed every guard, a step only tells those
             # graphs apart (the guards that differ between them): decoding changes tensors' values, not what a
             # guard reads (shapes, dtypes, the caches' settings).
