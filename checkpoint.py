@@ -32,6 +32,7 @@ from errors import UserError
 from flag_types import count
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer, tokenizer_from_hf_dir
+from weight_arena import Slot, WeightArena, contiguous_strides
 
 # The loading API; GGUF_ARCHITECTURES, HF_MODEL_TYPES and read_gguf_metadata are re-exported from the
 # format modules so callers need only this one.
@@ -200,8 +201,9 @@ def build_model(
         model = Transformer(args)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes) - ({"output.weight"} if args.tie_embeddings else set())
-    on_cpu_float32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    by_column = wide_projection_weights(model) if on_cpu_float32 else set()
+    on_cpu = torch.device(device).type == "cpu"
+    by_column = wide_projection_weights(model) if on_cpu and dtype == torch.float32 else set()
+    arena = cpu_weight_arena(shapes, expected, by_column, dtype) if on_cpu else None
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="loading", disable=None, leave=False)
     for name, tensor, nbytes in tensors:
@@ -212,8 +214,8 @@ def build_model(
         state[name] = tensor.to(device=device, dtype=dtype)
         if not allow_non_finite and state[name].dtype != tensor.dtype:
             check_converted(tensor, state[name], name, source)
-        if name in by_column:  # replaced as it arrives: one tensor held twice at most, as for the dtype
-            state[name] = state[name].t().contiguous().t()
+        if arena is not None:  # copied into its slot as it arrives: one tensor held twice at most
+            state[name] = arena.place(name, state[name])
         bar.update(nbytes)
     bar.close()
     missing = expected - set(state)
@@ -222,11 +224,26 @@ def build_model(
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    model.weight_arena = arena
     model = model.eval().requires_grad_(False)
     model.init_rope_tables()  # in float32 whatever the weights' dtype, on the weights' device
     if torch.device(device).type != "cpu":
         model.fuse_projections()
     return model
+
+
+def cpu_weight_arena(shapes: dict[str, tuple[int, ...]], names: set[str], by_column: set[str],
+                     dtype: torch.dtype) -> WeightArena:
+    """The CPU model's weights in one buffer in the order of the model's state dict, which is the order a
+    step reads them (weight_arena.py); the `by_column` weights input-major (a transposed view of a
+    contiguous [in, out] slot)."""
+    def slot(name: str) -> Slot:
+        shape = shapes[name]
+        if name in by_column:
+            return Slot(shape, (1, shape[0]), dtype)
+        return Slot(shape, contiguous_strides(shape), dtype)
+
+    return WeightArena((name, slot(name)) for name in shapes if name in names)
 
 
 def wide_projection_weights(model: Transformer) -> set[str]:

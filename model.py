@@ -510,6 +510,8 @@ class Transformer(nn.Module):
         # Bumped whenever the caches start over or a row is refilled (reset_caches, cache_row): what a prompt may
         # change that the compiled step's guards read (CompiledDecodeStep checks them all once after it).
         self.cache_epoch = 0
+        # On the CPU, the buffer holding every weight in step order (weight_arena.py; set by the loaders).
+        self.weight_arena = None
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)

@@ -50,6 +50,7 @@ from eval.bench.report import (
 from eval.data import pydoc_corpus
 from flag_types import POSITIVE, count, explicit_dests, refuse_unused
 from strategies import CACHE_STRATEGIES
+from weight_arena import transparent_huge_pages
 
 
 def add_batch_arguments(p: CliParser) -> None:
@@ -313,7 +314,8 @@ def run_meta(args: argparse.Namespace, argv: list[str], device: str, bandwidth: 
             "model": args.random_weights or args.checkpoint_path or "bundled SmolLM2-135M-Instruct",
             "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": args.dtype,
             "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "weight_bytes": total_weight_bytes, "argv": argv,
-            "wall_seconds": round(time.perf_counter() - started), "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status()}
+            "wall_seconds": round(time.perf_counter() - started), "cpu_bf16_kernels": cpu_bf16_kernels.kernel_status(),
+            "transparent_huge_pages": transparent_huge_pages()}
 
 
 def write_outputs(out_dir: Path, report: dict, table: str) -> None:

@@ -24,6 +24,7 @@ from eval.bench.profile import profile_decode_steps
 from gates import attach_random_gates
 from generate import decode_one_token, generate, prefill
 from model import Transformer
+from weight_arena import pack_parameters
 
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "batch_size", "kv_memory_cap_gb", "cache_slots",
           "prefill_tokens_per_second",
@@ -97,8 +98,10 @@ def random_weight_model(shape: str, device: str, dtype: torch.dtype) -> Transfor
             if p.dim() > 1:
                 p.normal_(std=0.02)
     model.init_rope_tables()
-    if torch.device(device).type != "cpu":
-        model.fuse_projections()  # as build_model does for a loaded checkpoint
+    if torch.device(device).type == "cpu":
+        model.weight_arena = pack_parameters(model)  # as build_model does for a loaded checkpoint
+    else:
+        model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 
