@@ -525,6 +525,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_local_sin", torch.empty(0), persistent=False)
         self.init_rope_tables()
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> Transformer:
+        # .to(), .float(), .cuda() ... give the parameters new memory: the arena's handle goes with them, so
+        # the old buffer is freed with its last view instead of outliving the weights it held.
+        self.weight_arena = None
+        return super()._apply(fn, recurse)
+
     def fuse_projections(self) -> None:
         """Stack each layer's q, k, v weights into one matrix, and gate with up: a batch-1 decode step only
         reads weights, and on a GPU a matrix-vector product of a small matrix (k and v are 4096 x 1024 at the

@@ -142,3 +142,13 @@ def test_a_slot_holds_the_tensor_with_its_dense_layout(make, stride):
 def test_an_empty_arena():
     arena = WeightArena([])
     assert arena.nbytes == 0 and arena.slots == {}
+
+
+def test_moving_the_weights_out_drops_the_arena():
+    """`.to()` and its kin give the parameters new memory; the model lets go of the arena then, so the old
+    buffer is freed with its last view rather than held beside the moved weights."""
+    model = make_tiny_model()
+    model.weight_arena = arena = pack_parameters(model)
+    model.to(torch.float64)
+    assert model.weight_arena is None
+    assert not any(arena.contains(p) for p in model.parameters())
