@@ -2,12 +2,12 @@
 gives them.
 
 A CPU decode step streams every weight once, ~120 products of 0.2-3.5 MB each for the bundled model. Held as
-separate allocations on 4 KB pages, each stream starts cold (the hardware prefetcher relearns it) and crosses
-a page every 4 KB (a TLB miss each, 66 000 a step for 269 MB). In one buffer the streams follow each other;
-on transparent huge pages (asked for with `madvise`, which is how most Linux kernels hand them out) a 2 MB
-page covers ~3 of the bundled model's weights. Measured in one process on the bundled model, bf16, 2
-threads, 256 cached tokens, alternating blocks of compiled steps (docs/performance.md): the step took 0.92
-of the time with the weights in this buffer on huge pages, 0.94 in one buffer on 4 KB pages.
+separate allocations on 4 KB pages, those streams are scattered over 66 000 pages a step (269 MB); in one
+buffer they follow each other, and on transparent huge pages (asked for with `madvise`, which is how most
+Linux kernels hand them out) a 2 MB page holds ~3 of the bundled model's weights. Measured in one process
+on the bundled model, bf16, 2 threads, 256 cached tokens, alternating blocks of compiled steps against the
+same weights as separate tensors (docs/performance.md): 0.88-0.945 of the step time with the weights in
+this buffer on huge pages, 0.94 in one buffer on 4 KB pages.
 
 `WeightArena(layout)` allocates the buffer for named tensors (shape, dtype, strides) and `slot(name)` gives
 each one's view: checkpoint.build_model copies every loaded tensor into its slot as it arrives, so the
@@ -144,7 +144,9 @@ def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 def pack_parameters(model: nn.Module) -> WeightArena:
     """Move every parameter of `model` (a CPU model) into one arena, in registration order, which is the order
     a step uses them; tied parameters (one tensor, or views of one memory) keep one slot. Each parameter
-    keeps its identity and values; its old memory is freed as it moves (not held twice)."""
+    keeps its identity and values; its old memory is freed as it moves (not held twice). Parameters only: a
+    buffer viewing a parameter's memory (the stacked projections of `Transformer.fuse_projections`, which
+    the CPU does not use) would keep the old memory."""
     params = list(model.named_parameters())  # one entry per tensor: tied parameters appear once
     if any(p.device.type != "cpu" for _, p in params):
         raise ValueError("pack_parameters: the model's parameters must be on the CPU")
