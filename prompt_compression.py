@@ -46,17 +46,27 @@ def above_uniform(attn: Tensor, rows: Tensor) -> Tensor:
     return (attn >= 1.0 / (rows[:, None] + 1)).float() * (keys <= rows[:, None])
 
 
-# Probabilities per block of query rows in the whole-prompt passes (256 MiB in float32): a block is a few
-# kernels, so a long prompt's pass costs its reads, not thousands of launches of 256-row pieces.
-BLOCK_ELEMENTS = 2**26
+# Probabilities per block of query rows in the whole-prompt passes. On a GPU 2^26 (256 MiB in float32): a
+# block is a few kernels, so a long prompt's pass costs its reads, not thousands of launches of 256-row pieces.
+# On the CPU 2^21 (8 MiB): a block's scores, probabilities and sums stay in the caches from one op to the next,
+# and the causal mask's wasted upper triangle shrinks to the blocks' diagonal squares. H2O's received
+# attention over a 2048-token prompt, one bundled-model layer in bf16, 2 threads: 188 ms in blocks of 2^26,
+# 36 ms in blocks of 2^21 (4096 tokens: 480 and 105 ms; 32 heads of 128: 526 and 132 ms; 2^20 and smaller
+# were slower again: docs/performance.md).
+GPU_BLOCK_ELEMENTS = 2**26
+CPU_BLOCK_ELEMENTS = 2**21
+
+
+def block_elements(device: torch.device) -> int:
+    return CPU_BLOCK_ELEMENTS if device.type == "cpu" else GPU_BLOCK_ELEMENTS
 
 
 def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0,
-                            max_elements: int = BLOCK_ELEMENTS) -> Iterator[tuple[Tensor, Tensor]]:
+                            max_elements: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """The prompt's causal attention from query `first_query` on, in blocks of query rows: (rows [n],
     probs [B, n_kv, rep, n, end] float32, end = the last row + 1: the keys the block can see), every query
     head's own probabilities (rep query heads per KV head), at most about `max_elements` of them a block
-    (0: one block).
+    (None: `block_elements` of q's device; 0: one block).
 
     One pass reads each probability once: a KV head's query heads and rows form one matrix against its keys
     (K read once, no broadcast copy), the scale is folded into q, only the block's diagonal square is masked,
@@ -64,6 +74,8 @@ def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0,
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     rep = H // n_kv
+    if max_elements is None:
+        max_elements = block_elements(q.device)
     size = max(1, max_elements // (B * H * T)) if max_elements else T  # 0: the rows left, as one block
     for start in range(first_query, T, size):
         end = min(start + size, T)

@@ -45,7 +45,7 @@ from torch import Tensor
 from cache import KVCache, Setting, register_strategy
 from errors import UserError
 from kv_storage import scatter_slots
-from prompt_compression import BLOCK_ELEMENTS, causal_attention_blocks
+from prompt_compression import causal_attention_blocks
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
 
@@ -87,11 +87,12 @@ def capture_queries(model, observe: Callable[[int, Tensor, Tensor], None]) -> It
 
 
 def max_attention_received(q: Tensor, k: Tensor, first_row: int, n_keys: int,
-                           max_elements: int = BLOCK_ELEMENTS) -> Tensor:
+                           max_elements: int | None = None) -> Tensor:
     """The largest causal attention each of the first `n_keys` keys receives from the queries at rows
     first_row.. (softmax over all keys up to the query), maximised over those queries and over the query
     heads of each KV group: [B, n_kv, n_keys] float32. q [B, n_head, S, D], k [B, n_kv, S, D]. In blocks of
-    rows (prompt_compression.causal_attention_blocks, at most about `max_elements` probabilities each)."""
+    rows (prompt_compression.causal_attention_blocks, at most about `max_elements` probabilities each; None:
+    the device's block size)."""
     best = torch.zeros(q.shape[0], k.shape[1], n_keys, dtype=torch.float32, device=q.device)
     for _, probs in causal_attention_blocks(q, k, first_row, max_elements):
         # [B, n_kv, min(end, n_keys)]: keys past the block's last row get nothing from it (causal), and the

@@ -380,3 +380,22 @@ def test_kvzip_max_attention_received_in_row_blocks_equals_naive_loops(rows_per_
                 naive = max(head_probs(q[b, h, t], k[b, kv], list(range(t + 1)))[j]
                             for h in range(kv * H // n_kv, (kv + 1) * H // n_kv) for t in range(max(j, first_row), S))
                 assert got[b, kv, j].item() == pytest.approx(naive, abs=1e-6)
+
+
+@pytest.mark.parametrize("first_query", [0, 130])
+def test_received_attention_over_several_cpu_blocks_equals_a_dense_float64_pass(first_query):
+    """H2O's attention received by each prompt key (summed over queries, the group's mean over its query heads),
+    in the CPU's blocks of rows (several blocks here: 32 heads of 400 tokens), against one dense causal softmax
+    in float64."""
+    from prompt_compression import block_elements, prompt_attention_received
+
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, T, D = 1, 32, 8, 400, 16
+    assert block_elements(torch.device("cpu")) // (B * H * T) < T - first_query  # more than one block
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, T, D, generator=g)
+    got = prompt_attention_received(q, k, first_query=first_query)
+    scores = (q.double() @ k.double().repeat_interleave(H // n_kv, dim=1).transpose(-1, -2)) / D**0.5
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)[:, :, first_query:]
+    want = probs.sum(dim=2).view(B, n_kv, H // n_kv, T).mean(dim=2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
