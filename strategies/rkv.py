@@ -32,11 +32,15 @@ LAMBDA = Setting("rkv_lambda", 0.5, type=finite_float, low=0.0, high=1.0,
 
 def redundancy(keys: Tensor, held: Tensor | None) -> Tensor:
     """Mean cosine similarity of each key to the other `held` keys ([B, n_kv, L] bool; None: all of them):
-    [B, n_kv, L] float32, 0 where nothing else is held."""
+    [B, n_kv, L] float32, 0 where nothing else is held.
+
+    The sum of a key's similarities to the held keys is its dot product with the sum of their unit vectors,
+    so no L x L similarity matrix is formed: O(L·D) a head instead of O(L²·D), at every decode step too."""
     unit = F.normalize(keys.float(), dim=-1)
-    similarity = unit @ unit.transpose(-1, -2)  # [B, n_kv, L, L]
-    weight = torch.ones_like(similarity[..., 0]) if held is None else held.float()
-    others = (similarity * weight[..., None, :]).sum(-1) - weight * similarity.diagonal(dim1=-2, dim2=-1)
+    weight = torch.ones_like(unit[..., 0]) if held is None else held.float()
+    total = (weight[..., None] * unit).sum(dim=-2, keepdim=True)  # [B, n_kv, 1, D]
+    own = (unit * unit).sum(-1)  # 1, or 0 for a zero key (F.normalize leaves it zero)
+    others = (unit * total).sum(-1) - weight * own
     count = (weight.sum(-1, keepdim=True) - weight).clamp(min=1)
     return others / count
 

@@ -5,6 +5,7 @@ and compared with what the cache held after prefill and after every decode step 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -267,6 +268,31 @@ def test_rkv_evicts_the_lowest_importance_minus_redundancy(lam):
     score = rkv_oracle(model, ids, lam)
     assert_prompt_kept_best(steps, score)
     assert assert_evicts_lowest(steps, score) > 0
+
+
+def test_rkv_redundancy_is_the_mean_cosine_to_the_other_held_keys():
+    """Against the definition, key by key: held masks with gaps, a head holding one key (nothing else: 0) and
+    a zero key (cosine 0 with everything)."""
+    from strategies.rkv import redundancy
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, 7, 5, generator=g)
+    keys[1, 2, 4] = 0.0
+    held = torch.rand(2, 3, 7, generator=g) > 0.3
+    held[0, 1] = False
+    held[0, 1, 2] = True
+    held[1, 2] = True
+
+    def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+        norms = a.double().norm() * b.double().norm()
+        return 0.0 if norms == 0 else float(a.double() @ b.double() / norms)
+
+    for mask in (held, None):
+        got = redundancy(keys, mask)
+        for b, h, x in itertools.product(range(2), range(3), range(7)):
+            others = [y for y in range(7) if y != x and (mask is None or mask[b, h, y])]
+            want = sum(cosine(keys[b, h, x], keys[b, h, y]) for y in others) / max(len(others), 1)
+            assert got[b, h, x].item() == pytest.approx(want, abs=1e-6), (b, h, x)
 
 
 def test_rkv_lambda_one_is_tova():
