@@ -184,6 +184,10 @@ class LagKVCache(KVCache):
         completes = (seen > 0) & (seen % self.lag == 0)  # this token closes partition `seen // lag − 1`
         closed = seen // self.lag - 1
         held = self.mask[:, :, 0]
+        if held.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(completes.any()):
+            # An eager CPU step that closes no partition (lag − 1 steps in lag) changes no score: skip the
+            # scoring. Compiled steps and CUDA graphs stay branch-free, and on a GPU the check would cost a sync.
+            return
         pos = self.pos.expand_as(held)
         part = torch.div(pos - self.global_tokens, self.lag, rounding_mode="floor")
         body = held & (pos >= self.global_tokens)
