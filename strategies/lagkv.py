@@ -206,13 +206,33 @@ class LagKVCache(KVCache):
                                completes: Tensor) -> None:
         """`after_insert`'s scoring over the two partitions' slots only: a partition holds at most `lag`
         tokens, so `lag` slots each (their members first, then slots masked out) carry every score the rule
-        reads, and a step reads 2 · lag slots' keys and values instead of every slot's (the same ranks)."""
-        t_slots, r_slots = (m.float().topk(self.lag, dim=-1).indices for m in (target, ref))  # [B, H, lag]
-        slots = torch.cat([t_slots, r_slots], dim=-1)
-        states = [x.gather(2, slots[..., None].expand(*slots.shape, x.shape[-1])) for x in (keys, values)]
-        t_in, r_in = target.gather(2, t_slots), ref.gather(2, r_slots)
-        neither = torch.zeros_like(t_in)
-        ranks = partition_lag_scores(states, torch.cat([t_in, neither], dim=-1), torch.cat([neither, r_in], dim=-1),
-                                     self.lag, ranked=not self.pooled)[..., : self.lag]
-        update = completes & t_in & r_in.any(dim=-1, keepdim=True)
-        scatter_slots(self.lag_score, 2, t_slots, torch.where(update, ranks, self.lag_score.gather(2, t_slots)))
+        reads, and a step reads 2 · lag slots' keys and values instead of every slot's (the same ranks).
+
+        A compiled CPU step runs it under `torch.cond` on whether any row closes a partition, so the other
+        lag − 1 steps in lag only rewrite `lag` scores with themselves; a GPU's step stays branch-free (a CUDA
+        graph replays it, and the condition would need the host)."""
+        lag, ranked = self.lag, not self.pooled
+
+        def rescore(keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor,
+                    scores: Tensor) -> tuple[Tensor, Tensor]:
+            t_slots, r_slots = (m.float().topk(lag, dim=-1).indices for m in (target, ref))  # [B, H, lag]
+            slots = torch.cat([t_slots, r_slots], dim=-1)
+            states = [x.gather(2, slots[..., None].expand(*slots.shape, x.shape[-1])) for x in (keys, values)]
+            t_in, r_in = target.gather(2, t_slots), ref.gather(2, r_slots)
+            neither = torch.zeros_like(t_in)
+            ranks = partition_lag_scores(states, torch.cat([t_in, neither], dim=-1),
+                                         torch.cat([neither, r_in], dim=-1), lag, ranked)[..., :lag]
+            update = completes & t_in & r_in.any(dim=-1, keepdim=True)
+            return t_slots, torch.where(update, ranks, scores.gather(2, t_slots))
+
+        def unchanged(keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor,
+                      scores: Tensor) -> tuple[Tensor, Tensor]:
+            slots = torch.arange(lag, device=scores.device).expand(*target.shape[:2], lag).contiguous()
+            return slots, scores.gather(2, slots)
+
+        operands = (keys, values, target, ref, completes, self.lag_score)
+        if torch.compiler.is_compiling() and keys.device.type == "cpu":
+            slots, new = torch.cond(completes.any(), rescore, unchanged, operands)
+        else:
+            slots, new = rescore(*operands)
+        scatter_slots(self.lag_score, 2, slots, new)
