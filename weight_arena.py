@@ -61,7 +61,6 @@ class WeightArena:
             end += -(-slot.nbytes // ALIGNMENT) * ALIGNMENT
         self.offsets = offsets
         self.nbytes = end
-        self._written: set[str] = set()
         raw, self.huge_pages = _allocate(end + HUGE_PAGE) if end else (torch.empty(0, dtype=torch.uint8), False)
         start = (-raw.data_ptr()) % HUGE_PAGE if end else 0
         self.buffer = raw[start : start + end]
@@ -77,11 +76,7 @@ class WeightArena:
         target = self.slot(name)
         with torch.no_grad():
             target.copy_(tensor)
-        self._written.add(name)
         return target
-
-    def written(self, name: str) -> bool:
-        return name in self._written
 
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s memory lies in this buffer."""
@@ -158,7 +153,10 @@ def pack_parameters(model: nn.Module) -> WeightArena:
     for name, p in params:
         names.setdefault(memory(p), name)
     arena = WeightArena((name, dense_slot(p)) for name, p in params if names[memory(p)] == name)
+    placed: dict[str, torch.Tensor] = {}
     for _, p in params:
         name = names[memory(p)]
-        p.data = arena.slot(name) if arena.written(name) else arena.place(name, p.data)
+        if name not in placed:
+            placed[name] = arena.place(name, p.data)
+        p.data = placed[name]
     return arena

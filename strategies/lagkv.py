@@ -186,7 +186,7 @@ class LagKVCache(KVCache):
         held = self.mask[:, :, 0]
         if held.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(completes.any()):
             # An eager CPU step that closes no partition (lag − 1 steps in lag) changes no score: skip the
-            # scoring. Compiled steps and CUDA graphs stay branch-free, and on a GPU the check would cost a sync.
+            # scoring (a compiled CPU step branches in score_closed_partition; a GPU's would pay a sync).
             return
         pos = self.pos.expand_as(held)
         part = torch.div(pos - self.global_tokens, self.lag, rounding_mode="floor")
