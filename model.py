@@ -37,6 +37,7 @@ from torch import Tensor, nn
 import cpu_bf16_kernels
 from cache import KVCache
 from cache_chunking import Rerotation
+from chunk_attention import chunk_attention
 from errors import UserError
 from rerotation import query_ranks, slot_ranks
 
@@ -212,31 +213,6 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Te
     rep = H // n_kv
     out, probs = cpu_bf16_kernels.decode_attention(q.reshape(B, n_kv, rep * T, D), k, v, mask)
     return out.reshape(B, H, T, D), probs
-
-
-def masked_attention_in_blocks(q: Tensor, k: Tensor, v: Tensor, visible: Tensor,
-                               max_elements: int = 2**26) -> Tensor:
-    """SDPA of q [B, n_head, T, D] over k, v [B, n_kv, L, D] where visible [B, n_kv, T, L] (bool): a later
-    chunk of a chunked prefill. In blocks of queries whose masks hold at most about `max_elements` entries,
-    each an additive mask made once per KV head and one SDPA call per query head of a group (the i-th query
-    head of every group at once), so neither K/V nor the mask is repeated per query head. The grouped
-    product's float32 probabilities of a 4096-token chunk over 12288 slots at the 8B shape held 6.4 GB a
-    layer (the prefill peaked 23 GB above the weights on the H200). Given a boolean mask per query head,
-    SDPA's own conversion took 57% of a chunked prefill's CPU time at 32 heads; a float mask repeated per
-    head, its copy 53%."""
-    B, H, T, D = q.shape
-    n_kv = k.shape[1]
-    rep = H // n_kv
-    grouped = q.reshape(B, n_kv, rep, T, D)
-    rows = max(1, max_elements // (B * n_kv * k.shape[2]))
-    out = torch.empty_like(grouped)
-    for s in range(0, T, rows):
-        hidden = ~visible[:, :, s : s + rows]
-        bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-        for r in range(rep):
-            out[:, :, r, s : s + rows] = F.scaled_dot_product_attention(grouped[:, :, r, s : s + rows], k, v,
-                                                                         attn_mask=bias)
-    return out.view(B, H, T, D)
 
 
 def soft_gated_attention(
@@ -445,13 +421,7 @@ class Attention(nn.Module):
                 held, held_v = (t.expand(B, self.n_kv_head, -1, -1) for t in (held, held_v))
             if rerotation is not None:
                 held = rope_at(held, slot_ranks(cache.pos))
-            pos = torch.cat([cache.pos.expand(B, self.n_kv_head, -1), input_pos.expand(B, self.n_kv_head, T)], -1)
-            valid = torch.cat([cache.mask[:, :, 0], pos.new_ones(B, self.n_kv_head, T, dtype=torch.bool)], -1)
-            query_pos = input_pos.view(1, 1, T, 1)
-            visible = valid[:, :, None, :] & (pos[:, :, None, :] <= query_pos)  # [B, n_kv, T, L + T]
-            if self.sliding_window:
-                visible &= query_pos - pos[:, :, None, :] < self.sliding_window
-            y = masked_attention_in_blocks(q, torch.cat([held, k], 2), torch.cat([held_v, v], 2), visible)
+            y = chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
         cache.prefill_chunk_tokens(input_pos, k, v, q, rerotation)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -77,7 +77,7 @@ def test_masked_attention_in_blocks_matches_the_grouped_product(max_elements):
     """A later prompt chunk's attention off the CPU (SDPA over blocks of queries, K/V repeated per query head)
     equals the grouped product the CPU uses, under per-KV-head masks (head-specific caches), rows that see a
     single key included; float32, 1e-5."""
-    from model import masked_attention_in_blocks
+    from chunk_attention import masked_attention_in_blocks
 
     g = torch.Generator().manual_seed(0)
     B, H, n_kv, T, L, D = 2, 6, 2, 7, 11, 8
