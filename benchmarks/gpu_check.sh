@@ -16,8 +16,9 @@
 #      per configuration, tokens/s summed over the rows, the ratio to the full cache and the bandwidth
 #      bound's prediction;
 #   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
-#      peak CUDA memory and prefill tokens/s.
-# The timeouts sum to 550 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
+#      peak CUDA memory and prefill tokens/s, and the 32k rows' kernel time by kind (torch.profiler, one more
+#      prefill each: where the chunked prefill's time goes, unprofiled so far).
+# The timeouts sum to 570 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
 # prefill's last row, heavy_hitter at 128k, still running when a 110 s limit cut it in the follow-up).
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
 # Writes gpu_check.md (and the raw files, ~40 of them) into out_dir (default $OUT, else results/gpu_check).
@@ -124,11 +125,12 @@ batched_rc=$?
 } >> "$REPORT"
 
 # Chunked prefill at the 8B shape: peak CUDA memory and prefill speed at 4x and 16x a budget of 8192 tokens
-# (32k and 128k-token prompts), one shot where it runs in reasonable time (32k), chunks of 4096.
+# (32k and 128k-token prompts), one shot where it runs in reasonable time (32k), chunks of 4096; the 32k rows
+# profiled (one more prefill per row: 1.5-8.5 s at the speeds of the last run, an estimate).
 start=$(date +%s)
-timeout 150 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 170 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --strategies recent_global heavy_hitter --budget 8192 --chunk 4096 --lengths 32768 131072 --one_shot_max 32768 \
-  --out "$OUT_DIR/prefill_memory.json" --overwrite > "$OUT_DIR/prefill_memory.txt" 2> "$OUT_DIR/prefill_memory_log.txt"
+  --profile_lengths 32768 --out "$OUT_DIR/prefill_memory.json" --overwrite > "$OUT_DIR/prefill_memory.txt" 2> "$OUT_DIR/prefill_memory_log.txt"
 memory_rc=$?
 {
   echo

@@ -8,7 +8,9 @@ caches of `--budget` tokens per layer, reset the peak (the kernel's RSS high-wat
 Reported per row: the peak, what the prefill added over the memory before it (the loaded model and caches),
 and prefill tokens/s. One-shot memory grows with the prompt (its K/V and activations); chunked memory should
 not: the targets are a < 10% difference of the chunked peak between 4× and 16× the budget, and a chunked
-prefill speed of at least half the one-shot speed at the same length. With `--rerotate_positions` the
+prefill speed of at least half the one-shot speed at the same length. `--profile_lengths N ...` prefills the
+rows of those lengths once more under torch.profiler and reports where the time went, by kind of work
+(eval.bench.profile's kinds: the weights' products, attention, copies and fills, ...). With `--rerotate_positions` the
 lengths may exceed the model's context: chunks then run at RoPE ranks below budget + chunk, and lengths
 past the context (or past `--one_shot_max`) are measured chunked only. Linux only on the CPU (/proc).
 
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from atomic_files import check_writable, write_json_atomic
@@ -38,6 +41,7 @@ from checkpoint import add_model_arguments, checkpoint_model_args, parse_dtype, 
 from checkpoint_hf import hf_model_args
 from errors import CliParser, UserError, run_cli
 from eval.bench.measure import RANDOM_SHAPES, check_model_source, load_model
+from eval.bench.profile import KIND_NAMES, group_by_kind
 from flag_types import count
 from generate import prefill
 
@@ -96,6 +100,7 @@ def measure(spec: dict) -> dict:
         prefill(model, ids)
         peak = memory.peak()  # synchronizes a GPU before the clock stops
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        profiled = profile_prefill(model, ids) if spec.get("profile") else None
     return {"strategy": spec["strategy"], "prompt_tokens": length, "budget": spec["budget"],
             "prefill_chunk": spec["chunk"] or None, "rerotate_positions": spec["rerotate_positions"],
             "context_length": model.args.context_length, "device": device,
@@ -104,7 +109,25 @@ def measure(spec: dict) -> dict:
             "prefill_seconds": round(seconds, 3), "prefill_tokens_per_second": round(length / seconds, 1),
             # CPU time of this process: on a shared machine less disturbed by other processes than wall time
             "prefill_cpu_seconds": round(cpu_seconds, 3),
-            "prefill_tokens_per_cpu_second": round(length / cpu_seconds, 1)}
+            "prefill_tokens_per_cpu_second": round(length / cpu_seconds, 1), "profile": profiled}
+
+
+def profile_prefill(model, ids: torch.Tensor) -> dict:
+    """One more prefill of `ids` (caches reset) under torch.profiler: ms by kind of work (on the CPU the main
+    thread's ops' self times, which split the wall time; on CUDA the kernels' device times, the rest of the wall
+    time being the GPU waiting for the host) and the five costliest ops or kernels."""
+    on_device = ids.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    model.reset_caches()
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        prefill(model, ids)
+        if on_device:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    by_kind, top = group_by_kind(prof.key_averages(), 1, on_device)
+    return {"timeline": "cuda kernels" if on_device else "cpu ops", "profiled_ms": round(1000 * wall, 1),
+            "recorded_ms": round(sum(by_kind.values()), 1), "ms_by_kind": by_kind, "top": top}
 
 
 def run_fresh(spec: dict) -> dict:
@@ -137,6 +160,24 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['strategy']} | {r['prompt_tokens']} | {r['prompt_tokens'] / r['budget']:g} | {how} | "
                      f"{r['peak_bytes'] / mib:.0f} | {r['prefill_added_bytes'] / mib:.0f} | "
                      f"{r['prefill_tokens_per_second']} | {r['prefill_tokens_per_cpu_second']} |")
+    return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """The profiled rows' time by kind (ms of one prefill), or "" when none was profiled."""
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return ""
+    cols = ["strategy", "prompt tokens", "prefill", "profiled ms", "recorded ms", *KIND_NAMES, "top"]
+    lines = [f"Where a prefill's time goes (torch.profiler, {profiled[0]['profile']['timeline']}; ms):", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in profiled:
+        p = r["profile"]
+        top = "; ".join(f"{name} ({ms})" for name, ms in p["top"][:3])
+        how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one shot"
+        kinds = (round(p["ms_by_kind"][k], 1) for k in KIND_NAMES)
+        cells = [r["strategy"], r["prompt_tokens"], how, p["profiled_ms"], p["recorded_ms"], *kinds, top]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -173,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
                    help="random weights with a real model's shapes, built on the device (memory and speed "
                         "depend on the shapes only)")
+    p.add_argument("--profile_lengths", nargs="+", type=count(), default=[],
+                   help="prefill the rows of these lengths once more under torch.profiler (time by kind of work)")
     p.add_argument("--out", default=None, help="also write the rows here (JSON)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one configuration, in a fresh process
@@ -184,11 +227,14 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
     if max(args.lengths) > context and not args.rerotate_positions:
         raise UserError(f"lengths past the model's context of {context} need --rerotate_positions")
     one_shot_max = min(args.one_shot_max or context, context)  # a one-shot prefill cannot run past the context
+    if set(args.profile_lengths) - set(args.lengths):
+        raise UserError(f"--profile_lengths {' '.join(map(str, args.profile_lengths))}: each must be one of --lengths")
     source = {"device": device, "dtype": dtype, "random_weights": args.random_weights,
               "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
               "budget": args.budget,
               "rerotate_positions": args.rerotate_positions}
-    return [{**source, "strategy": strategy, "length": length, "chunk": chunk}
+    return [{**source, "strategy": strategy, "length": length, "chunk": chunk,
+             "profile": length in args.profile_lengths}
             for strategy in args.strategies for length in args.lengths for chunk in (0, args.chunk)
             if chunk or length <= one_shot_max]
 
@@ -212,6 +258,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(rows[-1]), file=sys.stderr)
     print(table(rows))
     print("\n".join(targets(rows, args.budget)))
+    if any(r["profile"] for r in rows):
+        print("\n" + profile_table(rows))
     print(f"load average after: {os.getloadavg()}", file=sys.stderr)
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "measure"}

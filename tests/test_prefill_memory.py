@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from benchmarks.prefill_memory import build_parser, context_length, plan, targets
+from benchmarks.prefill_memory import build_parser, context_length, plan, profile_table, targets
 from errors import UserError
+from eval.bench.profile import KIND_NAMES
 from tests.conftest import ROOT
 
 
@@ -30,6 +31,27 @@ def test_plan_runs_one_shot_only_where_it_fits():
     assert planned("--strategies", "tova", "--lengths", "16384", "--rerotate_positions") == [("tova", 16384, 256)]
     with pytest.raises(UserError, match="need --rerotate_positions"):
         planned("--lengths", "16384")
+
+
+def test_profiled_rows_are_those_of_the_profile_lengths():
+    specs = plan(build_parser().parse_args(["--lengths", "1024", "4096", "--profile_lengths", "4096"]), 8192, "cpu",
+                 "float32")
+    assert [(s["length"], s["chunk"]) for s in specs if s["profile"]] == [(4096, 0), (4096, 256)] * 2
+    with pytest.raises(UserError, match="--profile_lengths 2048: each must be one of --lengths"):
+        plan(build_parser().parse_args(["--lengths", "1024", "--profile_lengths", "2048"]), 8192, "cpu", "float32")
+
+
+def test_profile_table_lists_the_profiled_rows_by_kind():
+    kinds = dict.fromkeys(KIND_NAMES, 0.0) | {"attention": 30.0, "linear": 50.0}
+    profiled = {"timeline": "cpu ops", "profiled_ms": 90.0, "recorded_ms": 80.0, "ms_by_kind": kinds,
+                "top": [["aten::addmm", 50.0], ["aten::_scaled_dot_product_flash_attention_for_cpu", 30.0]]}
+    rows = [{"strategy": "s", "prompt_tokens": 96, "prefill_chunk": 32, "profile": profiled},
+            {"strategy": "s", "prompt_tokens": 48, "prefill_chunk": None, "profile": None}]
+    lines = profile_table(rows).splitlines()
+    assert len(lines) == 5 and lines[0].startswith("Where a prefill's time goes (torch.profiler, cpu ops")
+    assert lines[4].startswith("| s | 96 | chunks of 32 | 90.0 | 80.0 | 30.0 | 0.0 | 50.0 |")
+    assert lines[4].endswith("| aten::addmm (50.0); aten::_scaled_dot_product_flash_attention_for_cpu (30.0) |")
+    assert profile_table(rows[1:]) == ""
 
 
 def test_targets_compare_chunked_peaks_and_speeds():
@@ -53,12 +75,21 @@ def test_context_is_read_from_the_config_or_header():
 def test_a_small_run_end_to_end(tmp_path):
     out = tmp_path / "rows.json"
     command = [sys.executable, "-m", "benchmarks.prefill_memory", "--strategies", "recent_global", "--budget", "32",
-               "--chunk", "32", "--lengths", "96", "--out", str(out)]
+               "--chunk", "32", "--lengths", "48", "96", "--profile_lengths", "96", "--out", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["prompt_tokens"], r["prefill_chunk"], r["memory"]) for r in rows] == [(96, None, "RSS"), (96, 32, "RSS")]
+    assert [(r["prompt_tokens"], r["prefill_chunk"], r["memory"]) for r in rows] == [
+        (48, None, "RSS"), (48, 32, "RSS"), (96, None, "RSS"), (96, 32, "RSS")]
     assert all(r["peak_bytes"] >= r["before_bytes"] > 0 and r["prefill_tokens_per_second"] > 0 for r in rows)
+    # The 96-token rows profiled: the weights' products and attention both recorded, the kinds summing to the
+    # recorded total.
+    assert [r["profile"] is not None for r in rows] == [False, False, True, True]
+    for r in rows[2:]:
+        p = r["profile"]
+        assert p["ms_by_kind"]["linear"] > 0 and p["ms_by_kind"]["attention"] > 0
+        assert abs(sum(p["ms_by_kind"].values()) - p["recorded_ms"]) < 0.2 and p["profiled_ms"] > 0
+    assert "Where a prefill's time goes" in proc.stdout
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "--overwrite" in again.stderr
     assert json.loads(out.read_text())["rows"] == rows
