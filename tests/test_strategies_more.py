@@ -312,6 +312,40 @@ def test_qfilters_keeps_the_keys_with_the_largest_projection_on_the_prompts_quer
     assert assert_evicts_lowest(steps, score) > 0
 
 
+@pytest.mark.parametrize("gap", [None, 0.5, 0.999, "rank 1", "rank 3"])
+def test_top_eigenvectors_by_repeated_squaring_match_numpy(gap):
+    """The GPU's top eigenvector (repeated squaring, no eigensolver) against numpy's eigh, float64: batched
+    Gram matrices of queries with a dominant mean (as real queries have), without one, with λ₂/λ₁ set to 0.5 or
+    0.999, and rank-deficient ones; the same direction up to sign within 1e-9 (1e-6 at the 0.999 gap)."""
+    from strategies.qfilters import top_eigenvectors
+
+    rng = np.random.default_rng(0)
+    D = 64
+    if gap is None:  # queries: a mean direction plus noise, and isotropic ones
+        q = rng.standard_normal((2, 3, 500, D)) + np.array([3.0, 0.0])[:, None, None, None] * rng.standard_normal(D)
+        gram = q.transpose(0, 1, 3, 2) @ q
+    elif isinstance(gap, float):  # eigenvalues 1, gap, then ≤ 0.4·gap, in a random basis
+        basis = np.linalg.qr(rng.standard_normal((4, D, D)))[0]
+        values = np.concatenate([[1.0, gap], rng.uniform(0, 0.4 * gap, D - 2)])
+        gram = (basis * values) @ basis.transpose(0, 2, 1)
+    else:
+        rank = int(gap.split()[1])
+        x = rng.standard_normal((4, rank, D))
+        gram = x.transpose(0, 2, 1) @ x
+    got = top_eigenvectors(torch.tensor(gram)).numpy()
+    want = np.linalg.eigh(gram)[1][..., -1]
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-12)
+    tolerance = 1e-6 if gap == 0.999 else 1e-9
+    np.testing.assert_allclose(np.abs((got * want).sum(-1)), 1.0, atol=tolerance)
+
+
+def test_top_eigenvector_of_a_zero_matrix_is_a_unit_vector():
+    from strategies.qfilters import top_eigenvectors
+
+    u = top_eigenvectors(torch.zeros(2, 8, 8, dtype=torch.float64))
+    assert torch.equal(u, torch.eye(8, dtype=torch.float64)[0].expand(2, 8))
+
+
 def test_qfilters_reads_the_directions_of_a_calibration_file(tmp_path):
     gen = torch.Generator().manual_seed(1)
     filters = torch.nn.functional.normalize(torch.randn(2, 2, 16, generator=gen), dim=-1)
