@@ -27,6 +27,7 @@ def test_bench_quick_schema(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["read_bandwidth_gb_s"] > 0 and report["meta"]["weight_bytes"] > 0
+    assert report["meta"]["read_bandwidth_after_gb_s"] > 0
     assert report["meta"]["transparent_huge_pages"] in ("always", "madvise", "never", "absent")
     assert set(report["targets"]) == {"compiled_fraction_of_bound", "compiled_over_hf_generate",
                                       "compiled_over_hf_static_compiled", "max_eviction_overhead",

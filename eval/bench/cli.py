@@ -197,11 +197,17 @@ def run_rows(args: argparse.Namespace, argv: list[str], strategies: list[str], d
         print(plan_summary(plan), flush=True)
         started, partial = time.perf_counter(), out_dir / "bench.partial.jsonl"
         rows = measure_rows(args, plan, model, tokenizer, model_args, device, dtype, bandwidth, partial)
+        # Measured again after the rows: on a shared host the read rate moves by up to 2x between runs (and
+        # within one), and the fractions of the bound move with the probe they are divided by.
+        bandwidth_after = measure_read_bandwidth(device)
+        print(f"read bandwidth after the rows: {bandwidth_after / 1e9:.2f} GB/s (the fractions use the first)",
+              flush=True)
     fill_comparisons(rows)
     targets = summarize_targets(rows, args.speedup_budget, total_weight_bytes)
     table = "\n\n".join(filter(None, [format_table(rows), format_profiles(rows), format_targets(targets)]))
     print(table)
     meta = run_meta(args, argv, device, bandwidth, total_weight_bytes, started) | {
+        "read_bandwidth_after_gb_s": round(bandwidth_after / 1e9, 2),
         "processor": platform.processor() or platform.machine(),
         "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
         "inductor_freezing": freezing, "compile_scope": args.compile_scope}
