@@ -29,7 +29,8 @@ def test_bench_quick_schema(tmp_path):
     assert report["meta"]["read_bandwidth_gb_s"] > 0 and report["meta"]["weight_bytes"] > 0
     assert report["meta"]["read_bandwidth_after_gb_s"] > 0
     assert report["meta"]["transparent_huge_pages"] in ("always", "madvise", "never", "absent")
-    assert set(report["targets"]) == {"compiled_fraction_of_bound", "compiled_over_hf_generate",
+    assert set(report["targets"]) == {"compiled_fraction_of_bound", "compiled_fraction_of_bound_paired",
+                                      "compiled_over_hf_generate",
                                       "compiled_over_hf_static_compiled", "max_eviction_overhead",
                                       "speedup_of_predicted", "peak_memory_at_longest", "scored_prefill_of_full",
                                       "recompilations"}
@@ -136,7 +137,8 @@ def test_targets():
     rows = [row("hf generate", "full (DynamicCache)", 4096, 5.0, 50.0),
             row("hf generate, static cache compiled", "full (StaticCache)", 4096, 20.0, 50.0),
             row("ours compiled", "full", 4096, 16.0, 50.0, recompilations=0, recompile_check_steps=256,
-                kv_bytes_read_per_step=400 * mb, peak_device_memory_mb=1500.0, budget=1.0),
+                kv_bytes_read_per_step=400 * mb, peak_device_memory_mb=1500.0, budget=1.0,
+                fraction_of_bound_paired=0.72),
             row("ours compiled", "recent_global", 4096, 27.0, 60.0, recompilations=0, recompile_check_steps=256,
                 overhead_vs_same_size_full=0.02, peak_device_memory_mb=1050.0),
             row("ours compiled", "hybrid", 4096, 21.0, 60.0, recompilations=0, overhead_vs_same_size_full=0.3,
@@ -148,6 +150,7 @@ def test_targets():
     static = t["compiled_over_hf_static_compiled"]
     assert static["value"] == 0.8 and static["met"] is False
     assert t["compiled_fraction_of_bound"]["value"] == 0.32 and t["compiled_fraction_of_bound"]["met"] is False
+    assert t["compiled_fraction_of_bound_paired"]["value"] == 0.72 and t["compiled_fraction_of_bound_paired"]["met"]
     assert t["max_eviction_overhead"]["met"] is False  # hybrid's 30% counts
     assert t["speedup_of_predicted"]["met"] is True
     # limit: 1000 MB of weights + 0.15 x 400 MB of K/V = 1060 MB; recent_global peaked at 1050
@@ -156,6 +159,38 @@ def test_targets():
     assert t["scored_prefill_of_full"]["value"] == {"hybrid@4096": 0.4}
     assert t["scored_prefill_of_full"]["met"] is False
     assert t["recompilations"]["met"] is True
+
+
+def test_paired_fraction_pairs_each_block_with_the_probes_around_it(bundled, monkeypatch):
+    """Each block of decode steps is divided by the bound at the mean of the read rates probed just before and
+    just after it, and the row reports the median over the blocks. The probes and block times are set (the
+    decoding itself runs, on the bundled model's full cache), so the arithmetic is checked exactly."""
+    from cache_setup import attach_caches
+    from eval.bench import measure
+    from eval.bench.plan import cache_args
+    from generate import decode_one_token
+
+    model, tokenizer = bundled
+    ids, steps = list(range(100, 116)), 9
+    attach_caches(model, cache_args("full", 1.0), len(ids), steps, tokenizer)
+    rates = iter([1e9, 3e9, 1e9, 3e9, 5e9])  # before block 1, between the blocks, after block 4
+    block_seconds = iter([0.5, 0.01, 0.02, 0.01, 0.04])  # the warm-up step, then blocks 1-4 (per step)
+    real_block = measure._decode_block
+    blocks_run = []
+
+    def fixed_block(model, step, state, n, times):
+        real_block(model, step, state, n, [])
+        blocks_run.append(n)
+        times.extend([next(block_seconds)] * n)
+
+    monkeypatch.setattr(measure, "read_rate", lambda x, repeats=5: next(rates))
+    monkeypatch.setattr(measure, "_decode_block", fixed_block)
+    monkeypatch.setattr(measure, "probe_buffer", lambda device, megabytes=512: torch.ones(4))
+    got = measure.paired_fraction_of_bound(model, ids, decode_one_token, steps, weights=7 * 10**8, kv=10**8)
+    assert blocks_run == [1, 2, 2, 2, 2]  # 1 + 4 blocks of (9 - 1) // 4 steps fit the 9 new slots
+    # bound = rate / (8e8 bytes a step): blocks 1-3 between probes of 1e9 and 3e9 (2.5 tok/s), block 4 between
+    # 3e9 and 5e9 (5 tok/s); fractions 100/2.5, 50/2.5, 100/2.5, 25/5 = 40, 20, 40, 5: median 30
+    assert got == pytest.approx(30.0)
 
 
 def test_random_weight_shapes_are_the_real_models(bundled):

@@ -29,7 +29,8 @@ from weight_arena import pack_parameters
 FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "batch_size", "kv_memory_cap_gb", "cache_slots",
           "prefill_tokens_per_second",
           "decode_tokens_per_second", "ms_per_step", "median_ms_per_step", "compression_ratio", "cache_bytes",
-          "kv_bytes_read_per_step", "bound_tokens_per_second", "fraction_of_bound", "same_size_full_median_ms",
+          "kv_bytes_read_per_step", "bound_tokens_per_second", "fraction_of_bound", "fraction_of_bound_paired",
+          "same_size_full_median_ms",
           "overhead_vs_same_size_full", "speedup_vs_full", "bound_speedup_vs_full", "recompilations",
           "recompile_check_steps", "compile_seconds", "peak_rss_mb", "peak_device_memory_mb"]
 
@@ -58,20 +59,29 @@ RANDOM_SHAPES: dict[str, dict] = {
 def measure_read_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second of a streaming read (a sum over a buffer much larger than the caches and the
     device's last-level cache), best of n, on `device`."""
+    return read_rate(probe_buffer(device, megabytes), repeats)
+
+
+def probe_buffer(device: torch.device | str, megabytes: int = 512) -> torch.Tensor:
+    """The read probe's buffer: `megabytes` of float32 ones (at least 4 GB on a GPU), touched once."""
     device = torch.device(device)
     if device.type == "cuda":
         megabytes = max(megabytes, 4096)
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     x.sum()
+    return x
+
+
+def read_rate(x: torch.Tensor, repeats: int = 5) -> float:
+    """Bytes per second of summing `x` (a probe_buffer), best of `repeats`."""
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        synchronize(x.device)
         t = time.perf_counter()
         x.sum()
-        synchronize(device)
+        synchronize(x.device)
         best = min(best, time.perf_counter() - t)
-    del x
-    return megabytes * 2**20 / best
+    return x.numel() * x.element_size() / best
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -181,6 +191,35 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
             counters["stats"]["unique_graphs"] - graphs_before)
 
 
+# Blocks of decode steps in the paired bound measurement (paired_fraction_of_bound).
+BOUND_BLOCKS = 4
+
+
+def paired_fraction_of_bound(model, ids: list[int], step, steps: int, weights: int, kv: int,
+                             blocks: int = BOUND_BLOCKS) -> float:
+    """The fraction of the bandwidth bound with each block of decode steps paired with the read rate probed
+    just before and just after it (their mean), the median over `blocks` blocks: on a shared host the rate
+    moves by up to 2x within minutes, so one probe taken before the rows (`fraction_of_bound`) can be far
+    from the rate the steps had. The caches (full, `len(ids) + steps` slots) are prefilled again with `ids`;
+    one step, then `blocks` blocks of (steps - 1) // blocks steps."""
+    device = model.tok_embeddings.weight.device
+    state = {"caches": model.caches()}
+    buffer = probe_buffer(device)
+    with torch.inference_mode():
+        model.reset_caches()
+        state["token"] = prefill(model, torch.tensor([ids], device=device)).argmax(dim=-1, keepdim=True)
+        state["pos"] = torch.tensor([len(ids)], device=device)
+        _decode_block(model, step, state, 1, [])
+        rates, fractions = [read_rate(buffer)], []
+        for _ in range(blocks):
+            times: list[float] = []
+            _decode_block(model, step, state, max(1, (steps - 1) // blocks), times)
+            rates.append(read_rate(buffer))
+            fractions.append(1 / times[0] / bandwidth_bound((rates[-2] + rates[-1]) / 2, weights, kv))
+    del buffer
+    return statistics.median(fractions)
+
+
 def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget: float, compiled: bool,
                bandwidth: float, recompile_steps: int = 0, engine: str | None = None, pair_blocks: int = 0,
                reset: bool = True, full_caches: dict | None = None, keep_as_reference: bool = False,
@@ -225,6 +264,9 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
         full_caches[(compiled, slots)] = model.caches()
     bound = bandwidth_bound(bandwidth, weight_bytes(model), kv)
     tok_s = result.decode_steps / result.decode_seconds
+    paired = None
+    if compiled and strategy == "full" and pair_blocks == 0:  # the rows the bound targets read
+        paired = round(paired_fraction_of_bound(model, ids, step, new, weight_bytes(model), kv), 3)
     row = {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
            "budget": budget, "context": len(ids), "new_tokens": new, "batch_size": 1, "kv_memory_cap_gb": None,
            "cache_slots": slots,
@@ -233,7 +275,8 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
            "median_ms_per_step": round(1000 / tok_s, 3),
            "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
            "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
-           "fraction_of_bound": round(tok_s / bound, 3), "same_size_full_median_ms": ref_ms,
+           "fraction_of_bound": round(tok_s / bound, 3), "fraction_of_bound_paired": paired,
+           "same_size_full_median_ms": ref_ms,
            "overhead_vs_same_size_full": overhead, "speedup_vs_full": None, "bound_speedup_vs_full": None,
            "recompilations": recompilations, "recompile_check_steps": check_steps,
            "compile_seconds": round(result.compile_seconds, 1) if compiled else None, "peak_rss_mb": peak_rss_mb(),
