@@ -265,7 +265,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     bound = bandwidth_bound(bandwidth, weight_bytes(model), kv)
     tok_s = result.decode_steps / result.decode_seconds
     paired = None
-    if compiled and strategy == "full" and pair_blocks == 0:  # the rows the bound targets read
+    if compiled and strategy == "full" and pair_blocks == 0 and not keep_as_reference:  # the bound targets' rows
         paired = round(paired_fraction_of_bound(model, ids, step, new, weight_bytes(model), kv), 3)
     row = {"engine": engine or ("ours compiled" if compiled else "ours eager"), "strategy": strategy,
            "budget": budget, "context": len(ids), "new_tokens": new, "batch_size": 1, "kv_memory_cap_gb": None,
