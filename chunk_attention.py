@@ -2,12 +2,12 @@
 the tokens the cache holds and over the chunk itself, causally, as a one-shot prefill's queries would see
 them minus what was evicted.
 
-Two ways, the same result. When every row and KV head holds the same slots (a cache that keeps one set of
-tokens for all heads, past its first fill) and no sliding window applies, the held tokens all precede the
-chunk, so each query sees all of them and the chunk up to itself: causal attention aligned to the bottom
-right, which SDPA runs without a mask tensor (on CUDA its flash kernel; on the CPU one [T, L + T] mask shared
-by every head). Otherwise (head-specific caches, a pool, empty slots that differ between heads, a window) an
-additive mask per KV head, in blocks of queries."""
+Two ways, the same attention up to rounding. When every row and KV head holds a token in the same slots (a
+cache past its first fill; the tokens themselves may differ per head) and no sliding window applies, the held
+tokens all precede the chunk, so each query sees all of them and the chunk up to itself: causal attention
+aligned to the bottom right, which SDPA runs without a mask tensor (on CUDA its flash kernel; on the CPU one
+[T, L + T] mask shared by every head). Otherwise (empty slots that differ between heads or rows, a pool, a
+window) an additive mask per KV head, in blocks of queries."""
 
 from __future__ import annotations
 
