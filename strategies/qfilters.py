@@ -62,7 +62,8 @@ def principal_directions(gram: Tensor, total: Tensor) -> Tensor:
     gram = gram.double()
     # Off the CPU, no eigensolver: a GPU's solver runs the few D × D problems one small launch sequence at a
     # time (qfilters' uncalibrated 4k prefill read 0.11 of the full cache's on the H200 with it), and a solve
-    # on the host waits for the GPU and costs ~18 ms a layer at the 8B shape (8 heads of 128, one thread).
+    # on the host waits for the GPU and costs ~9 ms a layer at the 8B shape (8 heads of 128, one thread of an
+    # AMD EPYC; the squaring below takes 16 ms on that thread, so the CPU keeps LAPACK).
     u = torch.linalg.eigh(gram)[1][..., -1] if gram.device.type == "cpu" else top_eigenvectors(gram)
     u = u.float()
     sign = torch.where((total * u).sum(-1, keepdim=True) < 0, -1.0, 1.0)
