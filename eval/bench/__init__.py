@@ -5,7 +5,8 @@ compiled with the full cache, and ours compiled with each strategy at each budge
 Decode of one sequence is memory-bound: each step reads every weight and the cached K/V once. The
 machine's read bandwidth is measured in the same run, and each row is compared with the bound it
 implies: bandwidth / (weight bytes + K/V bytes read per step). The probe runs again after the rows (reported
-beside it, not used): on a shared host it can move by 2x within minutes.
+beside it, not used): on a shared host it can move by 2x within minutes. The compiled full rows also report
+`fraction_of_bound_paired`: blocks of their steps, each against the probes taken just before and after it.
 
 Each strategy row also measures its eviction overhead against a full cache of the same size (no eviction
 work; as many slots, so attention, weights and K/V reads are the same): both decode `--new_tokens` steps in
