@@ -17,7 +17,7 @@ with the budgets its own length resolves to (prefill them with generate.prefill_
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from torch import Tensor
@@ -41,8 +41,8 @@ from strategies.hybrid import token_classes
 from strategies.kvzip import set_repeat_prompt
 from tokenizer import Tokenizer
 
-__all__ = ["attach_caches", "attach_row_caches", "cache_config", "cache_specs", "check_budgets", "setup_caches",
-           "setup_row_caches"]
+__all__ = ["attach_caches", "attach_row_caches", "build_row_caches", "cache_config", "cache_specs", "check_budgets",
+           "setup_caches", "setup_row_caches"]
 
 
 def cache_config(flags: Sequence[str] | Mapping[str, object] | str | None = None,
@@ -116,6 +116,15 @@ def setup_row_caches(model: Transformer, row_specs: list[list[LayerCacheSpec]], 
     the tokens it will see, `capacities[b]`. A layer's cache has the largest row's slots and every row its
     own budget within them (KVCache.set_row_budgets), so a row behaves as it would alone. The rows' specs
     must agree on everything but the budget (one cache class and storage per layer)."""
+    model.setup_caches(build_row_caches(
+        row_specs, capacities, lambda specs, rows, capacity: _build(model, specs, rows, capacity, tokenizer, classes)))
+
+
+def build_row_caches(row_specs: list[list[LayerCacheSpec]], capacities: list[int],
+                     build: Callable[[list[LayerCacheSpec], int, int], list[KVCache]]) -> list[KVCache]:
+    """One cache per layer for rows of their own lengths (see setup_row_caches): `build(specs, rows, capacity)`
+    builds the widest row's caches, and each row gets its own budget within them. The transformers adapter
+    builds its batches here too."""
     if len(row_specs) != len(capacities) or not row_specs:
         raise ValueError(f"{len(row_specs)} rows of specs for {len(capacities)} capacities")
     widest = []
@@ -124,10 +133,10 @@ def setup_row_caches(model: Transformer, row_specs: list[list[LayerCacheSpec]], 
             raise UserError(f"layer {layer}: the rows' prompts resolve to different caches (strategy, storage or "
                             "layer policy); batch prompts whose lengths resolve alike, or decode them apart")
         widest.append(max(specs, key=lambda s: s.max_cache_length))
-    caches = _build(model, widest, len(capacities), max(capacities), tokenizer, classes)
+    caches = build(widest, len(capacities), max(capacities))
     for layer, cache in enumerate(caches):
         cache.set_row_budgets([specs[layer].max_cache_length for specs in row_specs], list(capacities))
-    model.setup_caches(caches)
+    return caches
 
 
 def _build(model: Transformer, specs: list[LayerCacheSpec], batch_size: int, capacity_needed: int,

@@ -20,11 +20,17 @@ keys after q/k norm and RoPE, then the attention function with the query):
 - the attention function: the prompt is causal SDPA (the sliding window where the layer has one), then
   `prefill`; a decode step is `model.grouped_attention` over the slots with their mask, and
   `update_state(probs [B, n_kv, rep, L])` for caches that need the probabilities: model.Attention's steps.
-- `get_seq_length` is the tokens seen (`KVCache.inserted`), not held: positions and RoPE continue past
-  evictions. `get_mask_sizes`: our function ignores transformers' masks (the slots carry their own), but
-  generate still builds one: the prompt's own keys (padding is detected from it and refused), then the slots.
-  `reset` is `KVCache.reset`. Beam search, batch expansion and crop are refused (the eviction state is per
-  sequence and not reorderable here yet).
+- a batch: `make_cache(..., prompt_length=[n_0, n_1, ...])` gives one row per prompt, each with the budgets
+  its own length gives (cache_setup.build_row_caches, as generate.py's batches). transformers pads a batch on
+  the left; the forward hook reads each row's length from the attention mask, and the prompt's attention
+  prefills row by row in its row context without the padding (`KVCache.row`, as generate.prefill_rows), so
+  each row is what it would be alone. Decode steps write each row at its own position (`inserted` per row,
+  which is what transformers' position ids from the mask say too).
+- `get_seq_length` is the positions fed (padding included, transformers' count), not the tokens held:
+  positions and RoPE continue past evictions. `get_mask_sizes`: our function ignores transformers' masks
+  (the slots carry their own), but generate still builds one: the prompt's own keys (each row's padding is
+  read from it), then the slots. `reset` is `KVCache.reset`. Beam search, batch expansion, selecting rows
+  and crop are refused (the eviction state is per sequence and not reorderable here yet).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 import torch
 from torch import Tensor
@@ -58,17 +65,21 @@ _LAYER_KEY = "kv_eviction_layer"  # the keyword through which `update` hands its
 # ---- building the caches (the one place that knows today's cache_spec functions) --------------------------
 
 
-def _build_layer_caches(flags: argparse.Namespace, model_args: ModelArgs, prompt_length: int, max_new_tokens: int,
-                        dtype: torch.dtype, device: torch.device,
+def _build_layer_caches(flags: argparse.Namespace, model_args: ModelArgs, prompt_lengths: list[int],
+                        max_new_tokens: int, dtype: torch.dtype, device: torch.device,
                         token_classes: dict[str, Tensor] | None = None) -> list[KVCache]:
-    """Flags -> one KVCache per layer, resolved as every entry point resolves them (cache_setup: the model's
-    layer policies, the budget checks), built for the transformers model rather than attached to ours."""
-    from cache_setup import cache_specs
+    """Flags -> one KVCache per layer with one row per prompt length, resolved as every entry point resolves
+    them (cache_setup: the model's layer policies, the budget checks; each row the budgets its own length
+    gives, as generate.py's batches), built for the transformers model rather than attached to ours."""
+    from cache_setup import build_row_caches, cache_specs
     from cache_spec import build_caches
 
-    specs = cache_specs(flags, model_args, prompt_length, max_new_tokens)
-    return build_caches(specs, 1, model_args.n_kv_head, model_args.head_dim, prompt_length + max_new_tokens, dtype,
-                        device, token_classes)
+    def build(specs: list, rows: int, capacity: int) -> list[KVCache]:
+        return build_caches(specs, rows, model_args.n_kv_head, model_args.head_dim, capacity, dtype, device,
+                            token_classes)
+
+    row_specs = [cache_specs(flags, model_args, n, max_new_tokens) for n in prompt_lengths]
+    return build_row_caches(row_specs, [n + max_new_tokens for n in prompt_lengths], build)
 
 
 def parse_cache_flags(flags: Sequence[str] | argparse.Namespace) -> argparse.Namespace:
@@ -149,46 +160,62 @@ def prepare_model(model: torch.nn.Module) -> ModelArgs:
 
 
 def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: checks the batch of a prompt and gives token ids to caches that read them
-    (hybrid's policies), before any layer runs, as model.Transformer.forward does."""
+    """Forward pre-hook, before any layer runs: checks the batch against the cache, reads each row's prompt
+    length from the attention mask (left padding), checks the rows' room, and gives token ids to caches that
+    read them (hybrid's policies), as model.Transformer.forward does."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, EvictionCache):
         return
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is not None and ids.shape[1] > 1:  # a prompt (static shapes under compile: decode never enters)
-        if ids.shape[0] != 1:
-            raise UserError(f"the eviction cache decodes one sequence at a time (batch 1), got a batch of "
-                            f"{ids.shape[0]}; loop over the prompts")
-        if _has_padding(kwargs.get("attention_mask")):
-            raise UserError("padded prompts are not supported by the eviction cache (batch 1, no padding)")
-    n = ids.shape[1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+    B, T = ids.shape[:2] if ids is not None else kwargs["inputs_embeds"].shape[:2]
+    if B != cache.batch_size:
+        raise UserError(f"the eviction cache was built for {cache.batch_size} sequence(s) (one per prompt length "
+                        f"given to make_cache), got {B}; beam search and num_return_sequences > 1 are not supported")
+    prompt = T > 1 and not cache.layers[0].prefilled  # static shapes under compile: decode never enters
+    if prompt:
+        cache.begin_prompt(_prompt_lengths(kwargs.get("attention_mask"), B, T))
+    elif T > 1 and (B > 1 or _prompt_lengths(kwargs.get("attention_mask"), B, T) != [T]):
+        raise UserError("a chunk after the prompt (the kvpress protocol's question) is supported for one "
+                        "unpadded sequence only; feed it row by row")
     if not torch.compiler.is_compiling():  # one host read per step in eager mode; a compiled step skips it
-        seen = int(cache.layers[0].seen())
-        if seen + n > cache.capacity:
-            raise UserError(f"the eviction cache was sized for {cache.prompt_length} prompt tokens + "
-                            f"{cache.capacity - cache.prompt_length} new ones ({cache.capacity} in all), and "
-                            f"{seen + n} were asked for; make_cache with the prompt length and max_new_tokens "
-                            "of this generate call (or cache.reset() before a new prompt)")
+        cache.check_room(cache.prompt_rows if prompt else [T] * B)
     if cache.needs_token_ids:
         if ids is None:
             raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")
         for layer in cache.layers:
-            if layer.cache.needs_token_ids:
+            if not layer.cache.needs_token_ids:
+                continue
+            if prompt and cache.prompt_rows != [T]:
+                layer.prompt_ids = ids  # each row's own, in its row context just before its prefill (attend)
+            else:
                 layer.cache.observe_tokens(ids)
 
 
-def _has_padding(mask: Tensor | dict | None) -> bool:
-    """Whether a prompt's attention mask hides some of its tokens: the 2D mask of a plain call, or the 4D masks
-    generate prepares (per layer type in a dict): a causal or sliding query always sees its own token, unless
-    that token is padding, so the diagonal says it (get_mask_sizes gives the prompt's keys from 0)."""
+def _prompt_lengths(mask: Tensor | dict | None, B: int, T: int) -> list[int]:
+    """Each row's tokens in a prompt of T positions, read from its attention mask: the 2D mask of a plain
+    call, or the 4D masks generate prepares (per layer type in a dict; a causal or sliding query always sees
+    its own token unless that token is padding, so the diagonal says it; get_mask_sizes gives the prompt's
+    keys from 0). Padding must come first (left padding, as decoder-only generation wants): a row's tokens
+    are its last n positions."""
     if isinstance(mask, dict):
-        return any(_has_padding(m) for m in mask.values())
+        mask = mask.get("full_attention", next(iter(mask.values()), None))
     if not isinstance(mask, Tensor):
-        return False  # None: transformers saw no padding (the causal kernel flag suffices)
+        return [T] * B  # None: transformers saw no padding (the causal kernel flag suffices)
     if mask.dim() == 2:
-        return not bool(mask.bool().all())
-    diagonal = mask.diagonal(dim1=-2, dim2=-1)
-    return not bool(diagonal.all()) if diagonal.dtype == torch.bool else bool((diagonal != 0).any())
+        real = mask[:, -T:].bool()
+    else:
+        diagonal = mask.diagonal(dim1=-2, dim2=-1)[..., -T:]  # [B, heads or 1, T]
+        real = (diagonal if diagonal.dtype == torch.bool else diagonal == 0).any(dim=1)
+    real = real.expand(B, T)
+    lengths = real.sum(dim=1)
+    positions = torch.arange(T, device=real.device)
+    left_padded = real == (positions >= T - lengths[:, None])
+    if not bool(left_padded.all()):
+        raise UserError("padding after or inside a prompt is not supported by the eviction cache: pad on the left "
+                        "(tokenizer.padding_side = 'left'), as decoder-only generation does")
+    if not bool((lengths > 0).all()):
+        raise UserError("a prompt of padding only (no token) cannot be prefilled")
+    return lengths.tolist()
 
 
 def eviction_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -231,6 +258,10 @@ class EvictionLayer(CacheLayerMixin):
         self.batch_size = cache.inserted.shape[0]
         self.device = cache.pos.device
         self._mask: Tensor | None = None
+        self.prompt_rows: list[int] = [1] * self.batch_size  # each row's prompt tokens, set by begin_prompt
+        self.prompt_ids: Tensor | None = None  # a padded or batched prompt's ids, for caches that read them
+        # Padding positions before each row's tokens (tokens fed per row = seen + padding, the same for every row).
+        self.padding = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         # Whether the prompt is in: a Python flag rather than a read of `seen`, so a compiled forward (transformers'
         # model.forward recipe) branches on a guard instead of breaking its graph on a host read.
         self.prefilled = False
@@ -239,16 +270,15 @@ class EvictionLayer(CacheLayerMixin):
         """Nothing to allocate: the KVCache was built with its buffers."""
 
     def seen(self) -> Tensor:
-        """Tokens this layer has seen, a 0-dim tensor (no host sync, as StaticLayer's cumulative_length). A copy:
-        a view of `inserted` would advance inside update_kv, and after_insert would read the next position."""
-        return self.cache.inserted[0, 0].clone()
+        """Tokens each row has seen, [B] (no host sync): the next token's position in its row. A copy: a view
+        of `inserted` would advance inside update_kv, and after_insert would read the next position."""
+        return self.cache.inserted[:, 0].clone()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: object,
                **kwargs: object) -> tuple[Tensor, Tensor]:
         if key_states.shape[0] != self.batch_size:
-            raise UserError(f"the eviction cache was built for batch {self.batch_size}, got {key_states.shape[0]} "
-                            "sequences (beam search and num_return_sequences > 1 are not supported; use one "
-                            "sequence per generate call)")
+            raise UserError(f"the eviction cache was built for {self.batch_size} sequence(s), got "
+                            f"{key_states.shape[0]} (beam search and num_return_sequences > 1 are not supported)")
         shared = kwargs.get("kwargs")
         if not isinstance(shared, dict):
             raise UserError("this model does not pass its attention keywords to the cache (transformers' own "
@@ -257,7 +287,7 @@ class EvictionLayer(CacheLayerMixin):
         T = key_states.shape[2]
         if T > 1:  # the prompt (or a chunk after it): the attention function stores it, with the queries
             return key_states, value_states
-        keys, values, self._mask = self.cache.update_kv(self.seen().view(1), key_states, value_states)
+        keys, values, self._mask = self.cache.update_kv(self.seen(), key_states, value_states)
         return keys, values
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -266,14 +296,19 @@ class EvictionLayer(CacheLayerMixin):
         if T > 1 and self.prefilled:  # a chunk after the prompt (KVCache.append, the kvpress question)
             return self._append(q, k, v)
         if T > 1:
-            input_pos = torch.arange(T, device=q.device)
-            if self.sliding_window and T > self.sliding_window:
-                window = sliding_causal_mask(T, self.sliding_window, q.device)
-                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
-            else:
-                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            cache.prefill(input_pos, k, v, q)
             self.prefilled = True
+            if self.prompt_rows == [T]:  # one unpadded row: no row context (a compiled prefill traces this)
+                return self._prefill(q, k, v)
+            # Each row alone in its row context, without its padding (as generate.prefill_rows): the padding's
+            # outputs are zeros, which no later position reads (every row's attention is over its own tokens).
+            y = torch.zeros_like(q)
+            for b, n in enumerate(self.prompt_rows):
+                with cache.row(b):
+                    if self.prompt_ids is not None:  # observed per row: a cache keeps the latest prompt's ids
+                        cache.observe_tokens(self.prompt_ids[b : b + 1, T - n :])
+                    y[b : b + 1, :, T - n :] = self._prefill(q[b : b + 1, :, T - n :], k[b : b + 1, :, T - n :],
+                                                             v[b : b + 1, :, T - n :])
+            self.prompt_ids = None
             return y
         B, H = q.shape[:2]
         mask = self._mask
@@ -284,9 +319,20 @@ class EvictionLayer(CacheLayerMixin):
             cache.update_state(probs.view(B, cache.n_kv_heads, -1, probs.shape[-1]))
         return y
 
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """One row's prompt: causal SDPA (the sliding window where the layer has one), then the cache stores it."""
+        T = q.shape[2]
+        if self.sliding_window and T > self.sliding_window:
+            window = sliding_causal_mask(T, self.sliding_window, q.device)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        self.cache.prefill(torch.arange(T, device=q.device), k, v, q)
+        return y
+
     def _append(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache, (B, H, T, _) = self.cache, q.shape
-        input_pos = torch.arange(T, device=q.device) + self.seen()
+        input_pos = torch.arange(T, device=q.device) + self.seen()[0]  # one row (the hook refuses more)
         k_all, v_all, mask = cache.append(input_pos, k, v)
         n_kv = cache.n_kv_heads
         pos = cache.pos.expand(B, n_kv, -1)
@@ -298,7 +344,8 @@ class EvictionLayer(CacheLayerMixin):
         return y
 
     def get_seq_length(self) -> Tensor:
-        return self.seen()
+        # Positions fed, padding included (transformers' count; each row's own tokens are `seen`).
+        return self.seen()[0] + self.padding[0]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Our attention ignores transformers' masks (the slots carry their own); generate still builds one from
@@ -311,6 +358,7 @@ class EvictionLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.cache.reset()
         self.prefilled = False
+        self.padding.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise UserError("beam search is not supported by the eviction cache (its per-token scores are per "
@@ -318,10 +366,10 @@ class EvictionLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
-            raise UserError("the eviction cache decodes one sequence: use num_beams=1 and num_return_sequences=1")
+            raise UserError("the eviction cache holds one row per prompt: use num_beams=1 and num_return_sequences=1")
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        raise UserError("the eviction cache cannot select sequences of a batch (batch 1 only)")
+        raise UserError("the eviction cache cannot select sequences of a batch (its rows are built together)")
 
     def crop(self, tokens_to_remove: int) -> None:
         raise UserError("the eviction cache cannot be cropped (evicted tokens are gone): assisted and "
@@ -331,7 +379,7 @@ class EvictionLayer(CacheLayerMixin):
 class EvictionCache(Cache):
     """A transformers Cache whose layer i is this project's KVCache for layer i (`kv_caches`)."""
 
-    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs, prompt_length: int) -> None:
+    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs, prompt_lengths: list[int]) -> None:
         if len(caches) != model_args.n_layer:
             raise ValueError(f"got {len(caches)} caches for {model_args.n_layer} layers")
         for i, cache in enumerate(caches):
@@ -344,8 +392,36 @@ class EvictionCache(Cache):
             if cache.needs_gates:
                 raise UserError(f"the {cache.name} cache needs this project's learned gates; use generate.py")
         super().__init__(layers=[EvictionLayer(c, model_args.layer_window(i)) for i, c in enumerate(caches)])
-        self.capacity = caches[0].capacity_needed  # prompt + new tokens the caches were built for
-        self.prompt_length = prompt_length
+        self.prompt_lengths = list(prompt_lengths)  # per row, as make_cache sized the rows
+        self.capacities = list(caches[0].row_capacities)  # per row: its prompt + the new tokens
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def prompt_rows(self) -> list[int]:
+        """Each row's tokens in the prompt being prefilled (its attention mask's, without padding)."""
+        return self.layers[0].prompt_rows
+
+    def begin_prompt(self, lengths: list[int]) -> None:
+        """A prompt comes whose row b has lengths[b] tokens after its padding (the forward hook reads them)."""
+        T = max(lengths)
+        padding = torch.tensor([T - n for n in lengths], dtype=torch.long)
+        for layer in self.layers:
+            layer.prompt_rows = list(lengths)
+            layer.padding.copy_(padding)
+
+    def check_room(self, new: list[int]) -> None:
+        """A UserError when row b's tokens so far plus new[b] pass what the row was sized for (one host read)."""
+        seen = self.layers[0].seen().tolist()
+        for b, (n, s, capacity) in enumerate(zip(new, seen, self.capacities, strict=True)):
+            if s + n > capacity:
+                row = f"row {b} of the eviction cache was" if self.batch_size > 1 else "the eviction cache was"
+                raise UserError(f"{row} sized for {self.prompt_lengths[b]} prompt tokens + "
+                                f"{capacity - self.prompt_lengths[b]} new ones ({capacity} in all), and {s + n} "
+                                "were asked for; make_cache with the prompt lengths and max_new_tokens of this "
+                                "generate call (or cache.reset() before a new prompt)")
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -358,27 +434,36 @@ class EvictionCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.layers[0].reorder_cache(beam_idx)
 
-    def statistics(self) -> dict:
-        """generate.py's cache statistics (docs/DESIGN.md §6), and the attention-loss curve of debug_ caches."""
-        stats = cache_statistics(self.kv_caches)
-        curve = attention_loss_curve(self.kv_caches)
+    def statistics(self, row: int | None = None) -> dict:
+        """generate.py's cache statistics (docs/DESIGN.md §6) of every row together, or of one `row` as if it
+        had been decoded alone (its row context), and the attention-loss curve of debug_ caches."""
+        with ExitStack() as stack:
+            for cache in self.kv_caches if row is not None else ():
+                stack.enter_context(cache.row(row))
+            stats = cache_statistics(self.kv_caches)
+            curve = attention_loss_curve(self.kv_caches)
         if curve:
             stats["attention_loss_cumulative_by_step"] = curve
         return stats
 
 
-def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace, prompt_length: int,
-               max_new_tokens: int, tokenizer: object | None = None,
+def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace,
+               prompt_length: int | Sequence[int], max_new_tokens: int, tokenizer: object | None = None,
                token_classes: dict[str, Tensor] | None = None) -> EvictionCache:
     """An EvictionCache for `model` from generate.py's cache flags (a list of words, or a parsed namespace),
     sized for `prompt_length` + `max_new_tokens` as generate.py sizes it; prepares the model (prepare_model).
+    A list of prompt lengths gives one row per prompt of a batch (left-padded, as transformers batches
+    decoder-only prompts), each row with the budgets its own length gives, as if decoded alone.
     `tokenizer` (this project's or a transformers one) or `token_classes` is needed by hybrid caches only."""
     flags = parse_cache_flags(flags)
     args = prepare_model(model)
+    lengths = [prompt_length] if isinstance(prompt_length, int) else list(prompt_length)
+    if not lengths or not all(isinstance(n, int) and n >= 1 for n in lengths):
+        raise UserError(f"prompt lengths must be whole numbers ≥ 1 (one per sequence), got {prompt_length!r}")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    if prompt_length + max_new_tokens > args.context_length:
-        raise UserError(f"the prompt ({prompt_length} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+    if max(lengths) + max_new_tokens > args.context_length:
+        raise UserError(f"the prompt ({max(lengths)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
                         f"model's context of {args.context_length} tokens")
     weight = next(model.parameters())
     if token_classes is None and tokenizer is not None:
@@ -386,9 +471,8 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
     if token_classes is None and _needs(flags, "needs_token_classes"):
         raise UserError("the hybrid cache needs the tokenizer's special and punctuation tokens: pass "
                         "make_cache(..., tokenizer=tokenizer) (or token_classes=)")
-    caches = _build_layer_caches(flags, args, prompt_length, max_new_tokens, weight.dtype, weight.device,
-                                 token_classes)
-    return EvictionCache(caches, args, prompt_length)
+    caches = _build_layer_caches(flags, args, lengths, max_new_tokens, weight.dtype, weight.device, token_classes)
+    return EvictionCache(caches, args, lengths)
 
 
 def tokenizer_classes(tokenizer: object, vocab_size: int) -> dict[str, Tensor]:

@@ -31,7 +31,14 @@ import calibrate_duo
 import calibrate_qfilters
 import generate
 import train_gates
-from benchmarks import adakv_allocation, gated_fidelity, kvpress_side_by_side, prefill_memory, streaming_past_context
+from benchmarks import (
+    adakv_allocation,
+    adapter_batching,
+    gated_fidelity,
+    kvpress_side_by_side,
+    prefill_memory,
+    streaming_past_context,
+)
 from cache import finite_float
 from cache_spec import strategy_settings
 from errors import run_cli
@@ -87,6 +94,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                lambda w: ["--out", str(w / "adakv.json")], (adakv_allocation,)),
     EntryPoint("python -m benchmarks.kvpress_side_by_side", kvpress_side_by_side.main,
                kvpress_side_by_side.build_parser, lambda w: ["--out", str(w / "sbs.json")], (kvpress_side_by_side,)),
+    EntryPoint("python -m benchmarks.adapter_batching", adapter_batching.main, adapter_batching.build_parser,
+               lambda w: ["--out", str(w / "adapter_batching.json")], (adapter_batching,)),
     EntryPoint("python -m benchmarks.prefill_memory", prefill_memory.main, prefill_memory.build_parser,
                lambda w: ["--out", str(w / "prefill_memory.json")], (prefill_memory,)),
 ]}

@@ -1,0 +1,130 @@
+"""Throughput of transformers' `generate` under this tool's caches: one left-padded batch against the same
+prompts one at a time.
+
+transformers' model of the bundled GGUF (float32, the CPU) decodes `--prompts` prompts of different lengths
+(pydoc text, `--min_tokens` tokens and up) under `make_cache` with one strategy, greedy, `--max_new_tokens`
+each (no EOS stop, so every row decodes the same number of tokens): once as one batch (one row per prompt,
+each with the budget its own length gives) and once prompt by prompt. The two alternate for `--rounds`
+rounds, the order flipping every round, in one process. Reported: wall seconds and generated tokens per
+second of each, their ratio, and whether every row's tokens equal the prompt's alone (they must: the
+batched cache prefills each row without its padding). Numbers are reported, never asserted.
+
+    OMP_NUM_THREADS=2 python -m benchmarks.adapter_batching --prompts 8 --max_new_tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from atomic_files import check_writable, write_json_atomic
+from checkpoint import bundled_checkpoint_path
+from errors import CliParser, UserError, run_cli
+from flag_types import count, real
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="python -m benchmarks.adapter_batching", description=__doc__.split("\n")[0],
+                       allow_abbrev=False)
+    parser.add_argument("--cache_strategy", default="heavy_hitter")
+    parser.add_argument("--max_cache_length", type=real(0, 1, low_open=True), default=0.25,
+                        help="each row's budget, a fraction of its prompt + new tokens")
+    parser.add_argument("--prompts", type=count(), default=8, help="rows of the batch")
+    parser.add_argument("--min_tokens", type=count(), default=96, help="the shortest prompt; each next is 16 longer")
+    parser.add_argument("--max_new_tokens", type=count(), default=32)
+    parser.add_argument("--rounds", type=count(), default=3, help="batched and one-by-one runs, alternating")
+    parser.add_argument("--out", default=None, help="JSON report")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def load_model():
+    """transformers' model and tokenizer of the bundled GGUF; a clear error without transformers."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise UserError(f"this benchmark needs transformers (pip install -r requirements-dev.txt): {e}") from None
+    path = bundled_checkpoint_path()
+    folder, name = str(path.parent), path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def prompts_of(tokenizer, n: int, shortest: int) -> list[list[int]]:
+    """n pydoc passages of shortest, shortest + 16, ... tokens."""
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text).input_ids
+    step = shortest + 16 * n
+    return [ids[i * step : i * step + shortest + 16 * i] for i in range(n)]
+
+
+def generate_rows(model, prompts: list[list[int]], cache, new: int) -> list[list[int]]:
+    """One generate call over the prompts, left-padded with the tokenizer's pad id 0 (masked)."""
+    T = max(map(len, prompts))
+    x = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for b, p in enumerate(prompts):
+        x[b, T - len(p) :], mask[b, T - len(p) :] = torch.tensor(p), 1
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[:, T:].tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.out:
+        check_writable(args.out, args.overwrite, "--out")
+    from transformers_adapter import make_cache, parse_cache_flags
+
+    flags = parse_cache_flags(["--cache_strategy", args.cache_strategy, "--max_cache_length",
+                               str(args.max_cache_length)])
+    model, tokenizer = load_model()
+    prompts = prompts_of(tokenizer, args.prompts, args.min_tokens)
+    new = args.max_new_tokens
+
+    def batched() -> tuple[float, list[list[int]]]:
+        cache = make_cache(model, flags, [len(p) for p in prompts], new, tokenizer=tokenizer)
+        t0 = time.perf_counter()
+        rows = generate_rows(model, prompts, cache, new)
+        return time.perf_counter() - t0, rows
+
+    def one_by_one() -> tuple[float, list[list[int]]]:
+        caches = [make_cache(model, flags, len(p), new, tokenizer=tokenizer) for p in prompts]
+        t0 = time.perf_counter()
+        rows = [generate_rows(model, [p], c, new)[0] for p, c in zip(prompts, caches, strict=True)]
+        return time.perf_counter() - t0, rows
+
+    generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), 2), 2)  # warm-up, not counted
+    rounds = []
+    for r in range(args.rounds):
+        first, second = (batched, one_by_one) if r % 2 == 0 else (one_by_one, batched)
+        (t_a, rows_a), (t_b, rows_b) = first(), second()
+        t_batch, t_single = (t_a, t_b) if first is batched else (t_b, t_a)
+        rounds.append({"batched_s": t_batch, "one_by_one_s": t_single, "same_tokens": rows_a == rows_b})
+        print(f"round {r}: batched {t_batch:.2f} s, one by one {t_single:.2f} s, "
+              f"speed-up {t_single / t_batch:.2f}x, same tokens {rows_a == rows_b}", flush=True)
+    tokens = len(prompts) * new
+    report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length,
+              "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
+              "threads": torch.get_num_threads(),
+              "batched_tok_s": tokens / statistics.median(r["batched_s"] for r in rounds),
+              "one_by_one_tok_s": tokens / statistics.median(r["one_by_one_s"] for r in rounds),
+              "median_speedup": statistics.median(r["one_by_one_s"] / r["batched_s"] for r in rounds),
+              "same_tokens": all(r["same_tokens"] for r in rounds), "rounds": rounds}
+    print(f"{args.cache_strategy} at {args.max_cache_length}, {len(prompts)} prompts of "
+          f"{min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens, {new} new each: batched "
+          f"{report['batched_tok_s']:.1f} tok/s, one by one {report['one_by_one_tok_s']:.1f} tok/s, median "
+          f"speed-up {report['median_speedup']:.2f}x, every row equal to its prompt alone: {report['same_tokens']}")
+    if args.out:
+        write_json_atomic(args.out, report, overwrite=args.overwrite)
+    return report
+
+
+if __name__ == "__main__":
+    run_cli(main)
