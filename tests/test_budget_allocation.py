@@ -26,8 +26,9 @@ from cache_spec import build_caches, format_cache_spec, resolve_cache_spec
 from errors import UserError, run_cli
 from eval.harness import kept_positions
 from generate import compile_decode_step, decode_one_token, prefill
-from model import apply_rope, grouped_attention
+from model import grouped_attention
 from prompt_compression import adaptive_prompt_tokens
+from rope import apply_rope
 from strategies import CACHE_STRATEGIES
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (

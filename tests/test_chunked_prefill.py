@@ -25,7 +25,7 @@ import generate
 from cache_setup import attach_caches, attach_row_caches, cache_config
 from errors import UserError, run_cli
 from generate import chunked_prefill, compile_decode_step, decode_one_token, prefill, prefill_rows
-from model import apply_rope
+from rope import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     CHUNK_REFUSED,

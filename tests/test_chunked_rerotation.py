@@ -24,7 +24,7 @@ from cache_setup import attach_caches, cache_config
 from errors import UserError, run_cli
 from gates import attach_random_gates
 from generate import chunked_prefill, decode_one_token, prefill
-from model import apply_rope
+from rope import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import CHUNKABLE, GLOBAL, MATRIX_FLAGS, RECENT, STORAGES, TOKEN_CLASSES, held_positions
 from tests.test_chunked_prefill import ATOL, RULE_FLAGS, naive_keep

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from model import ModelArgs, apply_rope, grouped_attention, rope_tables
+from model import ModelArgs, grouped_attention
+from rope import apply_rope, rope_tables
 
 LOGIT_ATOL = 1e-3  # float32 on both sides; measured max |Δlogit| ≈ 1e-4
 

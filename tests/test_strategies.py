@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from cache import KVCache
 from generate import compile_decode_step, decode_one_token, prefill
-from model import apply_rope
+from rope import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ALL,

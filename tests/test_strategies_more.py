@@ -16,7 +16,7 @@ import torch
 
 from errors import UserError
 from generate import decode_one_token
-from model import apply_rope
+from rope import apply_rope
 from strategies.kvzip import reconstruction_scores, set_repeat_prompt, supply_reconstruction_scores
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, token_ids

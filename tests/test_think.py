@@ -16,7 +16,7 @@ import torch
 from cache import cache_statistics
 from generate import compile_decode_step, decode_one_token
 from kv_storage import StorageSpec, make_storage
-from model import apply_rope
+from rope import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import ALL, PROMPT, STORAGES, attach, cache_args, held_positions, inner, run, token_ids
 from tests.test_batching import assert_rows_match

@@ -247,11 +247,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     kv = kv_bytes_read(model.caches())
     check_steps = recompilations = None
     if compiled:
-        if recompile_steps > 0:
-            prompt, steps = recompile_check_shape(slots, len(ids) + new, recompile_steps)
-            check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
-        # The graphs of the timed run itself (compiled in prepare) are not recompilations.
-        recompilations = counters["stats"]["unique_graphs"] - graphs_before - step.graphs_per_set(model)
+        check_steps, recompilations = recompile_check(model, ids, new, step, slots, recompile_steps, graphs_before)
     ref_ms = overhead = None
     if pair_blocks > 0:
         ref_caches = (full_caches or {}).get((compiled, slots))
@@ -284,6 +280,18 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
     if profile_steps:  # not a CSV column: bench.json and bench.md's profile table
         row["profile"] = profile_decode_steps(model, ids, step, profile_steps)
     return row
+
+
+def recompile_check(model, ids: list[int], new: int, step, slots: int, recompile_steps: int,
+                    graphs_before: int) -> tuple[int | None, int]:
+    """(decode steps of the check run, graphs compiled since `graphs_before`): with `recompile_steps`, that
+    many more steps on the same compiled step, the cache filling and then evicting. The graphs of the timed
+    run itself (compiled in prepare) are not recompilations."""
+    check_steps = None
+    if recompile_steps > 0:
+        prompt, steps = recompile_check_shape(slots, len(ids) + new, recompile_steps)
+        check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
+    return check_steps, counters["stats"]["unique_graphs"] - graphs_before - step.graphs_per_set(model)
 
 
 def load_hf_model(source: dict, dtype: torch.dtype, device: str):
