@@ -258,7 +258,7 @@ class EvictionLayer(CacheLayerMixin):
         self.batch_size = cache.inserted.shape[0]
         self.device = cache.pos.device
         self._mask: Tensor | None = None
-        self.prompt_rows: list[int] = [1] * self.batch_size  # each row's prompt tokens, set by begin_prompt
+        self.prompt_rows: list[int] | None = None  # each row's prompt tokens (begin_prompt); None: all unpadded
         self.prompt_ids: Tensor | None = None  # a padded or batched prompt's ids, for caches that read them
         # Padding positions before each row's tokens (tokens fed per row = seen + padding, the same for every row).
         self.padding = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
@@ -297,12 +297,13 @@ class EvictionLayer(CacheLayerMixin):
             return self._append(q, k, v)
         if T > 1:
             self.prefilled = True
-            if self.prompt_rows == [T]:  # one unpadded row: no row context (a compiled prefill traces this)
+            rows = self.prompt_rows or [T] * q.shape[0]
+            if rows == [T]:  # one unpadded row: no row context (a compiled prefill traces this)
                 return self._prefill(q, k, v)
             # Each row alone in its row context, without its padding (as generate.prefill_rows): the padding's
             # outputs are zeros, which no later position reads (every row's attention is over its own tokens).
             y = torch.zeros_like(q)
-            for b, n in enumerate(self.prompt_rows):
+            for b, n in enumerate(rows):
                 with cache.row(b):
                     if self.prompt_ids is not None:  # observed per row: a cache keeps the latest prompt's ids
                         cache.observe_tokens(self.prompt_ids[b : b + 1, T - n :])
