@@ -2,8 +2,9 @@
 and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for step, in float32, and so do
 the other axes of the registry matrices (adakv's pooled budgets, --rerotate_positions past the model's
 context, --prefill_chunk); batched rows as a CUDA graph give the CPU's logits; the compiled step does not
-recompile over 256 steps; and logits match transformers on CUDA for small random models built with
-transformers' own classes."""
+recompile over 256 steps; logits match transformers on CUDA for small random models built with
+transformers' own classes; and a left-padded batch through transformers' generate and the adapter keeps the
+CPU's tokens and positions."""
 
 from __future__ import annotations
 
@@ -185,3 +186,32 @@ def test_logits_match_transformers_on_cuda(tmp_path, arch):
     got = torch.stack(rows)  # positions 15 .. 47
     assert (got - reference).abs().max().item() < LOGIT_ATOL
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+def adapter_batch_run(hf, strategy: str, device: str) -> tuple[list, list]:
+    """A left-padded batch of three prompts through transformers' generate on `device` with the adapter's cache:
+    (each row's greedy tokens, each row's kept positions per layer and KV head)."""
+    import transformers_adapter as ta
+    from tests.test_transformers_adapter import BATCH_LENGTHS, cache_flags, distinct_prompt, hf_generate_batch
+
+    hf = hf.to(device)
+    prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
+    cache = ta.make_cache(hf, cache_flags(strategy), BATCH_LENGTHS, 8)
+    tokens, _ = hf_generate_batch(hf, prompts, cache)
+    kept = []
+    for b in range(len(prompts)):
+        for c in cache.kv_caches:
+            with c.row(b):
+                kept.append(held_positions(c))
+    return tokens, kept
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "debug_keydiff"])
+def test_adapter_padded_batch_keeps_what_the_cpu_keeps(tmp_path, strategy):
+    pytest.importorskip("transformers")
+    from tests.arch_helpers import save_tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = save_tiny_model("llama", tmp_path)
+    cpu = adapter_batch_run(hf, strategy, "cpu")
+    assert adapter_batch_run(hf, strategy, "cuda") == cpu
