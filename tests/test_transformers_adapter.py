@@ -401,3 +401,29 @@ def test_more_tokens_than_the_cache_was_built_for_is_refused(arch_models):
     with pytest.raises(UserError, match="sized for 24 prompt tokens \\+ 4 new ones"):
         hf.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=8, do_sample=False,
                     eos_token_id=None, pad_token_id=0)
+
+
+# ---- the README's examples, read from the README ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_readme_examples_run_and_the_batch_row_equals_the_prompt_alone(capsys):
+    """The two code blocks of the README's "Use from transformers", executed as written (the bundled model
+    through transformers' GGUF loader): the single prompt answers with text, and the batch's row 1, the same
+    prompt left-padded beside a longer one, gives the same tokens."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### Use from transformers", 1)[1].split("\n## ", 1)[0]
+    single, batch = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    namespace: dict = {}
+    exec(compile(single, "README.md (transformers, one prompt)", "exec"), namespace)
+    alone, prompt_length = namespace["out"][0, namespace["ids"].shape[1]:], namespace["ids"].shape[1]
+    exec(compile(batch, "README.md (transformers, a batch)", "exec"), namespace)
+    rows = namespace["out"][:, namespace["batch"]["input_ids"].shape[1]:]
+    mask = namespace["batch"]["attention_mask"]
+    assert prompt_length == int(mask[1].sum()) < mask.shape[1]  # row 1 is the prompt alone, padded
+    assert alone.numel() > 1 and torch.equal(rows[1, : alone.numel()], alone)
+    printed = capsys.readouterr().out
+    assert "KV cache" in printed and "compression_ratio" in printed
