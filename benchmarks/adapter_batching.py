@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [generate_rows(model, [p], c, new)[0] for p, c in zip(prompts, caches, strict=True)]
         return time.perf_counter() - t0, rows
 
-    generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), 2), 2)  # warm-up, not counted
+    generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), new), 2)  # warm-up, not counted
     rounds = []
     for r in range(args.rounds):
         first, second = (batched, one_by_one) if r % 2 == 0 else (one_by_one, batched)

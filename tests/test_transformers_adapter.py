@@ -427,3 +427,17 @@ def test_the_readme_examples_run_and_the_batch_row_equals_the_prompt_alone(capsy
     assert alone.numel() > 1 and torch.equal(rows[1, : alone.numel()], alone)
     printed = capsys.readouterr().out
     assert "KV cache" in printed and "compression_ratio" in printed
+
+
+@pytest.mark.slow
+def test_the_adapter_batching_benchmark_reports_rows_equal_alone(tmp_path):
+    """benchmarks.adapter_batching end to end, tiny: its report's fields, and every batched row's tokens equal
+    to its prompt's alone (the benchmark compares them itself)."""
+    from benchmarks import adapter_batching
+
+    out = tmp_path / "adapter_batching.json"
+    report = adapter_batching.main(["--prompts", "3", "--min_tokens", "64", "--max_new_tokens", "4", "--rounds", "2",
+                                    "--out", str(out)])
+    assert report["prompt_tokens"] == [64, 80, 96] and report["same_tokens"] is True
+    assert len(report["rounds"]) == 2 and report["batched_tok_s"] > 0 and report["one_by_one_tok_s"] > 0
+    assert out.is_file()
