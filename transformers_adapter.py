@@ -39,6 +39,7 @@ import argparse
 import math
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -54,6 +55,7 @@ except ImportError as e:  # transformers is optional for the tool: only this mod
     raise ImportError("transformers_adapter needs Hugging Face transformers (pip install transformers)") from e
 
 from cache import KVCache, cache_statistics
+from chunk_attention import chunk_attention
 from model import ModelArgs, follows_window, grouped_attention, sliding_causal_mask
 from strategies.debug import attention_loss_curve
 
@@ -172,11 +174,27 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         raise UserError(f"the eviction cache was built for {cache.batch_size} sequence(s) (one per prompt length "
                         f"given to make_cache), got {B}; beam search and num_return_sequences > 1 are not supported")
     prompt = T > 1 and not cache.layers[0].prefilled  # static shapes under compile: decode never enters
+    if T > 1 and cache.prefill_chunk and (torch.compiler.is_compiling() or
+                                          hasattr(module.forward, "_torchdynamo_orig_callable")):
+        # A chunk's prefill and re-prefill read the cache's counts on the host (cache_chunking.py): not traceable.
+        # Under compile_config this hook is traced too; with `model.forward = torch.compile(...)` it runs eager.
+        raise UserError("a chunked prefill (--prefill_chunk) runs eager: transformers compiles the prompt's chunks "
+                        "under compile_config or a compiled forward; compile without chunks, or drop --prefill_chunk")
     if prompt:
         cache.begin_prompt(_prompt_lengths(kwargs.get("attention_mask"), B, T))
     elif T > 1 and (B > 1 or _prompt_lengths(kwargs.get("attention_mask"), B, T) != [T]):
-        raise UserError("a chunk after the prompt (the kvpress protocol's question) is supported for one "
-                        "unpadded sequence only; feed it row by row")
+        what = "a later prompt chunk" if cache.chunking else "a chunk after the prompt (the kvpress question)"
+        raise UserError(f"{what} is supported for one unpadded sequence only; feed it row by row")
+    elif T > 1 and cache.chunking:
+        cache.next_chunk(T)
+    elif T > 1 and not torch.compiler.is_compiling():  # the kvpress question: into empty slots, evicting nothing
+        room = min(layer.cache.room() for layer in cache.layers)
+        if room < T:
+            raise UserError(f"a chunk of {T} tokens after the prompt goes into empty slots, and a layer has room "
+                            f"for {room}; a prompt fed in chunks (transformers' prefill_chunk_size) needs a cache "
+                            "made with --prefill_chunk of that size")
+    elif T == 1 and cache.chunking:  # the first decode step (or a last chunk of one token, which is one)
+        cache.end_chunks()
     if not torch.compiler.is_compiling():  # one host read per step in eager mode; a compiled step skips it
         cache.check_room(cache.prompt_rows if prompt else [T] * B)
     if cache.needs_token_ids:
@@ -265,6 +283,7 @@ class EvictionLayer(CacheLayerMixin):
         # Whether the prompt is in: a Python flag rather than a read of `seen`, so a compiled forward (transformers'
         # model.forward recipe) branches on a guard instead of breaking its graph on a host read.
         self.prefilled = False
+        self.chunking = False  # a prompt fed in chunks (--prefill_chunk) until the first decode step
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Nothing to allocate: the KVCache was built with its buffers."""
@@ -293,8 +312,8 @@ class EvictionLayer(CacheLayerMixin):
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """model.Attention's three paths over this layer's cache; q, k, v as the model made them (after RoPE)."""
         cache, T = self.cache, q.shape[2]
-        if T > 1 and self.prefilled:  # a chunk after the prompt (KVCache.append, the kvpress question)
-            return self._append(q, k, v)
+        if T > 1 and self.prefilled:  # a later prompt chunk, or a chunk after the prompt (the kvpress question)
+            return self._later_chunk(q, k, v) if self.chunking else self._append(q, k, v)
         if T > 1:
             self.prefilled = True
             rows = self.prompt_rows or [T] * q.shape[0]
@@ -328,7 +347,22 @@ class EvictionLayer(CacheLayerMixin):
             y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
         else:
             y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        self.cache.prefill(torch.arange(T, device=q.device), k, v, q)
+        if self.chunking:  # the first chunk: a prefill that keeps the queries the next chunk's re-prefill needs
+            self.cache.prefill_chunk_tokens(torch.arange(T, device=q.device), k, v, q)
+        else:
+            self.cache.prefill(torch.arange(T, device=q.device), k, v, q)
+        return y
+
+    def _later_chunk(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """A later chunk of a chunked prefill, as model.Attention.forward_chunk: its queries attend over the held
+        tokens and the chunk causally, then the cache re-prefills held + chunk (cache_chunking.py)."""
+        cache, T = self.cache, q.shape[2]
+        input_pos = torch.arange(T, device=q.device) + self.seen()[0]
+        held, held_v = cache.keys(), cache.values()
+        if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
+            held, held_v = (t.expand(-1, k.shape[1], -1, -1) for t in (held, held_v))
+        y = chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
+        cache.prefill_chunk_tokens(input_pos, k, v, q)
         return y
 
     def _append(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -358,7 +392,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.cache.reset()
-        self.prefilled = False
+        self.prefilled = self.chunking = False
         self.padding.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -380,7 +414,8 @@ class EvictionLayer(CacheLayerMixin):
 class EvictionCache(Cache):
     """A transformers Cache whose layer i is this project's KVCache for layer i (`kv_caches`)."""
 
-    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs, prompt_lengths: list[int]) -> None:
+    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs, prompt_lengths: list[int],
+                 prefill_chunk: int = 0) -> None:
         if len(caches) != model_args.n_layer:
             raise ValueError(f"got {len(caches)} caches for {model_args.n_layer} layers")
         for i, cache in enumerate(caches):
@@ -395,6 +430,8 @@ class EvictionCache(Cache):
         super().__init__(layers=[EvictionLayer(c, model_args.layer_window(i)) for i, c in enumerate(caches)])
         self.prompt_lengths = list(prompt_lengths)  # per row, as make_cache sized the rows
         self.capacities = list(caches[0].row_capacities)  # per row: its prompt + the new tokens
+        self.prefill_chunk = prefill_chunk  # --prefill_chunk: the prompt comes this many tokens at a time (0: at once)
+        self.short_chunk = False  # a chunk shorter than prefill_chunk came: it must be the last
 
     @property
     def batch_size(self) -> int:
@@ -405,13 +442,42 @@ class EvictionCache(Cache):
         """Each row's tokens in the prompt being prefilled (its attention mask's, without padding)."""
         return self.layers[0].prompt_rows
 
+    @property
+    def chunking(self) -> bool:
+        return self.layers[0].chunking
+
     def begin_prompt(self, lengths: list[int]) -> None:
-        """A prompt comes whose row b has lengths[b] tokens after its padding (the forward hook reads them)."""
+        """A prompt comes whose row b has lengths[b] tokens after its padding (the forward hook reads them); with
+        --prefill_chunk N, its first chunk."""
         T = max(lengths)
+        if self.prefill_chunk:
+            if lengths != [T]:
+                raise UserError("a chunked prefill (--prefill_chunk) through transformers takes one unpadded "
+                                "sequence; generate the prompts one at a time, or drop --prefill_chunk")
+            self.short_chunk = False
+            self.next_chunk(T)
+            for layer in self.layers:
+                layer.chunking = True
         padding = torch.tensor([T - n for n in lengths], dtype=torch.long)
         for layer in self.layers:
             layer.prompt_rows = list(lengths)
             layer.padding.copy_(padding)
+
+    def next_chunk(self, T: int) -> None:
+        """A chunk of T tokens of a chunked prefill: --prefill_chunk tokens, the last one maybe fewer."""
+        N = self.prefill_chunk
+        if T > N or self.short_chunk:
+            raise UserError(f"the cache was configured with --prefill_chunk {N} and got "
+                            f"{'a chunk after a shorter one' if T <= N else f'{T} prompt tokens at once'}: pass "
+                            f"prefill_chunk_size={N} to generate, so the prompt comes {N} tokens at a time")
+        self.short_chunk = T < N
+
+    def end_chunks(self) -> None:
+        """The chunked prompt is in (the first decode step comes): the held tokens' queries are dropped."""
+        for layer in self.layers:
+            layer.cache.end_chunked_prefill()
+            layer.chunking = False
+        self.short_chunk = False
 
     def check_room(self, new: list[int]) -> None:
         """A UserError when row b's tokens so far plus new[b] pass what the row was sized for (one host read)."""
@@ -473,7 +539,24 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
         raise UserError("the hybrid cache needs the tokenizer's special and punctuation tokens: pass "
                         "make_cache(..., tokenizer=tokenizer) (or token_classes=)")
     caches = _build_layer_caches(flags, args, lengths, max_new_tokens, weight.dtype, weight.device, token_classes)
-    return EvictionCache(caches, args, lengths)
+    # --prefill_chunk as typed: a layer whose cache a model policy replaced (a sliding window's) carries none, yet
+    # takes the prompt's chunks like every layer (its window keeps the same tokens either way).
+    return EvictionCache(caches, args, lengths, flags.prefill_chunk or 0)
+
+
+def load_gguf_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
+    """transformers' model (eval mode) and tokenizer of a GGUF file, the bundled SmolLM2 by default: what the
+    benchmarks run through the adapter beside this project's own model of the same file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from checkpoint import bundled_checkpoint_path
+
+    file = bundled_checkpoint_path() if path is None else Path(path)
+    if file.suffix != ".gguf" or not file.is_file():
+        raise UserError(f"{file}: not a GGUF file")
+    folder, name = str(file.parent), file.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def tokenizer_classes(tokenizer: object, vocab_size: int) -> dict[str, Tensor]:

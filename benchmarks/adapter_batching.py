@@ -21,7 +21,6 @@ import time
 import torch
 
 from atomic_files import check_writable, write_json_atomic
-from checkpoint import bundled_checkpoint_path
 from errors import CliParser, UserError, run_cli
 from flag_types import count, real
 
@@ -44,13 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model():
     """transformers' model and tokenizer of the bundled GGUF; a clear error without transformers."""
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers_adapter import load_gguf_model
     except ImportError as e:
         raise UserError(f"this benchmark needs transformers (pip install -r requirements-dev.txt): {e}") from None
-    path = bundled_checkpoint_path()
-    folder, name = str(path.parent), path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return load_gguf_model()
 
 
 def prompts_of(tokenizer, n: int, shortest: int) -> list[list[int]]:

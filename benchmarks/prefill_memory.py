@@ -46,6 +46,7 @@ from flag_types import count
 from generate import prefill
 
 ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("ours", "transformers")
 
 
 def _status_kb(field: str) -> int:
@@ -77,15 +78,22 @@ class PeakMemory:
         return _status_kb("VmHWM") * 1024
 
 
-def measure(spec: dict) -> dict:
-    """In this (fresh) process: the peak memory and speed of one prefill of spec["length"] tokens."""
-    torch.manual_seed(0)
-    model, tokenizer = load_model(argparse.Namespace(**spec), spec["device"], getattr(torch, spec["dtype"]))
+def cache_flags(spec: dict) -> list[str]:
     flags = ["--cache_strategy", spec["strategy"], "--max_cache_length", str(spec["budget"])]
     if spec["chunk"]:
         flags += ["--prefill_chunk", str(spec["chunk"])]
     if spec["rerotate_positions"]:
         flags += ["--rerotate_positions"]
+    return flags
+
+
+def measure(spec: dict) -> dict:
+    """In this (fresh) process: the peak memory and speed of one prefill of spec["length"] tokens."""
+    torch.manual_seed(0)
+    if spec.get("engine") == "transformers":
+        return measure_transformers(spec)
+    model, tokenizer = load_model(argparse.Namespace(**spec), spec["device"], getattr(torch, spec["dtype"]))
+    flags = cache_flags(spec)
     length, device = spec["length"], spec["device"]
     attach_caches(model, cache_config(flags), length, 1, tokenizer)
     ids = torch.randint(0, model.args.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
@@ -101,15 +109,48 @@ def measure(spec: dict) -> dict:
         peak = memory.peak()  # synchronizes a GPU before the clock stops
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         profiled = profile_prefill(model, ids) if spec.get("profile") else None
+    return measured_row(spec, model.args.context_length, memory, before, peak, seconds, cpu_seconds, profiled)
+
+
+def measured_row(spec: dict, context: int, memory: PeakMemory, before: int, peak: int, seconds: float,
+                 cpu_seconds: float, profiled: dict | None = None) -> dict:
+    length = spec["length"]
     return {"strategy": spec["strategy"], "prompt_tokens": length, "budget": spec["budget"],
             "prefill_chunk": spec["chunk"] or None, "rerotate_positions": spec["rerotate_positions"],
-            "context_length": model.args.context_length, "device": device,
+            "engine": spec.get("engine", "ours"), "context_length": context, "device": spec["device"],
             "memory": "CUDA allocated" if memory.cuda else "RSS",
             "before_bytes": before, "peak_bytes": peak, "prefill_added_bytes": peak - before,
             "prefill_seconds": round(seconds, 3), "prefill_tokens_per_second": round(length / seconds, 1),
             # CPU time of this process: on a shared machine less disturbed by other processes than wall time
             "prefill_cpu_seconds": round(cpu_seconds, 3),
             "prefill_tokens_per_cpu_second": round(length / cpu_seconds, 1), "profile": profiled}
+
+
+def measure_transformers(spec: dict) -> dict:
+    """`measure` through transformers' `generate` (the GGUF's transformers model and transformers_adapter's cache,
+    one new token): its own chunked prefill (`prefill_chunk_size`) feeds the chunks to --prefill_chunk caches."""
+    from transformers_adapter import load_gguf_model, make_cache
+
+    model, tokenizer = load_gguf_model(spec["checkpoint_path"], getattr(torch, spec["dtype"]))
+    model = model.to(spec["device"])
+    length, flags = spec["length"], cache_flags(spec)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(spec["device"])
+    memory = PeakMemory(spec["device"])
+
+    def prefill_of(n: int, cache) -> None:
+        model.generate(ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]), cache=cache, max_new_tokens=1,
+                       do_sample=False, eos_token_id=None, pad_token_id=0, prefill_chunk_size=spec["chunk"] or None)
+
+    with torch.inference_mode():
+        prefill_of(64, make_cache(model, flags, 64, 1, tokenizer=tokenizer))  # warm-up, outside the measurement
+        cache = make_cache(model, flags, length, 1, tokenizer=tokenizer)
+        before = memory.reset()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        prefill_of(length, cache)
+        peak = memory.peak()
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return measured_row(spec, model.config.max_position_embeddings, memory, before, peak, seconds, cpu_seconds)
 
 
 def profile_prefill(model, ids: torch.Tensor) -> dict:
@@ -142,6 +183,22 @@ def run_fresh(spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check_transformers_engine(args: argparse.Namespace) -> None:
+    """What `--engine transformers` cannot measure, refused before anything runs."""
+    for flag, given in [("--random_weights", args.random_weights), ("--rerotate_positions", args.rerotate_positions),
+                        ("--profile_lengths", args.profile_lengths)]:
+        if given:
+            raise UserError(f"{flag} is not measured with --engine transformers (it loads a GGUF file through "
+                            "transformers; the adapter has no re-rotation; the profile is of our prefill)")
+    if args.checkpoint_path is not None and not str(args.checkpoint_path).endswith(".gguf"):
+        raise UserError(f"--engine transformers loads a GGUF file, not {args.checkpoint_path}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"--engine transformers needs transformers (pip install -r requirements-dev.txt): {e}") \
+            from None
+
+
 def context_length(args: argparse.Namespace) -> int:
     """The model's context, read from its config or header (no weights loaded)."""
     if args.random_weights:
@@ -156,6 +213,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one shot"
         how += ", re-rotated" if r.get("rerotate_positions") else ""
+        how += ", transformers' generate" if r.get("engine") == "transformers" else ""
         how += " (past the context)" if r["prompt_tokens"] > r.get("context_length", r["prompt_tokens"]) else ""
         lines.append(f"| {r['strategy']} | {r['prompt_tokens']} | {r['prompt_tokens'] / r['budget']:g} | {how} | "
                      f"{r['peak_bytes'] / mib:.0f} | {r['prefill_added_bytes'] / mib:.0f} | "
@@ -214,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
                    help="random weights with a real model's shapes, built on the device (memory and speed "
                         "depend on the shapes only)")
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0],
+                   help="ours: this project's model and generate.prefill; transformers: transformers' model of the "
+                        "GGUF and generate (its prefill_chunk_size) with transformers_adapter's caches")
     p.add_argument("--profile_lengths", nargs="+", type=count(), default=[],
                    help="prefill the rows of these lengths once more under torch.profiler (time by kind of work)")
     p.add_argument("--out", default=None, help="also write the rows here (JSON)")
@@ -229,7 +290,7 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
     one_shot_max = min(args.one_shot_max or context, context)  # a one-shot prefill cannot run past the context
     if set(args.profile_lengths) - set(args.lengths):
         raise UserError(f"--profile_lengths {' '.join(map(str, args.profile_lengths))}: each must be one of --lengths")
-    source = {"device": device, "dtype": dtype, "random_weights": args.random_weights,
+    source = {"device": device, "dtype": dtype, "random_weights": args.random_weights, "engine": args.engine,
               "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
               "budget": args.budget,
               "rerotate_positions": args.rerotate_positions}
@@ -245,6 +306,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(measure(json.loads(args.measure))))
         return []
     check_model_source(args)
+    if args.engine == "transformers":
+        check_transformers_engine(args)
     device = resolve_device(args.device)
     dtype = str(parse_dtype(args.dtype, device)).removeprefix("torch.")
     if args.out:

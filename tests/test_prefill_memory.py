@@ -93,3 +93,33 @@ def test_a_small_run_end_to_end(tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "--overwrite" in again.stderr
     assert json.loads(out.read_text())["rows"] == rows
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--random_weights", "llama-3.2-1b"], "--random_weights is not measured with --engine transformers"),
+    (["--rerotate_positions"], "--rerotate_positions is not measured"),
+    (["--profile_lengths", "1024"], "--profile_lengths is not measured"),
+    (["--checkpoint_path", "some/dir"], "loads a GGUF file, not some/dir"),
+])
+def test_the_transformers_engine_refuses_what_it_cannot_measure(argv, message, tmp_path):
+    from benchmarks.prefill_memory import main
+
+    with pytest.raises(UserError, match=message):
+        main(["--engine", "transformers", "--lengths", "1024", "--out", str(tmp_path / "rows.json"), *argv])
+    assert not (tmp_path / "rows.json").exists()
+
+
+@pytest.mark.slow
+def test_a_small_run_through_transformers_end_to_end(tmp_path):
+    """--engine transformers: transformers' generate with the adapter's caches, its own prefill_chunk_size
+    feeding the chunks; one row per configuration, in fresh processes."""
+    out = tmp_path / "rows.json"
+    command = [sys.executable, "-m", "benchmarks.prefill_memory", "--engine", "transformers", "--strategies",
+               "heavy_hitter", "--budget", "32", "--chunk", "32", "--lengths", "48", "96", "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["prompt_tokens"], r["prefill_chunk"], r["engine"]) for r in rows] == [
+        (48, None, "transformers"), (48, 32, "transformers"), (96, None, "transformers"), (96, 32, "transformers")]
+    assert all(r["peak_bytes"] >= r["before_bytes"] > 0 and r["prefill_tokens_per_second"] > 0 for r in rows)
+    assert "chunks of 32, transformers' generate" in proc.stdout

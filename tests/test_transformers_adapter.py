@@ -21,7 +21,7 @@ from errors import UserError
 from generate import generate
 from strategies import CACHE_STRATEGIES
 from strategies.debug import attention_loss_curve
-from tests.strategy_matrix import ALL, STORAGES, held_positions
+from tests.strategy_matrix import ALL, CHUNKABLE, STORAGES, held_positions
 
 transformers = pytest.importorskip("transformers")
 ta = pytest.importorskip("transformers_adapter")
@@ -95,10 +95,10 @@ def prompt(bundled_session) -> list[int]:
     return ids
 
 
-def assert_same_run(hf_model, model, tokenizer, flags: list[str], prompt: list[int]):
+def assert_same_run(hf_model, model, tokenizer, flags: list[str], prompt: list[int], **generate_kwargs):
     ours = run_our_loop(model, tokenizer, flags, prompt)
     cache = ta.make_cache(hf_model, flags, len(prompt), NEW, tokenizer=tokenizer)
-    tokens, _ = hf_generate(hf_model, prompt, cache)
+    tokens, _ = hf_generate(hf_model, prompt, cache, **generate_kwargs)
     assert len(ours) == NEW and tokens == ours
     for layer, (theirs, mine) in enumerate(zip(cache.kv_caches, model.caches(), strict=True)):
         assert held_positions(theirs) == held_positions(mine), f"layer {layer}"
@@ -267,6 +267,69 @@ def test_a_padded_batch_matches_each_row_alone_on_every_architecture(arch, arch_
     flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5"]
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate([30, 17])]  # the window (12) binds in both
     assert_batch_equals_rows_alone(hf, flags, prompts, tokenizer)
+
+
+# ---- chunked prefill: transformers' prefill_chunk_size against our --prefill_chunk ------------------------------
+
+CHUNK = 16
+
+
+@pytest.mark.parametrize("strategy", [s for s in MATRIX if s in CHUNKABLE])
+def test_a_chunked_prefill_matches_our_loop(strategy, arch_models):
+    """generate(prefill_chunk_size=16) under a cache made with --prefill_chunk 16 against generate.py's chunked
+    prefill (generate.chunked_prefill): a 49-token prompt in chunks of 16, 16, 16 and a last token (a decode
+    step on both sides); greedy tokens and kept positions identical, statistics as test_generate_matches_our_loop's."""
+    hf, model, tokenizer = arch_models["llama"]
+    flags = cache_flags(strategy) + ["--prefill_chunk", str(CHUNK)]
+    cache = assert_same_run(hf, model, tokenizer, flags, tiny_prompt(49), prefill_chunk_size=CHUNK)
+    assert_same_statistics(strategy, cache, model)
+    assert all(c.chunk_queries is None for c in cache.kv_caches)  # the held queries dropped once decoding began
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_chunked_prefill_matches_our_loop_on_every_architecture(arch, arch_models):
+    hf, model, tokenizer = arch_models[arch]
+    flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--prefill_chunk", "8"]
+    assert_same_run(hf, model, tokenizer, flags, tiny_prompt(30), prefill_chunk_size=8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "got 48 prompt tokens at once: pass prefill_chunk_size=16"),
+    ({"prefill_chunk_size": 8}, "got a chunk after a shorter one"),
+    ({"prefill_chunk_size": 32}, "got 32 prompt tokens at once"),
+])
+def test_a_chunked_cache_refuses_a_prompt_not_in_its_chunks(kwargs, message, arch_models):
+    hf, _, tokenizer = arch_models["llama"]
+    cache = ta.make_cache(hf, cache_flags("tova") + ["--prefill_chunk", str(CHUNK)], 48, NEW)
+    with pytest.raises(UserError, match=message):
+        hf_generate(hf, tiny_prompt(48), cache, **kwargs)
+    cache.reset()  # reusable after a refusal
+    assert hf_generate(hf, tiny_prompt(48), cache, prefill_chunk_size=CHUNK)[0] == run_our_loop(
+        arch_models["llama"][1], tokenizer, cache_flags("tova") + ["--prefill_chunk", str(CHUNK)], tiny_prompt(48))
+
+
+@pytest.mark.parametrize("recipe", ["generate_compile_config", "compiled_forward"])
+def test_a_compiled_chunked_prefill_is_refused(recipe, arch_models, monkeypatch):
+    """A chunk's re-prefill reads counts on the host: under either compile recipe the prompt's chunks would be
+    traced, so the hook refuses them with its own message (dynamo carries it when it traces the hook)."""
+    hf = arch_models["llama"][0]
+    kwargs = {"prefill_chunk_size": CHUNK}
+    if recipe == "generate_compile_config":
+        config = transformers.CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+        config._compile_all_devices = True
+        kwargs["compile_config"] = config
+    else:
+        monkeypatch.setattr(hf, "forward", torch.compile(hf.forward, fullgraph=True, backend="eager"))
+    cache = ta.make_cache(hf, cache_flags("tova") + ["--prefill_chunk", str(CHUNK)], 48, NEW)
+    with pytest.raises(Exception, match="a chunked prefill \\(--prefill_chunk\\) runs eager"):
+        hf_generate(hf, tiny_prompt(48), cache, **kwargs)
+
+
+def test_a_chunked_prefill_of_a_batch_is_refused(arch_models):
+    hf = arch_models["llama"][0]
+    cache = ta.make_cache(hf, cache_flags("tova") + ["--prefill_chunk", str(CHUNK)], [40, 30], NEW)
+    with pytest.raises(UserError, match="chunked prefill .* takes one unpadded sequence"):
+        hf_generate_batch(hf, [distinct_prompt(40, 0), distinct_prompt(30, 1)], cache, prefill_chunk_size=CHUNK)
 
 
 # ---- compiled, as transformers compiles a static cache's decode step --------------------------------------
