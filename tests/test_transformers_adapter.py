@@ -261,6 +261,13 @@ def test_a_padded_batch_matches_each_row_alone(strategy, arch_models):
     assert_batch_equals_rows_alone(hf, cache_flags(strategy), prompts, tokenizer)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_padded_batch_with_storages_patterns_and_adakv_matches_each_row_alone(variant, arch_models):
+    hf, _, tokenizer = arch_models["llama"]
+    prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
+    assert_batch_equals_rows_alone(hf, cache_flags(VARIANTS[variant]), prompts, tokenizer)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_padded_batch_matches_each_row_alone_on_every_architecture(arch, arch_models):
     hf, model, tokenizer = arch_models[arch]
