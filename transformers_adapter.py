@@ -99,7 +99,8 @@ def parse_cache_flags(flags: Sequence[str] | argparse.Namespace) -> argparse.Nam
                         "the cache sees the keys, and re-rotation stores them before RoPE; use generate.py or eval")
     if flags.feed_long_prompts:
         raise UserError("--feed_long_prompts is not supported from transformers (generate prefills the whole "
-                        "prompt); choose a --prompt_compression_strategy instead")
+                        "prompt); its token-by-token feed is --prefill_chunk 1 with generate(..., "
+                        "prefill_chunk_size=1), or choose a --prompt_compression_strategy")
     if _needs(flags, "needs_gates"):
         gated = [s for s in flags.cache_strategy if "gated" in s]
         raise UserError(f"{', '.join(gated)}: learned gates are attached to this project's model only; use "

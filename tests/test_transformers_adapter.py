@@ -293,6 +293,15 @@ def test_a_chunked_prefill_matches_our_loop(strategy, arch_models):
     assert all(c.chunk_queries is None for c in cache.kv_caches)  # the held queries dropped once decoding began
 
 
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "debug_l2"])
+def test_one_token_chunks_are_the_token_by_token_feed(strategy, arch_models):
+    """--prefill_chunk 1 with prefill_chunk_size=1: every prompt token a decode step, as generate.py's
+    --prefill_chunk 1 (itself equal to --feed_long_prompts, tests/test_chunked_prefill.py)."""
+    hf, model, tokenizer = arch_models["llama"]
+    assert_same_run(hf, model, tokenizer, cache_flags(strategy) + ["--prefill_chunk", "1"], tiny_prompt(30),
+                    prefill_chunk_size=1)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_chunked_prefill_matches_our_loop_on_every_architecture(arch, arch_models):
     hf, model, tokenizer = arch_models[arch]
@@ -388,7 +397,7 @@ def test_gated_caches_are_refused(arch_models):
 
 @pytest.mark.parametrize("flags, message", [
     (["--rerotate_positions"], "rerotate_positions is not supported"),
-    (["--feed_long_prompts"], "feed_long_prompts is not supported"),
+    (["--feed_long_prompts"], "feed_long_prompts is not supported.*--prefill_chunk 1"),
     (["--cache_strategy", "hybrid"], "pass make_cache\\(..., tokenizer=tokenizer\\)"),
     (["--cache_strategy", "nope"], "unknown cache strategy"),
 ])
