@@ -26,6 +26,10 @@ keys after q/k norm and RoPE, then the attention function with the query):
   prefills row by row in its row context without the padding (`KVCache.row`, as generate.prefill_rows), so
   each row is what it would be alone. Decode steps write each row at its own position (`inserted` per row,
   which is what transformers' position ids from the mask say too).
+- a chunked prefill: a cache made with `--prefill_chunk N` takes the prompt from transformers' own chunked
+  prefill (`generate(..., prefill_chunk_size=N)`): the first chunk a prefill, each later one attends over the
+  held slots and itself (`chunk_attention`) and re-prefills the layer (cache_chunking.py), as
+  model.Attention.forward_chunk; the first decode step ends it. One unpadded sequence, eager.
 - `get_seq_length` is the positions fed (padding included, transformers' count), not the tokens held:
   positions and RoPE continue past evictions. `get_mask_sizes`: our function ignores transformers' masks
   (the slots carry their own), but generate still builds one: the prompt's own keys (each row's padding is
