@@ -509,6 +509,8 @@ class EvictionCache(Cache):
     def statistics(self, row: int | None = None) -> dict:
         """generate.py's cache statistics (docs/DESIGN.md §6) of every row together, or of one `row` as if it
         had been decoded alone (its row context), and the attention-loss curve of debug_ caches."""
+        if row is not None and not 0 <= row < self.batch_size:
+            raise UserError(f"row {row}: the cache has rows 0 to {self.batch_size - 1}")
         with ExitStack() as stack:
             for cache in self.kv_caches if row is not None else ():
                 stack.enter_context(cache.row(row))

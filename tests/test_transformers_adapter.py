@@ -465,6 +465,8 @@ def test_a_batch_other_than_the_cache_rows_is_refused(arch_models):
     for lengths in ([], [24, 0], [24.0]):
         with pytest.raises(UserError, match="prompt lengths must be whole numbers"):
             ta.make_cache(hf, flags, lengths, NEW)
+    with pytest.raises(UserError, match="row 2: the cache has rows 0 to 1"):
+        ta.make_cache(hf, flags, [24, 20], NEW).statistics(row=2)
 
 
 def test_a_sequence_past_the_cache_or_context_is_refused(arch_models):
