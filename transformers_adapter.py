@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -51,21 +50,17 @@ from torch import Tensor
 from errors import UserError
 
 try:
-    from transformers import AttentionInterface, Cache
-    from transformers.cache_utils import CacheLayerMixin
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 except ImportError as e:  # transformers is optional for the tool: only this module needs it
     raise ImportError("transformers_adapter needs Hugging Face transformers (pip install transformers)") from e
 
-from cache import KVCache, cache_statistics
-from chunk_attention import chunk_attention
-from model import ModelArgs, follows_window, grouped_attention, sliding_causal_mask
-from strategies.debug import attention_loss_curve
+from cache import KVCache
+from model import ModelArgs
+from transformers_cache import LAYER_KEY, SUPPORTED_MODEL_TYPES, EvictionCache
 
 ATTENTION_NAME = "kv_eviction"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
-_LAYER_KEY = "kv_eviction_layer"  # the keyword through which `update` hands its layer to the attention function
 
 
 # ---- building the caches (the one place that knows today's cache_spec functions) --------------------------
@@ -202,6 +197,8 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         cache.end_chunks()
     if not torch.compiler.is_compiling():  # one host read per step in eager mode; a compiled step skips it
         cache.check_room(cache.prompt_rows if prompt else [T] * B)
+        if T == 1 and ids is not None:
+            cache.note_stopped_rows(ids[:, 0])
     if cache.needs_token_ids:
         if ids is None:
             raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")
@@ -246,7 +243,7 @@ def eviction_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                        **kwargs: object) -> tuple[Tensor, None]:
     """The registered attention function: over an EvictionLayer's slots when `update` handed one, else SDPA.
     query [B, n_head, T, D]; returns ([B, T, n_head, D], None) as transformers' attention functions do."""
-    layer = kwargs.pop(_LAYER_KEY, None)
+    layer = kwargs.pop(LAYER_KEY, None)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
@@ -263,271 +260,19 @@ AttentionInterface.register(ATTENTION_NAME, eviction_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
 
 
-# ---- the cache --------------------------------------------------------------------------------------------
-
-
-class EvictionLayer(CacheLayerMixin):
-    """One transformers cache layer around one KVCache (static buffers: compileable)."""
-
-    is_compileable = True
-    is_croppable = False
-
-    def __init__(self, cache: KVCache, sliding_window: int = 0) -> None:
-        super().__init__()
-        self.cache = cache
-        self.sliding_window = sliding_window  # tokens a sliding layer's prompt queries see (0: all)
-        self.is_sliding = bool(sliding_window)
-        self.is_initialized = True  # the KVCache's buffers exist from the start
-        self.batch_size = cache.inserted.shape[0]
-        self.device = cache.pos.device
-        self._mask: Tensor | None = None
-        self.prompt_rows: list[int] | None = None  # each row's prompt tokens (begin_prompt); None: all unpadded
-        self.prompt_ids: Tensor | None = None  # a padded or batched prompt's ids, for caches that read them
-        # Padding positions before each row's tokens (tokens fed per row = seen + padding, the same for every row).
-        self.padding = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        # Whether the prompt is in: a Python flag rather than a read of `seen`, so a compiled forward (transformers'
-        # model.forward recipe) branches on a guard instead of breaking its graph on a host read.
-        self.prefilled = False
-        self.chunking = False  # a prompt fed in chunks (--prefill_chunk) until the first decode step
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Nothing to allocate: the KVCache was built with its buffers."""
-
-    def seen(self) -> Tensor:
-        """Tokens each row has seen, [B] (no host sync): the next token's position in its row. A copy: a view
-        of `inserted` would advance inside update_kv, and after_insert would read the next position."""
-        return self.cache.inserted[:, 0].clone()
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args: object,
-               **kwargs: object) -> tuple[Tensor, Tensor]:
-        if key_states.shape[0] != self.batch_size:
-            raise UserError(f"the eviction cache was built for {self.batch_size} sequence(s), got "
-                            f"{key_states.shape[0]} (beam search and num_return_sequences > 1 are not supported)")
-        shared = kwargs.get("kwargs")
-        if not isinstance(shared, dict):
-            raise UserError("this model does not pass its attention keywords to the cache (transformers' own "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)} classes do)")
-        shared[_LAYER_KEY] = self
-        T = key_states.shape[2]
-        if T > 1:  # the prompt (or a chunk after it): the attention function stores it, with the queries
-            return key_states, value_states
-        keys, values, self._mask = self.cache.update_kv(self.seen(), key_states, value_states)
-        return keys, values
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """model.Attention's three paths over this layer's cache; q, k, v as the model made them (after RoPE)."""
-        cache, T = self.cache, q.shape[2]
-        if T > 1 and self.prefilled:  # a later prompt chunk, or a chunk after the prompt (the kvpress question)
-            return self._later_chunk(q, k, v) if self.chunking else self._append(q, k, v)
-        if T > 1:
-            self.prefilled = True
-            rows = self.prompt_rows or [T] * q.shape[0]
-            if rows == [T]:  # one unpadded row: no row context (a compiled prefill traces this)
-                return self._prefill(q, k, v)
-            # Each row alone in its row context, without its padding (as generate.prefill_rows): the padding's
-            # outputs are zeros, which no later position reads (every row's attention is over its own tokens).
-            y = torch.zeros_like(q)
-            for b, n in enumerate(rows):
-                with cache.row(b):
-                    if self.prompt_ids is not None:  # observed per row: a cache keeps the latest prompt's ids
-                        cache.observe_tokens(self.prompt_ids[b : b + 1, T - n :])
-                    y[b : b + 1, :, T - n :] = self._prefill(q[b : b + 1, :, T - n :], k[b : b + 1, :, T - n :],
-                                                             v[b : b + 1, :, T - n :])
-            self.prompt_ids = None
-            return y
-        B, H = q.shape[:2]
-        mask = self._mask
-        if cache.pooled:  # one K/V pool for all heads (cache_allocation.py): every query head over it
-            mask = mask.expand(-1, -1, H // cache.n_kv_heads, -1).reshape(B, 1, H, -1)
-        y, probs = grouped_attention(q, k, v, mask)
-        if cache.needs_attention:
-            cache.update_state(probs.view(B, cache.n_kv_heads, -1, probs.shape[-1]))
-        return y
-
-    def _prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """One row's prompt: causal SDPA (the sliding window where the layer has one), then the cache stores it."""
-        T = q.shape[2]
-        if self.sliding_window and T > self.sliding_window:
-            window = sliding_causal_mask(T, self.sliding_window, q.device)
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
-        else:
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        if self.chunking:  # the first chunk: a prefill that keeps the queries the next chunk's re-prefill needs
-            self.cache.prefill_chunk_tokens(torch.arange(T, device=q.device), k, v, q)
-        else:
-            self.cache.prefill(torch.arange(T, device=q.device), k, v, q)
-        return y
-
-    def _later_chunk(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """A later chunk of a chunked prefill, as model.Attention.forward_chunk: its queries attend over the held
-        tokens and the chunk causally, then the cache re-prefills held + chunk (cache_chunking.py)."""
-        cache, T = self.cache, q.shape[2]
-        input_pos = torch.arange(T, device=q.device) + self.seen()[0]
-        held, held_v = cache.keys(), cache.values()
-        if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
-            held, held_v = (t.expand(-1, k.shape[1], -1, -1) for t in (held, held_v))
-        y = chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
-        cache.prefill_chunk_tokens(input_pos, k, v, q)
-        return y
-
-    def _append(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        cache, (B, H, T, _) = self.cache, q.shape
-        input_pos = torch.arange(T, device=q.device) + self.seen()[0]  # one row (the hook refuses more)
-        k_all, v_all, mask = cache.append(input_pos, k, v)
-        n_kv = cache.n_kv_heads
-        pos = cache.pos.expand(B, n_kv, -1)
-        visible = mask[:, :, 0, None, :] & (pos[:, :, None, :] <= input_pos.view(1, 1, T, 1))
-        visible = visible.repeat(1, 1, H // n_kv, 1)
-        if cache.pooled:
-            visible = visible.reshape(B, 1, -1, visible.shape[-1])
-        y, _ = grouped_attention(q, k_all, v_all, visible)
-        return y
-
-    def get_seq_length(self) -> Tensor:
-        # Positions fed, padding included (transformers' count; each row's own tokens are `seen`).
-        return self.seen()[0] + self.padding[0]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Our attention ignores transformers' masks (the slots carry their own); generate still builds one from
-        # these sizes: the prompt's own keys (padding is refused from it), then the slots, as StaticLayer does.
-        return (query_length if query_length > 1 else self.cache.keys().shape[2]), 0
-
-    def get_max_length(self) -> int:
-        return self.cache.capacity_needed  # prompt + new tokens the caches were sized for (full / debug_)
-
-    def reset(self) -> None:
-        self.cache.reset()
-        self.prefilled = self.chunking = False
-        self.padding.zero_()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise UserError("beam search is not supported by the eviction cache (its per-token scores are per "
-                        "sequence); use num_beams=1: greedy or sampling")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise UserError("the eviction cache holds one row per prompt: use num_beams=1 and num_return_sequences=1")
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        raise UserError("the eviction cache cannot select sequences of a batch (its rows are built together)")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise UserError("the eviction cache cannot be cropped (evicted tokens are gone): assisted and "
-                        "speculative decoding are not supported")
-
-
-class EvictionCache(Cache):
-    """A transformers Cache whose layer i is this project's KVCache for layer i (`kv_caches`)."""
-
-    def __init__(self, caches: Sequence[KVCache], model_args: ModelArgs, prompt_lengths: list[int],
-                 prefill_chunk: int = 0) -> None:
-        if len(caches) != model_args.n_layer:
-            raise ValueError(f"got {len(caches)} caches for {model_args.n_layer} layers")
-        for i, cache in enumerate(caches):
-            window = model_args.layer_window(i)
-            if window and not follows_window(cache, window):
-                raise UserError(f"layer {i} attends to its last {window} tokens only, but its {cache.name} cache can "
-                                "hold older ones; sliding layers need the window policy (make_cache applies it)")
-            if cache.rerotate_positions:
-                raise UserError("re-rotating caches are not supported from transformers (RoPE precedes the cache)")
-            if cache.needs_gates:
-                raise UserError(f"the {cache.name} cache needs this project's learned gates; use generate.py")
-        super().__init__(layers=[EvictionLayer(c, model_args.layer_window(i)) for i, c in enumerate(caches)])
-        self.prompt_lengths = list(prompt_lengths)  # per row, as make_cache sized the rows
-        self.capacities = list(caches[0].row_capacities)  # per row: its prompt + the new tokens
-        self.prefill_chunk = prefill_chunk  # --prefill_chunk: the prompt comes this many tokens at a time (0: at once)
-        self.short_chunk = False  # a chunk shorter than prefill_chunk came: it must be the last
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.prompt_lengths)
-
-    @property
-    def prompt_rows(self) -> list[int]:
-        """Each row's tokens in the prompt being prefilled (its attention mask's, without padding)."""
-        return self.layers[0].prompt_rows
-
-    @property
-    def chunking(self) -> bool:
-        return self.layers[0].chunking
-
-    def begin_prompt(self, lengths: list[int]) -> None:
-        """A prompt comes whose row b has lengths[b] tokens after its padding (the forward hook reads them); with
-        --prefill_chunk N, its first chunk."""
-        T = max(lengths)
-        if self.prefill_chunk:
-            if lengths != [T]:
-                raise UserError("a chunked prefill (--prefill_chunk) through transformers takes one unpadded "
-                                "sequence; generate the prompts one at a time, or drop --prefill_chunk")
-            self.short_chunk = False
-            self.next_chunk(T)
-            for layer in self.layers:
-                layer.chunking = True
-        padding = torch.tensor([T - n for n in lengths], dtype=torch.long)
-        for layer in self.layers:
-            layer.prompt_rows = list(lengths)
-            layer.padding.copy_(padding)
-
-    def next_chunk(self, T: int) -> None:
-        """A chunk of T tokens of a chunked prefill: --prefill_chunk tokens, the last one maybe fewer."""
-        N = self.prefill_chunk
-        if T > N or self.short_chunk:
-            raise UserError(f"the cache was configured with --prefill_chunk {N} and got "
-                            f"{'a chunk after a shorter one' if T <= N else f'{T} prompt tokens at once'}: pass "
-                            f"prefill_chunk_size={N} to generate, so the prompt comes {N} tokens at a time")
-        self.short_chunk = T < N
-
-    def end_chunks(self) -> None:
-        """The chunked prompt is in (the first decode step comes): the held tokens' queries are dropped."""
-        for layer in self.layers:
-            layer.cache.end_chunked_prefill()
-            layer.chunking = False
-        self.short_chunk = False
-
-    def check_room(self, new: list[int]) -> None:
-        """A UserError when row b's tokens so far plus new[b] pass what the row was sized for (one host read)."""
-        seen = self.layers[0].seen().tolist()
-        for b, (n, s, capacity) in enumerate(zip(new, seen, self.capacities, strict=True)):
-            if s + n > capacity:
-                row = f"row {b} of the eviction cache was" if self.batch_size > 1 else "the eviction cache was"
-                raise UserError(f"{row} sized for {self.prompt_lengths[b]} prompt tokens + "
-                                f"{capacity - self.prompt_lengths[b]} new ones ({capacity} in all), and {s + n} "
-                                "were asked for; make_cache with the prompt lengths and max_new_tokens of this "
-                                "generate call (or cache.reset() before a new prompt)")
-
-    @property
-    def kv_caches(self) -> list[KVCache]:
-        return [layer.cache for layer in self.layers]
-
-    @property
-    def needs_token_ids(self) -> bool:
-        return any(c.needs_token_ids for c in self.kv_caches)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.layers[0].reorder_cache(beam_idx)
-
-    def statistics(self, row: int | None = None) -> dict:
-        """generate.py's cache statistics (docs/DESIGN.md §6) of every row together, or of one `row` as if it
-        had been decoded alone (its row context), and the attention-loss curve of debug_ caches."""
-        if row is not None and not 0 <= row < self.batch_size:
-            raise UserError(f"row {row}: the cache has rows 0 to {self.batch_size - 1}")
-        with ExitStack() as stack:
-            for cache in self.kv_caches if row is not None else ():
-                stack.enter_context(cache.row(row))
-            stats = cache_statistics(self.kv_caches)
-            curve = attention_loss_curve(self.kv_caches)
-        if curve:
-            stats["attention_loss_cumulative_by_step"] = curve
-        return stats
+# ---- the cache (transformers_cache.py) and its construction -------------------------------------------------
 
 
 def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace,
                prompt_length: int | Sequence[int], max_new_tokens: int, tokenizer: object | None = None,
-               token_classes: dict[str, Tensor] | None = None) -> EvictionCache:
+               token_classes: dict[str, Tensor] | None = None,
+               eos_token_id: int | Sequence[int] | None = None) -> EvictionCache:
     """An EvictionCache for `model` from generate.py's cache flags (a list of words, or a parsed namespace),
     sized for `prompt_length` + `max_new_tokens` as generate.py sizes it; prepares the model (prepare_model).
     A list of prompt lengths gives one row per prompt of a batch (left-padded, as transformers batches
-    decoder-only prompts), each row with the budgets its own length gives, as if decoded alone.
+    decoder-only prompts), each row with the budgets its own length gives, as if decoded alone. With
+    `eos_token_id` (generate's), a row's statistics are taken where it is fed its EOS, as generate.py's;
+    without it they count what transformers feeds a stopped row (its padding) until the batch ends.
     `tokenizer` (this project's or a transformers one) or `token_classes` is needed by hybrid caches only."""
     flags = parse_cache_flags(flags)
     args = prepare_model(model)
@@ -548,7 +293,8 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
     caches = _build_layer_caches(flags, args, lengths, max_new_tokens, weight.dtype, weight.device, token_classes)
     # --prefill_chunk as typed: a layer whose cache a model policy replaced (a sliding window's) carries none, yet
     # takes the prompt's chunks like every layer (its window keeps the same tokens either way).
-    return EvictionCache(caches, args, lengths, flags.prefill_chunk or 0)
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return EvictionCache(caches, args, lengths, flags.prefill_chunk or 0, eos)
 
 
 def load_gguf_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:

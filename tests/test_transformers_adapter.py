@@ -81,8 +81,8 @@ def run_our_loop(model, tokenizer, flags: list[str], prompt: list[int], new: int
 def hf_generate(hf_model, prompt: list[int], cache=None, new: int = NEW, **kwargs):
     x = torch.tensor([prompt])
     out = hf_model.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=new,
-                            do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
-                            output_scores=True, **kwargs)
+                            do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+                            **{"eos_token_id": None, **kwargs})
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores, dim=1)[0]
 
 
@@ -223,8 +223,8 @@ def hf_generate_batch(hf_model, prompts: list[list[int]], cache, new: int = NEW,
         x[b, T - len(p) :] = torch.tensor(p)
     mask = (torch.arange(T) >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
     out = hf_model.generate(x, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False,
-                            eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
-                            **kwargs)
+                            pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+                            **{"eos_token_id": None, **kwargs})
     return out.sequences[:, T:].tolist(), torch.stack(out.scores, dim=1)
 
 
@@ -259,6 +259,29 @@ def test_a_padded_batch_matches_each_row_alone(strategy, arch_models):
     hf, _, tokenizer = arch_models["llama"]
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
     assert_batch_equals_rows_alone(hf, cache_flags(strategy), prompts, tokenizer)
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "debug_tova"])
+def test_a_row_that_stops_keeps_its_statistics_at_its_eos(strategy, arch_models):
+    """With make_cache's eos_token_id (generate's), a row fed its EOS has its statistics taken then, before
+    transformers feeds it padding for the rest of the batch: equal to its prompt's alone, which stops there."""
+    hf, _, tokenizer = arch_models["llama"]
+    flags = cache_flags(strategy)
+    prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
+    free, _ = hf_generate_batch(hf, prompts, ta.make_cache(hf, flags, BATCH_LENGTHS, NEW))
+    eos = free[1][2]  # row 1's third token: it stops after three tokens (others may too, where they make it)
+    batch = ta.make_cache(hf, flags, BATCH_LENGTHS, NEW, eos_token_id=eos)
+    tokens, _ = hf_generate_batch(hf, prompts, batch, eos_token_id=eos)
+    assert tokens[1][:3] == free[1][:3] and batch.row_snapshots[1] is not None
+    for b, prompt in enumerate(prompts):
+        alone = ta.make_cache(hf, flags, len(prompt), NEW, eos_token_id=eos)
+        row_tokens, _ = hf_generate(hf, prompt, alone, eos_token_id=eos)
+        assert tokens[b][: len(row_tokens)] == row_tokens, b
+        row, ref = batch.statistics(row=b), alone.statistics()
+        for key in ROW_STATISTICS:
+            assert row[key] == ref[key], (b, key)
+    batch.reset()
+    assert batch.row_snapshots == [None] * 3
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
