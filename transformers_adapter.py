@@ -1,6 +1,6 @@
 """Every strategy inside Hugging Face transformers: a `Cache` whose layers are this project's `KVCache`
-modules and a registered attention function, so `model.generate(..., past_key_values=cache)` decodes
-with eviction (docs/DESIGN.md §4 is the contract; the "Use from transformers" README section the usage).
+modules (transformers_cache.py) and a registered attention function, so `model.generate(..., cache=cache)`
+decodes with eviction (docs/DESIGN.md §4 is the contract; the "Use from transformers" README section the usage).
 transformers 5.24 names the argument `cache=` (`past_key_values=` still works, deprecated).
 
     cache = make_cache(model, ["--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25"],
