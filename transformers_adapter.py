@@ -196,9 +196,10 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     elif T == 1 and cache.chunking:  # the first decode step (or a last chunk of one token, which is one)
         cache.end_chunks()
     if not torch.compiler.is_compiling():  # one host read per step in eager mode; a compiled step skips it
-        cache.check_room(cache.prompt_rows if prompt else [T] * B)
+        seen = cache.layers[0].seen().tolist()
+        cache.check_room(cache.prompt_rows if prompt else [T] * B, seen)
         if T == 1 and ids is not None:
-            cache.note_stopped_rows(ids[:, 0])
+            cache.note_stopped_rows(ids[:, 0], seen)
     if cache.needs_token_ids:
         if ids is None:
             raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")

@@ -244,13 +244,12 @@ class EvictionCache(Cache):
             layer.chunking = False
         self.short_chunk = False
 
-    def note_stopped_rows(self, tokens: Tensor) -> None:
-        """A decode step's tokens [B] (eager, one host read): a row fed its EOS has stopped (transformers then
-        feeds it padding until the batch ends), so its statistics are taken now, before the EOS enters, as
-        generate.py takes a stopped row's; `statistics(row=b)` returns them."""
+    def note_stopped_rows(self, tokens: Tensor, seen: list[int]) -> None:
+        """A decode step's tokens [B] and each row's tokens so far (eager): a row fed its EOS has stopped
+        (transformers then feeds it padding until the batch ends), so its statistics are taken now, before the
+        EOS enters, as generate.py takes a stopped row's; `statistics(row=b)` returns them."""
         if not self.eos.numel():
             return
-        seen = self.layers[0].seen().tolist()
         for b, stopped in enumerate(torch.isin(tokens, self.eos).tolist()):
             if stopped and self.row_snapshots[b] is None and seen[b] >= self.prompt_lengths[b]:
                 self.row_snapshots[b] = self.statistics(row=b)
@@ -260,9 +259,8 @@ class EvictionCache(Cache):
         self.short_chunk = False
         self.row_snapshots = [None] * self.batch_size
 
-    def check_room(self, new: list[int]) -> None:
-        """A UserError when row b's tokens so far plus new[b] pass what the row was sized for (one host read)."""
-        seen = self.layers[0].seen().tolist()
+    def check_room(self, new: list[int], seen: list[int]) -> None:
+        """A UserError when row b's tokens so far, seen[b], plus new[b] pass what the row was sized for."""
         for b, (n, s, capacity) in enumerate(zip(new, seen, self.capacities, strict=True)):
             if s + n > capacity:
                 row = f"row {b} of the eviction cache was" if self.batch_size > 1 else "the eviction cache was"
