@@ -184,7 +184,8 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         cache.begin_prompt(_prompt_lengths(kwargs.get("attention_mask"), B, T))
     elif T > 1 and (B > 1 or _prompt_lengths(kwargs.get("attention_mask"), B, T) != [T]):
         what = "a later prompt chunk" if cache.chunking else "a chunk after the prompt (the kvpress question)"
-        raise UserError(f"{what} is supported for one unpadded sequence only; feed it row by row")
+        raise UserError(f"{what} is supported for one unpadded sequence only; feed it row by row (for a new "
+                        "prompt, cache.reset() first)")
     elif T > 1 and cache.chunking:
         cache.next_chunk(T)
     elif T > 1 and not torch.compiler.is_compiling():  # the kvpress question: into empty slots, evicting nothing
