@@ -94,7 +94,7 @@ class EvictionLayer(CacheLayerMixin):
             return y
         B, H = q.shape[:2]
         mask = self._mask
-        if cache.pooled:  # one K/V pool for all heads (cache_allocation.py): every query head over it
+        if cache.pooled:  # one K/V pool for all heads (budget_allocation.py): every query head over it
             mask = mask.expand(-1, -1, H // cache.n_kv_heads, -1).reshape(B, 1, H, -1)
         y, probs = grouped_attention(q, k, v, mask)
         if cache.needs_attention:

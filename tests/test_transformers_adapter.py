@@ -316,6 +316,13 @@ def test_a_chunked_prefill_matches_our_loop(strategy, arch_models):
     assert all(c.chunk_queries is None for c in cache.kv_caches)  # the held queries dropped once decoding began
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_chunked_prefill_with_storages_patterns_and_adakv_matches_our_loop(variant, arch_models):
+    hf, model, tokenizer = arch_models["llama"]
+    flags = cache_flags(VARIANTS[variant]) + ["--prefill_chunk", str(CHUNK)]
+    assert_same_run(hf, model, tokenizer, flags, tiny_prompt(49), prefill_chunk_size=CHUNK)
+
+
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "debug_l2"])
 def test_one_token_chunks_are_the_token_by_token_feed(strategy, arch_models):
     """--prefill_chunk 1 with prefill_chunk_size=1: every prompt token a decode step, as generate.py's
