@@ -2,7 +2,8 @@
 # The prepared GPU check, run once on a CUDA machine (about 8 minutes on an H200):
 #   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
 #      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
-#      batched step's graph, no recompilation over 256 steps, logits parity with transformers;
+#      batched step's graph, no recompilation over 256 steps, logits parity with transformers, a left-padded
+#      batch through transformers' generate and the adapter's cache against the CPU (never run on a GPU yet);
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: ours eager and compiled, the full
 #      cache at 4k and 32k and recent_global at 10% at 32k, then the strategies whose prefill needs the
 #      prompt's attention or whose step was the slowest (heavy_hitter, hybrid, duo_attention, qfilters,

@@ -192,12 +192,20 @@ def adapter_batch_run(hf, strategy: str, device: str) -> tuple[list, list]:
     """A left-padded batch of three prompts through transformers' generate on `device` with the adapter's cache:
     (each row's greedy tokens, each row's kept positions per layer and KV head)."""
     import transformers_adapter as ta
-    from tests.test_transformers_adapter import BATCH_LENGTHS, cache_flags, distinct_prompt, hf_generate_batch
+    from tests.test_transformers_adapter import BATCH_LENGTHS, cache_flags, distinct_prompt
 
     hf = hf.to(device)
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
+    T = max(BATCH_LENGTHS)
+    x = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        x[b, T - len(p) :] = torch.tensor(p)
+    mask = (x != 0).long()  # distinct_prompt's tokens are ≥ 3: the zeros are the left padding
     cache = ta.make_cache(hf, cache_flags(strategy), BATCH_LENGTHS, 8)
-    tokens, _ = hf_generate_batch(hf, prompts, cache)
+    # past_key_values=: the name every transformers 5.x takes (5.24 added cache=; the GPU machine has 5.17).
+    out = hf.generate(x.to(device), attention_mask=mask.to(device), past_key_values=cache, max_new_tokens=8,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = out[:, T:].tolist()
     kept = []
     for b in range(len(prompts)):
         for c in cache.kv_caches:
