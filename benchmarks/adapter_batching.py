@@ -4,10 +4,11 @@ prompts one at a time.
 transformers' model of the bundled GGUF (float32, the CPU) decodes `--prompts` prompts of different lengths
 (pydoc text, `--min_tokens` tokens and up) under `make_cache` with one strategy, greedy, `--max_new_tokens`
 each (no EOS stop, so every row decodes the same number of tokens): once as one batch (one row per prompt,
-each with the budget its own length gives) and once prompt by prompt. The two alternate for `--rounds`
-rounds, the order flipping every round, in one process. Reported: wall seconds and generated tokens per
-second of each, their ratio, and whether every row's tokens equal the prompt's alone (they must: the
-batched cache prefills each row without its padding). Numbers are reported, never asserted.
+each with the budget its own length gives), once prompt by prompt, and, for reference, once as one batch
+with transformers' own cache (no eviction). The three alternate for `--rounds` rounds, the order rotating
+every round, in one process. Reported: generated tokens per second of each (median round), the batch's
+speed-up over one by one, and whether every row's tokens equal the prompt's alone (they must: the batched
+cache prefills each row without its padding). Numbers are reported, never asserted.
 
     OMP_NUM_THREADS=2 python -m benchmarks.adapter_batching --prompts 8 --max_new_tokens 32
 """
@@ -72,6 +73,21 @@ def generate_rows(model, prompts: list[list[int]], cache, new: int) -> list[list
     return out[:, T:].tolist()
 
 
+def alternate(arms: dict, rounds: int) -> list[dict]:
+    """Each round runs every arm once (seconds, rows), the order rotating from round to round so a slow phase
+    of the machine falls on all alike; per round the seconds of each arm and whether the batched rows equal
+    the one-by-one rows."""
+    names, out = list(arms), []
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        results = {name: arms[name]() for name in order}
+        out.append({f"{name}_s": results[name][0] for name in names}
+                   | {"same_tokens": results["batched"][1] == results["one_by_one"][1]})
+        print(f"round {r}: " + ", ".join(f"{name} {results[name][0]:.2f} s" for name in names)
+              + f", same tokens {out[-1]['same_tokens']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.out:
@@ -84,39 +100,40 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = prompts_of(tokenizer, args.prompts, args.min_tokens)
     new = args.max_new_tokens
 
+    def timed(run) -> tuple[float, list[list[int]]]:
+        t0 = time.perf_counter()
+        rows = run()
+        return time.perf_counter() - t0, rows
+
     def batched() -> tuple[float, list[list[int]]]:
         cache = make_cache(model, flags, [len(p) for p in prompts], new, tokenizer=tokenizer)
-        t0 = time.perf_counter()
-        rows = generate_rows(model, prompts, cache, new)
-        return time.perf_counter() - t0, rows
+        return timed(lambda: generate_rows(model, prompts, cache, new))
 
     def one_by_one() -> tuple[float, list[list[int]]]:
         caches = [make_cache(model, flags, len(p), new, tokenizer=tokenizer) for p in prompts]
-        t0 = time.perf_counter()
-        rows = [generate_rows(model, [p], c, new)[0] for p, c in zip(prompts, caches, strict=True)]
-        return time.perf_counter() - t0, rows
+        return timed(lambda: [generate_rows(model, [p], c, new)[0] for p, c in zip(prompts, caches, strict=True)])
+
+    def full_batched() -> tuple[float, list[list[int]]]:  # transformers' own cache (no eviction): the reference
+        return timed(lambda: generate_rows(model, prompts, None, new))
 
     generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), new), 2)  # warm-up, not counted
-    rounds = []
-    for r in range(args.rounds):
-        first, second = (batched, one_by_one) if r % 2 == 0 else (one_by_one, batched)
-        (t_a, rows_a), (t_b, rows_b) = first(), second()
-        t_batch, t_single = (t_a, t_b) if first is batched else (t_b, t_a)
-        rounds.append({"batched_s": t_batch, "one_by_one_s": t_single, "same_tokens": rows_a == rows_b})
-        print(f"round {r}: batched {t_batch:.2f} s, one by one {t_single:.2f} s, "
-              f"speed-up {t_single / t_batch:.2f}x, same tokens {rows_a == rows_b}", flush=True)
+    rounds = alternate({"batched": batched, "one_by_one": one_by_one, "full_batched": full_batched}, args.rounds)
     tokens = len(prompts) * new
+
+    def tok_s(arm: str) -> float:
+        return tokens / statistics.median(r[f"{arm}_s"] for r in rounds)
+
     report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length,
               "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
-              "threads": torch.get_num_threads(),
-              "batched_tok_s": tokens / statistics.median(r["batched_s"] for r in rounds),
-              "one_by_one_tok_s": tokens / statistics.median(r["one_by_one_s"] for r in rounds),
+              "threads": torch.get_num_threads(), "batched_tok_s": tok_s("batched"),
+              "one_by_one_tok_s": tok_s("one_by_one"), "transformers_cache_batched_tok_s": tok_s("full_batched"),
               "median_speedup": statistics.median(r["one_by_one_s"] / r["batched_s"] for r in rounds),
               "same_tokens": all(r["same_tokens"] for r in rounds), "rounds": rounds}
     print(f"{args.cache_strategy} at {args.max_cache_length}, {len(prompts)} prompts of "
           f"{min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens, {new} new each: batched "
           f"{report['batched_tok_s']:.1f} tok/s, one by one {report['one_by_one_tok_s']:.1f} tok/s, median "
-          f"speed-up {report['median_speedup']:.2f}x, every row equal to its prompt alone: {report['same_tokens']}")
+          f"speed-up {report['median_speedup']:.2f}x, every row equal to its prompt alone: {report['same_tokens']}; "
+          f"transformers' own cache (no eviction), batched: {report['transformers_cache_batched_tok_s']:.1f} tok/s")
     if args.out:
         write_json_atomic(args.out, report, overwrite=args.overwrite)
     return report

@@ -551,4 +551,5 @@ def test_the_adapter_batching_benchmark_reports_rows_equal_alone(tmp_path):
                                     "--out", str(out)])
     assert report["prompt_tokens"] == [64, 80, 96] and report["same_tokens"] is True
     assert len(report["rounds"]) == 2 and report["batched_tok_s"] > 0 and report["one_by_one_tok_s"] > 0
+    assert report["transformers_cache_batched_tok_s"] > 0
     assert out.is_file()
