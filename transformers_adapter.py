@@ -299,6 +299,17 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
     return EvictionCache(caches, args, lengths, flags.prefill_chunk or 0, eos)
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """(input ids [B, T], attention mask [B, T]) of prompts of any lengths, padded on the left as transformers
+    batches decoder-only prompts (what make_cache's rows expect)."""
+    T = max(map(len, prompts))
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :], mask[b, T - len(p) :] = torch.tensor(list(p), dtype=torch.long), 1
+    return ids, mask
+
+
 def load_gguf_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
     """transformers' model (eval mode) and tokenizer of a GGUF file, the bundled SmolLM2 by default: what the
     benchmarks run through the adapter beside this project's own model of the same file."""

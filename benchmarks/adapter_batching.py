@@ -61,12 +61,11 @@ def prompts_of(tokenizer, n: int, shortest: int) -> list[list[int]]:
 
 
 def generate_rows(model, prompts: list[list[int]], cache, new: int) -> list[list[int]]:
-    """One generate call over the prompts, left-padded with the tokenizer's pad id 0 (masked)."""
-    T = max(map(len, prompts))
-    x = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros_like(x)
-    for b, p in enumerate(prompts):
-        x[b, T - len(p) :], mask[b, T - len(p) :] = torch.tensor(p), 1
+    """One generate call over the prompts, left-padded with id 0 (masked)."""
+    from transformers_adapter import left_padded
+
+    x, mask = left_padded(prompts)
+    T = x.shape[1]
     with torch.inference_mode():
         out = model.generate(x, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, eos_token_id=None, pad_token_id=0)

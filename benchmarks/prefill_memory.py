@@ -206,12 +206,16 @@ def context_length(args: argparse.Namespace) -> int:
     return checkpoint_model_args(args.checkpoint_path).context_length
 
 
+def prefill_label(row: dict) -> str:
+    return f"chunks of {row['prefill_chunk']}" if row["prefill_chunk"] else "one shot"
+
+
 def table(rows: list[dict]) -> str:
     mib = 1 << 20
     lines = ["| strategy | prompt tokens | × budget | prefill | peak MiB | added by prefill MiB "
              "| prefill tok/s (wall) | prefill tok/CPU-s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one shot"
+        how = prefill_label(r)
         how += ", re-rotated" if r.get("rerotate_positions") else ""
         how += ", transformers' generate" if r.get("engine") == "transformers" else ""
         how += " (past the context)" if r["prompt_tokens"] > r.get("context_length", r["prompt_tokens"]) else ""
@@ -232,7 +236,7 @@ def profile_table(rows: list[dict]) -> str:
     for r in profiled:
         p = r["profile"]
         top = "; ".join(f"{name} ({ms})" for name, ms in p["top"][:3])
-        how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one shot"
+        how = prefill_label(r)
         kinds = (round(p["ms_by_kind"][k], 1) for k in KIND_NAMES)
         cells = [r["strategy"], r["prompt_tokens"], how, p["profiled_ms"], p["recorded_ms"], *kinds, top]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")

@@ -196,11 +196,8 @@ def adapter_batch_run(hf, strategy: str, device: str) -> tuple[list, list]:
 
     hf = hf.to(device)
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
-    T = max(BATCH_LENGTHS)
-    x = torch.zeros(len(prompts), T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        x[b, T - len(p) :] = torch.tensor(p)
-    mask = (x != 0).long()  # distinct_prompt's tokens are ≥ 3: the zeros are the left padding
+    x, mask = ta.left_padded(prompts)
+    T = x.shape[1]
     cache = ta.make_cache(hf, cache_flags(strategy), BATCH_LENGTHS, 8)
     # past_key_values=: the name every transformers 5.x takes (5.24 added cache=; the GPU machine has 5.17).
     out = hf.generate(x.to(device), attention_mask=mask.to(device), past_key_values=cache, max_new_tokens=8,

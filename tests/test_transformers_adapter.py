@@ -79,11 +79,8 @@ def run_our_loop(model, tokenizer, flags: list[str], prompt: list[int], new: int
 
 
 def hf_generate(hf_model, prompt: list[int], cache=None, new: int = NEW, **kwargs):
-    x = torch.tensor([prompt])
-    out = hf_model.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=new,
-                            do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
-                            **{"eos_token_id": None, **kwargs})
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores, dim=1)[0]
+    tokens, scores = hf_generate_batch(hf_model, [prompt], cache, new, **kwargs)
+    return tokens[0], scores[0]
 
 
 @pytest.fixture(scope="module")
@@ -217,11 +214,8 @@ def distinct_prompt(n: int, seed: int) -> list[int]:
 
 def hf_generate_batch(hf_model, prompts: list[list[int]], cache, new: int = NEW, **kwargs):
     """transformers' batch: prompts left-padded with token 0, its attention mask marking the padding."""
-    T = max(map(len, prompts))
-    x = torch.zeros(len(prompts), T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        x[b, T - len(p) :] = torch.tensor(p)
-    mask = (torch.arange(T) >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
+    x, mask = ta.left_padded(prompts)
+    T = x.shape[1]
     out = hf_model.generate(x, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False,
                             pad_token_id=0, return_dict_in_generate=True, output_scores=True,
                             **{"eos_token_id": None, **kwargs})
