@@ -28,6 +28,7 @@ from tests.strategy_matrix import (
     ALL,
     ALLOCATIONS,
     BUDGETS,
+    CHUNKABLE,
     STORAGE_BUDGETS,
     TOKEN_CLASSES,
     VOCAB,
@@ -148,6 +149,13 @@ def test_pooled_heads_decode_rows_as_alone(strategy):
 @pytest.mark.parametrize("strategy", ["recent_global", "tova", "hybrid"])
 def test_rerotated_rows_decode_as_alone(strategy):
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--rerotate_positions"))
+
+
+@pytest.mark.parametrize("strategy", CHUNKABLE)
+def test_rows_prefilled_in_chunks_decode_as_alone(strategy):
+    """--prefill_chunk 5: each row's prompt (24, 19, 13 tokens) compressed to its own budget after every chunk
+    in its row, then decoded with the others: every strategy and twin that accepts chunks."""
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--prefill_chunk", "5"))
 
 
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "gated", "kivi"])

@@ -8,9 +8,10 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
   keep_it_odd, l2, tova, critical_kv, SnapKV for heavy_hitter): the positions layer 0 keeps after every
   chunk, and for a one-layer model the logits after the prompt (the last chunk attending over the held
   tokens and itself);
-- batching (rows each prefilled in their row context equal each row alone), the kvpress protocol (the
-  context chunked, the question appended), compiled decoding afterwards, and bad input (one error: line,
-  exit 2). Re-rotated positions: test_chunked_rerotation.py; head-adaptive budgets: test_chunked_adakv.py.
+- the kvpress protocol (the context chunked, the question appended), compiled decoding afterwards, and bad
+  input (one error: line, exit 2). Batched rows prefilled in chunks, every chunkable strategy:
+  test_batching.py; re-rotated positions: test_chunked_rerotation.py; head-adaptive budgets:
+  test_chunked_adakv.py.
 """
 
 from __future__ import annotations
@@ -22,19 +23,17 @@ import pytest
 import torch
 
 import generate
-from cache_setup import attach_caches, attach_row_caches, cache_config
+from cache_setup import cache_config
 from errors import UserError, run_cli
-from generate import chunked_prefill, compile_decode_step, decode_one_token, prefill, prefill_rows
+from generate import chunked_prefill, compile_decode_step, decode_one_token, prefill
 from rope import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     CHUNK_REFUSED,
     CHUNKABLE,
     GLOBAL,
-    NEW,
     PROMPT,
     RECENT,
-    TOKEN_CLASSES,
     attach,
     cache_args,
     held_positions,
@@ -246,29 +245,6 @@ def test_every_chunk_leaves_at_most_the_budget_and_decoding_follows(strategy, st
                 assert all(h == sorted(set(h)) and h[:GLOBAL] == list(range(GLOBAL)) for h in held)
         logits, tokens, _ = run_prompt(model, ids, 5, steps=4)
     assert torch.isfinite(logits).all() and len(tokens) == 4
-
-
-@pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "recent_global", "debug_l2", "gated"])
-def test_rows_prefilled_in_chunks_equal_each_row_alone(strategy):
-    model = make_tiny_model()
-    seqs = [token_ids(s)[0] for s in range(3)]
-    lengths = [24, 17, 30]
-    args = cache_args(strategy, "0.4", "dense", "--prefill_chunk", "7")
-    attach(model, args)  # gates for gated
-    attach_row_caches(model, args, lengths, NEW, classes=TOKEN_CLASSES)
-    with torch.inference_mode():
-        model.reset_caches()
-        together = prefill_rows(model, [s[:n] for s, n in zip(seqs, lengths, strict=True)])
-        token = together.argmax(-1, keepdim=True)
-        step = decode_one_token(model, token, torch.tensor(lengths))
-    for b, n in enumerate(lengths):
-        attach_caches(model, args, n, NEW, classes=TOKEN_CLASSES)
-        with torch.inference_mode():
-            model.reset_caches()
-            alone = prefill(model, seqs[b][None, :n])
-            torch.testing.assert_close(together[b : b + 1], alone, atol=ATOL, rtol=0)
-            alone_step = decode_one_token(model, token[b : b + 1], torch.tensor([n]))
-            torch.testing.assert_close(step[b : b + 1], alone_step, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "critical_kv", "debug_tova"])
