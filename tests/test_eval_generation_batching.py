@@ -110,7 +110,9 @@ def eos_between(outputs: list[list[int]]) -> list[int]:
 STOP_CASES = [("heavy_hitter", [], 3), ("heavy_hitter", [], 8), ("tova", ["--query_aware"], 3), ("full", [], 8),
               ("debug_keydiff", ["--cache_bits", "4"], 3), ("recent_global", ["--protocol", "kvpress"], 8),
               ("heavy_hitter", ["--protocol", "kvpress", "--query_aware"], 3), ("tova", ["--decode_first_token"], 3),
-              ("rkv", ["--feed_long_prompts"], 8), ("tova", STORAGES["kivi4"], 3)]
+              ("rkv", ["--feed_long_prompts"], 8), ("tova", STORAGES["kivi4"], 3),
+              ("heavy_hitter", ["--prefill_chunk", "8"], 3),
+              ("tova", ["--protocol", "kvpress", "--prefill_chunk", "8"], 8)]
 
 
 @pytest.mark.parametrize("case", STOP_CASES, ids=lambda c: f"{c[0]}{''.join(c[1])}-{c[2]}")
