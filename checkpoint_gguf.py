@@ -220,8 +220,8 @@ def _our_names(arch: str, gguf_name: str, args: ModelArgs) -> list[tuple[str, sl
     parts = gguf_name.split(".")
     if len(parts) != (4 if parts[0] == "blk" else 2):
         raise UserError(f"unexpected GGUF tensor {gguf_name}")
-    if parts[0] in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
-        raise UserError(f"GGUF files with {parts[0]} (long-context RoPE scaling) are not supported; "
+    if parts[0] in ("rope_factors_long", "rope_factors_short"):
+        raise UserError(f"GGUF files with {parts[0]} (Phi-3's LongRoPE scaling) are not supported; "
                         "use the Hugging Face directory instead")
     if parts[0] != "blk":
         if parts[0] not in _TOP_NAMES:
@@ -243,6 +243,19 @@ def _our_names(arch: str, gguf_name: str, args: ModelArgs) -> list[tuple[str, sl
     return [(f"layers.{layer}.{names[kind]}.{leaf}", None)]
 
 
+# Llama 3.1 / 3.2 GGUF files carry their RoPE scaling as this tensor (llama.cpp's converter computes it from the
+# Hugging Face `rope_scaling`; the metadata has no scaling keys): each rotated frequency's divisor.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freq_factors(values: np.ndarray, args: ModelArgs, source: str) -> list[float]:
+    factors = np.asarray(values, dtype=np.float64).reshape(-1)
+    if factors.size != args.rope_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+        raise UserError(f"{source}: {ROPE_FREQS} must hold {args.rope_dim // 2} positive finite factors (one per "
+                        f"rotated pair of dimensions), got {factors.size} values")
+    return factors.tolist()
+
+
 def read_gguf(path: Path, *, allow_non_finite: bool = False
               ) -> tuple[ModelArgs, Iterator[tuple[str, torch.Tensor, int]], int, Tokenizer]:
     """(args, tensor stream of (name, float32 tensor, bytes), total bytes, tokenizer). A tensor with a NaN
@@ -254,6 +267,9 @@ def read_gguf(path: Path, *, allow_non_finite: bool = False
     args = gguf_model_args(meta, {t.name for t in header.tensors}, str(path))
     check_tokenizer_keys(meta, str(path))
     arch = meta["general.architecture"]
+    factors = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
+    if factors is not None:
+        args.rope_freq_factors = _rope_freq_factors(dequantize(factors.data, factors.tensor_type), args, str(path))
     supported = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
                  GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
                  GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
@@ -261,7 +277,7 @@ def read_gguf(path: Path, *, allow_non_finite: bool = False
     for t in header.tensors:
         if t.tensor_type not in supported:
             raise UserError(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name}")
-    plan = [(t, _our_names(arch, t.name, args)) for t in header.tensors]
+    plan = [(t, _our_names(arch, t.name, args)) for t in header.tensors if t is not factors]
 
     def stream() -> Iterator[tuple[str, torch.Tensor, int]]:
         for t, targets in plan:
@@ -280,4 +296,4 @@ def read_gguf(path: Path, *, allow_non_finite: bool = False
                     check_finite(tensor, t.name, str(path))
                 yield name, tensor, int(t.n_bytes) if i == 0 else 0
 
-    return args, stream(), sum(int(t.n_bytes) for t in header.tensors), tokenizer_from_gguf_metadata(meta)
+    return args, stream(), sum(int(t.n_bytes) for t, _ in plan), tokenizer_from_gguf_metadata(meta)

@@ -101,6 +101,9 @@ class ModelArgs:
     # Per layer "full_attention" / "sliding_attention"; [] means every layer alike: sliding iff sliding_window.
     layer_types: list[str] = field(default_factory=list)
     local_rope_base: float = 0.0  # RoPE base of sliding layers when it differs (Gemma 3); unscaled
+    # Divisors of the global layers' rotated frequencies, one per pair of dimensions: a GGUF's `rope_freqs`
+    # tensor (llama.cpp's form of Llama 3.1's scaling, computed by its converter); [] means none.
+    rope_freq_factors: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -109,6 +112,9 @@ class ModelArgs:
             raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
         if self.layer_types and len(self.layer_types) != self.n_layer:
             raise ValueError(f"{len(self.layer_types)} layer_types for {self.n_layer} layers")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.rope_dim // 2:
+            raise ValueError(f"{len(self.rope_freq_factors)} RoPE frequency factors for {self.rope_dim // 2} "
+                             "rotated pairs of dimensions")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
 

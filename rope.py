@@ -1,6 +1,7 @@
 """Rotary position embeddings (RoPE) in the Hugging Face "rotate-half" layout every loader produces: the
-tables (with Llama 3.1's and linear frequency scaling, and Gemma 3's local base), the rotation (partial
-rotary dimensions pass through), and the rotation by rank that re-rotated caches use (rerotation.py)."""
+tables (with Llama 3.1's and linear frequency scaling, a GGUF's per-frequency factors, and Gemma 3's local
+base), the rotation (partial rotary dimensions pass through), and the rotation by rank that re-rotated caches
+use (rerotation.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def rope_inverse_frequencies(args: ModelArgs, local: bool = False) -> Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if local:
         return inv_freq
+    if args.rope_freq_factors:  # llama.cpp divides each frequency by its factor, after any linear scaling
+        inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float64)
     kind = args.rope_scaling.get("rope_type", args.rope_scaling.get("type")) if args.rope_scaling else None
     if kind in (None, "default"):
         return inv_freq

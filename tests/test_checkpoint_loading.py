@@ -23,7 +23,7 @@ LOGIT_ATOL = 1e-3
 # checkpoints on the Hub. transformers 5 converts them on load; so must we.
 LEGACY = {
     "llama": {"rope_theta": 500000.0, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 32, "rope_type": "llama3"}},
+                                                       "original_max_position_embeddings": 64, "rope_type": "llama3"}},
     "gemma3": {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0,
                "rope_type": "linear"}, "sliding_window_pattern": 2, "sliding_window": 12,
                "torch_dtype": "float32", "cache_implementation": "hybrid"},

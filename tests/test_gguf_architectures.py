@@ -20,7 +20,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(reference, arch: str, path) -> None:
+def write_gguf(reference, arch: str, path, extra: dict[str, np.ndarray] | None = None) -> None:
     import gguf
 
     c = reference.config
@@ -51,6 +51,8 @@ def write_gguf(reference, arch: str, path) -> None:
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = llama_cpp_permute(w, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
         writer.add_tensor(name, w)
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -75,6 +77,57 @@ def test_gguf_matches_transformers_gguf_loader(tmp_path, arch, gguf_arch):
     assert (ours - ref).abs().max().item() <= LOGIT_ATOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert (ours - hf).abs().max().item() <= LOGIT_ATOL  # and the directory it was converted from
+
+
+def llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `rope_freqs` for a Llama 3.1 `rope_scaling`: per rotated frequency the
+    divisor llama.cpp applies (1 for short wavelengths, `factor` for long ones, a smooth ramp between)."""
+    base, factor, low, high = rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama_3_1_gguf_rope_freqs_give_the_scaled_rope(tmp_path):
+    """A Llama 3.1-style GGUF (its RoPE scaling only in the `rope_freqs` tensor, as llama.cpp writes it) gives
+    the logits of the Hugging Face model with the `llama3` rope_scaling it was converted from (48 positions;
+    the tiny model's frequencies fall in all three of its bands); the same file without the tensor does not."""
+    reference = save_tiny_model("llama", tmp_path / "hf")
+    c = reference.config
+    factors = llama_cpp_rope_factors(c.rope_parameters, c.hidden_size // c.num_attention_heads)
+    assert len(set(factors.round(4).tolist())) >= 3  # unscaled, scaled and ramped frequencies all present
+    ids = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = reference(ids).logits.float()
+        logits = {}
+        for name, extra in {"with": {"rope_freqs.weight": factors}, "without": {}}.items():
+            write_gguf(reference, "llama", tmp_path / f"{name}.gguf", extra)
+            model, _ = load_checkpoint(tmp_path / f"{name}.gguf", "cpu", torch.float32)
+            logits[name] = model(ids, torch.arange(48))
+    assert (logits["with"] - want).abs().max().item() <= LOGIT_ATOL
+    assert torch.equal(logits["with"].argmax(-1), want.argmax(-1))
+    assert (logits["without"] - want).abs().max().item() > 100 * LOGIT_ATOL
+
+
+@pytest.mark.parametrize("values", [np.ones(3, dtype=np.float32), np.array([1, 2, 0, 4, 8, 8, 8, 8], dtype=np.float32),
+                                    np.array([1, 2, np.nan, 4, 8, 8, 8, 8], dtype=np.float32)])
+def test_bad_gguf_rope_freqs_are_refused(tmp_path, values):
+    from errors import UserError
+
+    reference = save_tiny_model("llama", tmp_path / "hf")
+    write_gguf(reference, "llama", tmp_path / "bad.gguf", {"rope_freqs.weight": values})
+    with pytest.raises(UserError, match="rope_freqs.weight must hold 8 positive finite factors"):
+        load_checkpoint(tmp_path / "bad.gguf", "cpu", torch.float32)
 
 
 def test_an_unsupported_gguf_architecture_is_refused_naming_the_supported_ones(tmp_path):

@@ -263,10 +263,13 @@ def test_a_row_that_stops_keeps_its_statistics_at_its_eos(strategy, arch_models)
     flags = cache_flags(strategy)
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
     free, _ = hf_generate_batch(hf, prompts, ta.make_cache(hf, flags, BATCH_LENGTHS, NEW))
-    eos = free[1][2]  # row 1's third token: it stops after three tokens (others may too, where they make it)
+    # A token a row makes first at its third step or later: as EOS, that row stops there while the batch goes
+    # on (other rows may stop too, where they make it).
+    stopper, at = next((b, i) for i in range(2, NEW - 1) for b, row in enumerate(free) if row[i] not in row[:i])
+    eos = free[stopper][at]
     batch = ta.make_cache(hf, flags, BATCH_LENGTHS, NEW, eos_token_id=eos)
     tokens, _ = hf_generate_batch(hf, prompts, batch, eos_token_id=eos)
-    assert tokens[1][:3] == free[1][:3] and batch.row_snapshots[1] is not None
+    assert tokens[stopper][: at + 1] == free[stopper][: at + 1] and batch.row_snapshots[stopper] is not None
     for b, prompt in enumerate(prompts):
         alone = ta.make_cache(hf, flags, len(prompt), NEW, eos_token_id=eos)
         row_tokens, _ = hf_generate(hf, prompt, alone, eos_token_id=eos)
