@@ -21,6 +21,8 @@ pairs over the whole layer instead (`adaptive_prompt_tokens`: Ada-KV), so heads 
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -87,14 +89,25 @@ def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0,
         yield torch.arange(start, end, device=q.device), torch.softmax(scores, dim=-1, dtype=torch.float32)
 
 
-def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, first_query: int = 0) -> Tensor:
+def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = False, first_query: int = 0,
+                              path: str | None = None) -> Tensor:
     """Attention each prompt key receives from all prompt queries (from `first_query` on: a chunked
     prefill's re-prefill counts only the chunk's), averaged over the query heads of each KV group and
     summed over queries: [B, n_kv, T].
 
     With `count_above_uniform`, the number of queries that gave the key at least uniform attention
-    (1 / number of keys the query sees; of the group's mean attention) instead. Each block of queries reads
-    only the keys it can see (causal_attention_blocks), so the work is half of a full T × T pass."""
+    (1 / number of keys the query sees; of the group's mean attention) instead. `path` (None: the
+    device's, `received_attention_path`): "blocks", each block of queries reading only the keys it can see
+    (causal_attention_blocks), so the work is half of a full T × T pass; or "fused", two fused attention
+    passes that never hold the probabilities (received_attention_fused; sums only)."""
+    if not count_above_uniform and (path or received_attention_path(q)) == "fused":
+        try:
+            return received_attention_fused(q, k, first_query)
+        except RuntimeError as e:  # a GPU kernel that refuses these shapes or this dtype: the blocks serve
+            if q.device.type == "cpu":
+                raise
+            _warn_once(f"warning: fused received attention failed on {q.device.type} ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200]}); computing it in blocks")
     B, H, T, _ = q.shape
     n_kv = k.shape[1]
     received = torch.zeros(B, n_kv, T, dtype=torch.float32, device=q.device)
@@ -105,6 +118,87 @@ def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = 
         else:  # the group mean is linear: sum over heads and rows at once, one division at the end
             received[:, :, :end] += probs.sum(dim=(2, 3))
     return received if count_above_uniform else received / (H // n_kv)
+
+
+# The received sums by fused attention kernels instead of materialized probabilities: GPUs only, by default.
+# On this project's 2-core CPU the blocks ran 2-4x faster than the CPU's flash kernel (bf16 and float32,
+# 2048-4096 tokens); on a GPU the blocks are memory-bound (scores, a float32 copy, softmax and sums each
+# through memory), which the two flash passes avoid. KV_RECEIVED_ATTENTION=blocks|fused overrides.
+RECEIVED_ATTENTION_ENV = "KV_RECEIVED_ATTENTION"
+RECEIVED_ATTENTION_PATHS = ("blocks", "fused")
+
+
+# CUDA's flash kernel takes head sizes up to 256; the second pass adds 8 dimensions (received_attention_fused).
+FLASH_MAX_HEAD_DIM = 256
+_warned: set[str] = set()
+
+
+def received_attention_path(q: Tensor) -> str:
+    """"fused" for GPU queries whose heads leave room for the second pass's extra dimensions, else "blocks";
+    KV_RECEIVED_ATTENTION overrides."""
+    chosen = os.environ.get(RECEIVED_ATTENTION_ENV)
+    if chosen is None:
+        fits = q.shape[-1] + BIAS_DIMENSIONS <= FLASH_MAX_HEAD_DIM
+        return "fused" if q.device.type != "cpu" and fits else "blocks"
+    if chosen not in RECEIVED_ATTENTION_PATHS:
+        raise UserError(f"{RECEIVED_ATTENTION_ENV}={chosen!r}: give one of {', '.join(RECEIVED_ATTENTION_PATHS)}")
+    return chosen
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr)
+
+
+def causal_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal attention [B, H, T, D] of equal-length q, k, v and each query row's log-sum-exp of its scaled
+    scores [B, H, T] (float32), from the device's fused kernel: flash (CUDA half types, CPU), else CUDA's
+    memory-efficient kernel (float32 on CUDA; its log-sum-exp is padded to 32 rows)."""
+    T = q.shape[2]
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
+                                                                          scale=scale)[:2]
+    return out, lse[..., :T].float()
+
+
+# A bias past any score: queries before a chunked re-prefill's first one give no attention (exp(-1e4) = 0).
+EXCLUDED_QUERY_BIAS = -1e4
+BIAS_PARTS = 3  # the bias in three terms of the input dtype: ~24 bits of it even in bfloat16
+BIAS_DIMENSIONS = 8  # the parts, padded with zeros to the kernels' alignment of head sizes
+
+
+def received_attention_fused(q: Tensor, k: Tensor, first_query: int = 0) -> Tensor:
+    """prompt_attention_received's sums (`count_above_uniform` off) by two causal attention passes.
+
+    Key j receives r_j = Σ_{i ≥ j} exp(s_ij − lse_i), s_ij = q_i·k_j / √D, lse_i query i's log-sum-exp. The
+    first pass gives lse_i. The second swaps the roles, the keys as queries and the queries as keys, both
+    reversed so that "i ≥ j" is the kernel's causal mask, with −lse_i folded into the product: query j gets
+    extra dimensions of ones, key i the matching −lse_i · √D split into BIAS_PARTS terms that the input dtype
+    holds exactly (each the rounding of what the others leave), so s'_ji = s_ij − lse_i accumulates in the
+    kernel's float32 and its log-sum-exp is log r_j. Nothing of size T × T is stored. Queries before
+    `first_query` get EXCLUDED_QUERY_BIAS instead."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    keys = k.repeat_interleave(H // n_kv, dim=1)
+    scale = D**-0.5
+    _, lse = causal_attention_with_lse(q, keys, keys, scale)
+    bias = -lse.double() / scale
+    bias[..., :first_query] = EXCLUDED_QUERY_BIAS / scale
+    parts = []
+    for _ in range(BIAS_PARTS):
+        parts.append(bias.to(q.dtype))
+        bias = bias - parts[-1].double()
+    pad = BIAS_DIMENSIONS - BIAS_PARTS
+    swapped_keys = torch.cat([q, torch.stack(parts, dim=-1), q.new_zeros(B, H, T, pad)], dim=-1)
+    swapped_queries = torch.cat([keys, keys.new_ones(B, H, T, BIAS_PARTS), keys.new_zeros(B, H, T, pad)], dim=-1)
+    values = torch.zeros_like(swapped_keys)
+    _, log_received = causal_attention_with_lse(swapped_queries.flip(2), swapped_keys.flip(2), values, scale)
+    return torch.exp(log_received.flip(-1)).view(B, n_kv, H // n_kv, T).mean(dim=2)
 
 
 def random_seed(cache) -> int:

@@ -4,6 +4,7 @@
 #      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
 #      batched step's graph, no recompilation over 256 steps, logits parity with transformers, a left-padded
 #      batch through transformers' generate and the adapter's cache against the CPU (never run on a GPU yet);
+#   1b. H2O's received attention (heavy_hitter's prefill) at the 8B heads: the blocks against the fused passes;
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: ours eager and compiled, the full
 #      cache at 4k and 32k and recent_global at 10% at 32k, then the strategies whose prefill needs the
 #      prompt's attention or whose step was the slowest (heavy_hitter, hybrid, duo_attention, qfilters,
@@ -19,8 +20,9 @@
 #   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
 #      peak CUDA memory and prefill tokens/s, and the 32k rows' kernel time by kind (torch.profiler, one more
 #      prefill each: where the chunked prefill's time goes, unprofiled so far).
-# The timeouts sum to 570 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
-# prefill's last row, heavy_hitter at 128k, still running when a 110 s limit cut it in the follow-up).
+# The timeouts sum to 590 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
+# prefill's last row, heavy_hitter at 128k, still running when a 110 s limit cut it in the follow-up); the
+# received-attention part (after the tests) came later, estimated at 20-30 s, unmeasured.
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
 # Writes gpu_check.md (and the raw files, ~40 of them) into out_dir (default $OUT, else results/gpu_check).
 # Nothing is downloaded. Where only a few files come back from a lent machine, run it into a scratch folder and
@@ -74,8 +76,25 @@ $WORKERS processes, worst exit $tests_rc, $(( $(date +%s) - start )) s)"
   echo '```'
 } >> "$REPORT"
 
+# H2O's received attention at the 8B heads, blocks against the fused passes (the GPUs' default since
+# 2026-12-04, never timed on a GPU before this): a whole prompt of 4k and 32k tokens, and a chunked prefill's
+# re-prefill (8192 held tokens + a chunk of 4096, the chunk's queries counted). Random q and k, no model.
 start=$(date +%s)
-timeout 240 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+{
+  timeout 25 $PY -m benchmarks.received_attention --device cuda --dtype bfloat16 --lengths 4096 32768 \
+    --repeats 3 --out "$OUT_DIR/received_attention.json" --overwrite
+  timeout 20 $PY -m benchmarks.received_attention --device cuda --dtype bfloat16 --lengths 12288 \
+    --first_query 8192 --repeats 3 --out "$OUT_DIR/received_attention_chunk.json" --overwrite
+} > "$OUT_DIR/received_attention.txt" 2>&1
+{
+  echo
+  echo "## benchmarks.received_attention, Llama-3.1-8B's heads, bf16, ms per layer ($(( $(date +%s) - start )) s)"
+  echo
+  cat "$OUT_DIR/received_attention.txt"
+} >> "$REPORT"
+
+start=$(date +%s)
+timeout 225 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --contexts 4096 --no_hf --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
   --strategies recent_global heavy_hitter hybrid duo_attention qfilters kvzip lagkv rkv \
   --speedup_contexts 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 --profile_steps 16 \
@@ -129,7 +148,7 @@ batched_rc=$?
 # (32k and 128k-token prompts), one shot where it runs in reasonable time (32k), chunks of 4096; the 32k rows
 # profiled (one more prefill per row: 1.5-8.5 s at the speeds of the last run, an estimate).
 start=$(date +%s)
-timeout 170 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+timeout 160 $PY -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --strategies recent_global heavy_hitter --budget 8192 --chunk 4096 --lengths 32768 131072 --one_shot_max 32768 \
   --profile_lengths 32768 --out "$OUT_DIR/prefill_memory.json" --overwrite > "$OUT_DIR/prefill_memory.txt" 2> "$OUT_DIR/prefill_memory_log.txt"
 memory_rc=$?

@@ -37,6 +37,7 @@ from benchmarks import (
     gated_fidelity,
     kvpress_side_by_side,
     prefill_memory,
+    received_attention,
     streaming_past_context,
 )
 from cache import finite_float
@@ -98,6 +99,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                lambda w: ["--out", str(w / "adapter_batching.json")], (adapter_batching,)),
     EntryPoint("python -m benchmarks.prefill_memory", prefill_memory.main, prefill_memory.build_parser,
                lambda w: ["--out", str(w / "prefill_memory.json")], (prefill_memory,)),
+    EntryPoint("python -m benchmarks.received_attention", received_attention.main, received_attention.build_parser,
+               lambda w: ["--out", str(w / "received.json")], (received_attention,)),
 ]}
 # Command-line scripts outside this matrix, each with the reason; any other module that runs `run_cli` must
 # join ENTRY_POINTS (test_every_command_line_script_is_in_the_matrix).

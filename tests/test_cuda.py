@@ -220,3 +220,21 @@ def test_adapter_padded_batch_keeps_what_the_cpu_keeps(tmp_path, strategy):
     hf = save_tiny_model("llama", tmp_path)
     cpu = adapter_batch_run(hf, strategy, "cpu")
     assert adapter_batch_run(hf, strategy, "cuda") == cpu
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.bfloat16, 5e-4), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("first_query", [0, 300])
+def test_fused_received_attention_on_cuda_equals_a_dense_float64_pass(dtype, rtol, first_query):
+    """The GPUs' default path for H2O's received attention (flash for bfloat16, the memory-efficient kernel for
+    float32; called directly, so a kernel that refuses fails here instead of falling back to the blocks) at
+    Llama-3.1-8B's head shapes, against the float64 definition over the same rounded inputs."""
+    from prompt_compression import received_attention_fused, received_attention_path
+    from tests.test_strategies_more import dense_received_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, T, D = 1, 32, 8, 1024, 128
+    q = (torch.randn(B, H, T, D, generator=g) * 2).to(dtype)
+    k = (torch.randn(B, n_kv, T, D, generator=g) * 2).to(dtype)
+    assert received_attention_path(q.cuda()) == "fused"
+    got = received_attention_fused(q.cuda(), k.cuda(), first_query).double().cpu()
+    torch.testing.assert_close(got, dense_received_attention(q, k, first_query), rtol=rtol, atol=1e-5)

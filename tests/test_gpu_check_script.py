@@ -56,3 +56,28 @@ def test_the_prefill_memory_command_plans_on_the_cpu():
     assert [(s["strategy"], s["length"] // args.budget, bool(s["chunk"])) for s in specs] == [
         (name, n, chunked) for name in ("recent_global", "heavy_hitter")
         for n, chunked in ((4, False), (4, True), (16, True))]
+
+
+def received_attention_commands() -> list[list[str]]:
+    joined = SCRIPT.replace("\\\n", " ")
+    return [[re.sub(r"\$\{?\w+\}?", "out", w)
+             for w in shlex.split(line.split("-m benchmarks.received_attention", 1)[1].split(">", 1)[0])]
+            for line in joined.splitlines() if "-m benchmarks.received_attention" in line]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["whole_prompt", "chunk"])
+def test_the_received_attention_commands_run_on_the_cpu(index, tmp_path):
+    """Each of the script's received-attention commands parses; run on the CPU with its lengths and first
+    query scaled down 64x and small heads, it writes one row per length, the two paths agreeing."""
+    from benchmarks.received_attention import build_parser
+    from benchmarks.received_attention import main as received_main
+
+    args = build_parser().parse_args(received_attention_commands()[index])
+    assert args.device == "cuda" and args.out
+    lengths = [str(n // 64) for n in args.lengths]
+    report = received_main(["--device", "cpu", "--dtype", args.dtype, "--lengths", *lengths,
+                            "--first_query", str(args.first_query // 64), "--repeats", "1", "--heads", "4",
+                            "--kv_heads", "1", "--head_dim", "16", "--out", str(tmp_path / "r.json")])
+    assert [r["prompt_tokens"] for r in report["rows"]] == [n // 64 for n in args.lengths]
+    assert all(r["max_relative_difference"] < 1e-2 for r in report["rows"])  # bfloat16 blocks against fused
+    assert (tmp_path / "r.json").exists()

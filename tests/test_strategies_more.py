@@ -19,7 +19,7 @@ from generate import decode_one_token
 from rope import apply_rope
 from strategies.kvzip import reconstruction_scores, set_repeat_prompt, supply_reconstruction_scores
 from tests.conftest import make_tiny_model
-from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, token_ids
+from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
 from tests.test_strategies import evictions, layer0_queries, reference_kv, unprotected
 from tests.test_strategies_recent import BUDGET, assert_evicts_lowest, assert_prompt_kept_best
 
@@ -416,20 +416,88 @@ def test_kvzip_max_attention_received_in_row_blocks_equals_naive_loops(rows_per_
                 assert got[b, kv, j].item() == pytest.approx(naive, abs=1e-6)
 
 
-@pytest.mark.parametrize("first_query", [0, 130])
-def test_received_attention_over_several_cpu_blocks_equals_a_dense_float64_pass(first_query):
-    """H2O's attention received by each prompt key (summed over queries, the group's mean over its query heads),
-    in the CPU's blocks of rows (several blocks here: 32 heads of 400 tokens), against one dense causal softmax
-    in float64."""
-    from prompt_compression import block_elements, prompt_attention_received
-
-    g = torch.Generator().manual_seed(0)
-    B, H, n_kv, T, D = 1, 32, 8, 400, 16
-    assert block_elements(torch.device("cpu")) // (B * H * T) < T - first_query  # more than one block
-    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, T, D, generator=g)
-    got = prompt_attention_received(q, k, first_query=first_query)
+def dense_received_attention(q: torch.Tensor, k: torch.Tensor, first_query: int = 0) -> torch.Tensor:
+    """H2O's received attention from its definition: one dense causal softmax in float64, summed over the
+    queries from `first_query` on, the mean over each KV group's query heads."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
     scores = (q.double() @ k.double().repeat_interleave(H // n_kv, dim=1).transpose(-1, -2)) / D**0.5
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)[:, :, first_query:]
-    want = probs.sum(dim=2).view(B, n_kv, H // n_kv, T).mean(dim=2)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    return probs.sum(dim=2).view(B, n_kv, H // n_kv, T).mean(dim=2)
+
+
+@pytest.mark.parametrize("path", ["blocks", "fused"])
+@pytest.mark.parametrize("first_query", [0, 130])
+def test_received_attention_equals_a_dense_float64_pass(first_query, path):
+    """H2O's attention received by each prompt key (summed over queries, the group's mean over its query heads)
+    in the CPU's blocks of rows (several blocks here: 32 heads of 400 tokens, 2 rows), or by the two fused
+    attention passes, against one dense causal softmax in float64."""
+    from prompt_compression import block_elements, prompt_attention_received
+
+    g = torch.Generator().manual_seed(0)
+    B, H, n_kv, T, D = 2, 32, 8, 400, 16
+    assert block_elements(torch.device("cpu")) // (B * H * T) < T - first_query  # more than one block
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, T, D, generator=g)
+    got = prompt_attention_received(q, k, first_query=first_query, path=path)
+    torch.testing.assert_close(got.double(), dense_received_attention(q, k, first_query), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "amplitude", "rtol"), [(torch.bfloat16, 2.0, 5e-4), (torch.float32, 10.0, 1e-5)])
+def test_fused_received_attention_in_bfloat16_and_over_any_range_of_scores(dtype, amplitude, rtol):
+    """bfloat16 inputs: the fused passes accumulate q·k in float32 and carry −lse in three bfloat16 terms, so
+    they stay within 5e-4 of the float64 pass over the same rounded inputs (measured 6e-5; the blocks, whose
+    scores are rounded to bfloat16, are 4e-2 off). Scores of amplitude 10 (log-sum-exps spread over ~750, past
+    float32's exponent range) still give finite, exact sums."""
+    from prompt_compression import prompt_attention_received
+
+    g = torch.Generator().manual_seed(1)
+    B, H, n_kv, T, D = 1, 4, 2, 300, 16
+    q = (torch.randn(B, H, T, D, generator=g) * amplitude).to(dtype)
+    k = (torch.randn(B, n_kv, T, D, generator=g) * amplitude).to(dtype)
+    got = prompt_attention_received(q, k, first_query=40, path="fused").double()
+    torch.testing.assert_close(got, dense_received_attention(q, k, 40), rtol=rtol, atol=1e-5)
+
+
+def test_the_received_attention_path_by_device_and_environment(monkeypatch):
+    from errors import UserError
+    from prompt_compression import RECEIVED_ATTENTION_ENV, received_attention_path
+
+    monkeypatch.delenv(RECEIVED_ATTENTION_ENV, raising=False)
+    cpu, gpu = torch.empty(1, 1, 1, 128), torch.empty(1, 1, 1, 128, device="meta")
+    assert received_attention_path(cpu) == "blocks" and received_attention_path(gpu) == "fused"
+    assert received_attention_path(torch.empty(1, 1, 1, 256, device="meta")) == "blocks"  # no room for 8 more
+    monkeypatch.setenv(RECEIVED_ATTENTION_ENV, "fused")
+    assert received_attention_path(cpu) == "fused"
+    monkeypatch.setenv(RECEIVED_ATTENTION_ENV, "dense")
+    with pytest.raises(UserError, match="KV_RECEIVED_ATTENTION='dense': give one of blocks, fused"):
+        received_attention_path(cpu)
+
+
+def held_and_logits(model, ids: torch.Tensor, args) -> tuple[list, torch.Tensor]:
+    """Every layer's held positions after the prompt and each step, and each step's logits."""
+    caches = attach(model, args)
+    held, logits = [], []
+    with torch.inference_mode():
+        run(model, ids, lambda m, t, p: logits.append(decode_one_token(m, t, p).clone()),
+            lambda _: held.append([held_positions(c) for c in caches]))
+    return held, torch.stack(logits)
+
+
+@pytest.mark.parametrize("extra", [[], ["--prefill_chunk", "5"], ["--history_window_size", "4"],
+                                   ["--budget_allocation", "adakv"]], ids=["one_shot", "chunks", "window", "adakv"])
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "debug_heavy_hitter"])
+def test_heavy_hitter_decodes_the_same_with_either_received_attention_path(strategy, extra, monkeypatch):
+    """H2O's decode-time scores start from the prompt's received attention: with the fused passes (the GPUs'
+    default) the caches keep, at every step of a 24-token prompt + 16 teacher-forced tokens at budget 16, the
+    positions they keep with the blocks (the CPU's), and the logits agree within 1e-5 (float32)."""
+    from prompt_compression import RECEIVED_ATTENTION_ENV
+
+    model, ids = make_tiny_model(), token_ids()
+    runs = {}
+    for path in ("blocks", "fused"):
+        monkeypatch.setenv(RECEIVED_ATTENTION_ENV, path)
+        runs[path] = held_and_logits(model, ids, cache_args(strategy, str(BUDGET), "dense", *extra))
+    assert runs["fused"][0] == runs["blocks"][0]
+    assert any(len(h) == BUDGET for layer in runs["blocks"][0][-1] for h in layer)  # eviction happened
+    torch.testing.assert_close(runs["fused"][1], runs["blocks"][1], atol=1e-5, rtol=0)
