@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from cache import KVCache, cache_statistics, row_statistics
-from cache_setup import attach_caches, attach_row_caches
+from cache_setup import attach_caches, attach_row_caches, cache_config
 from gates import attach_random_gates
 from generate import (
     compile_decode_step,
@@ -156,6 +156,25 @@ def test_rows_prefilled_in_chunks_decode_as_alone(strategy):
     """--prefill_chunk 5: each row's prompt (24, 19, 13 tokens) compressed to its own budget after every chunk
     in its row, then decoded with the others: every strategy and twin that accepts chunks."""
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--prefill_chunk", "5"))
+
+
+# Per-layer budgets and strategies: each row resolves its own budgets from its own length, layer by layer.
+PATTERNS = {
+    "budgets_repeat": ["--cache_strategy", "heavy_hitter", "--max_cache_length", "10", "16",
+                       "--cache_length_pattern", "repeat"],
+    "pyramid": ["--cache_strategy", "tova", "--max_cache_length", "0.5", "--cache_length_pattern", "pyramid"],
+    "funnel": ["--cache_strategy", "keydiff", "--max_cache_length", "0.5", "--cache_length_pattern", "funnel"],
+    "strategy_pattern": ["--cache_strategy", "l2", "heavy_hitter", "--cache_strategy_pattern", "repeat",
+                         "--max_cache_length", "0.5"],
+    "prompt_rule": ["--cache_strategy", "recent_global", "--prompt_compression_strategy", "keep_it_odd",
+                    "--max_cache_length", "0.5"],
+    "preset": ["--cache_config", "heavy_hitter_pyramid", "--max_cache_length", "0.5"],  # PyramidKV's preset
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_budget_and_strategy_patterns_decode_rows_as_alone(pattern):
+    assert_rows_match(cache_config([*PATTERNS[pattern], "--global_tokens", "2", "--recent_window", "2"]))
 
 
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "gated", "kivi"])
