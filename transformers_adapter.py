@@ -273,8 +273,9 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
     sized for `prompt_length` + `max_new_tokens` as generate.py sizes it; prepares the model (prepare_model).
     A list of prompt lengths gives one row per prompt of a batch (left-padded, as transformers batches
     decoder-only prompts), each row with the budgets its own length gives, as if decoded alone. With
-    `eos_token_id` (generate's), a row's statistics are taken where it is fed its EOS, as generate.py's;
-    without it they count what transformers feeds a stopped row (its padding) until the batch ends.
+    `eos_token_id` (generate's), a row's statistics are taken where it is fed its EOS, as generate.py's (under
+    `compile_config` with `stopping_criteria=cache.stopping_criteria()` too); without it they count what
+    transformers feeds a stopped row (its padding) until the batch ends.
     `tokenizer` (this project's or a transformers one) or `token_classes` is needed by hybrid caches only."""
     flags = parse_cache_flags(flags)
     args = prepare_model(model)

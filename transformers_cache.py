@@ -10,7 +10,7 @@ from contextlib import ExitStack
 
 import torch
 from torch import Tensor
-from transformers import Cache
+from transformers import Cache, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import CacheLayerMixin
 
 from cache import KVCache, cache_statistics
@@ -245,14 +245,24 @@ class EvictionCache(Cache):
         self.short_chunk = False
 
     def note_stopped_rows(self, tokens: Tensor, seen: list[int]) -> None:
-        """A decode step's tokens [B] and each row's tokens so far (eager): a row fed its EOS has stopped
-        (transformers then feeds it padding until the batch ends), so its statistics are taken now, before the
-        EOS enters, as generate.py takes a stopped row's; `statistics(row=b)` returns them."""
+        """A step's tokens [B] and each row's tokens so far (from the forward hook, eager, or from
+        stopping_criteria between steps): a row whose token is its EOS has stopped (transformers then feeds it
+        padding until the batch ends), so its statistics are taken now, before the EOS enters, as generate.py
+        takes a stopped row's; `statistics(row=b)` returns them."""
         if not self.eos.numel():
             return
         for b, stopped in enumerate(torch.isin(tokens, self.eos).tolist()):
             if stopped and self.row_snapshots[b] is None and seen[b] >= self.prompt_lengths[b]:
                 self.row_snapshots[b] = self.statistics(row=b)
+
+    def stopping_criteria(self) -> StoppingCriteriaList:
+        """For `generate(..., stopping_criteria=cache.stopping_criteria())`: takes a stopped row's statistics
+        between steps, on the host, where under `compile_config` the forward hook that takes them in eager
+        mode is traced and cannot (the same snapshot: the EOS is made, not fed yet). Stops nothing itself."""
+        if not self.eos.numel():
+            raise UserError("a stopped row's statistics need its EOS: make the cache with "
+                            "make_cache(..., eos_token_id=...) as given to generate")
+        return StoppingCriteriaList([StoppedRowSnapshots(self)])
 
     def reset(self) -> None:
         super().reset()
@@ -296,3 +306,15 @@ class EvictionCache(Cache):
         if curve:
             stats["attention_loss_cumulative_by_step"] = curve
         return stats
+
+
+class StoppedRowSnapshots(StoppingCriteria):
+    """EvictionCache.stopping_criteria's criterion: after each step, the rows whose new token is an EOS."""
+
+    def __init__(self, cache: EvictionCache) -> None:
+        self.cache = cache
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: object) -> Tensor:
+        self.cache.note_stopped_rows(input_ids[:, -1].to(self.cache.eos.device), self.cache.layers[0].seen().tolist())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+

@@ -255,10 +255,21 @@ def test_a_padded_batch_matches_each_row_alone(strategy, arch_models):
     assert_batch_equals_rows_alone(hf, cache_flags(strategy), prompts, tokenizer)
 
 
-@pytest.mark.parametrize("strategy", ["heavy_hitter", "debug_tova"])
-def test_a_row_that_stops_keeps_its_statistics_at_its_eos(strategy, arch_models):
-    """With make_cache's eos_token_id (generate's), a row fed its EOS has its statistics taken then, before
-    transformers feeds it padding for the rest of the batch: equal to its prompt's alone, which stops there."""
+def compile_config_kwargs() -> dict:
+    """generate's auto-compile of the decode step on the CPU (fullgraph, static shapes; the eager backend:
+    the trace is what matters here)."""
+    config = transformers.CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    config._compile_all_devices = True
+    return {"compile_config": config}
+
+
+@pytest.mark.parametrize(("strategy", "recipe"), [("heavy_hitter", "eager"), ("debug_tova", "eager"),
+                                                  ("heavy_hitter", "compile_config"), ("debug_tova", "criteria")])
+def test_a_row_that_stops_keeps_its_statistics_at_its_eos(strategy, recipe, arch_models):
+    """With make_cache's eos_token_id (generate's), a row that makes its EOS has its statistics taken before the
+    EOS is fed, and before transformers feeds it padding for the rest of the batch: equal to its prompt's alone,
+    which stops there. Eager the forward hook takes them; under compile_config, where the hook is traced,
+    cache.stopping_criteria() does, between steps (and gives the same snapshots eager)."""
     hf, _, tokenizer = arch_models["llama"]
     flags = cache_flags(strategy)
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
@@ -268,7 +279,10 @@ def test_a_row_that_stops_keeps_its_statistics_at_its_eos(strategy, arch_models)
     stopper, at = next((b, i) for i in range(2, NEW - 1) for b, row in enumerate(free) if row[i] not in row[:i])
     eos = free[stopper][at]
     batch = ta.make_cache(hf, flags, BATCH_LENGTHS, NEW, eos_token_id=eos)
-    tokens, _ = hf_generate_batch(hf, prompts, batch, eos_token_id=eos)
+    kwargs = {"compile_config": compile_config_kwargs()["compile_config"]} if recipe == "compile_config" else {}
+    if recipe != "eager":
+        kwargs["stopping_criteria"] = batch.stopping_criteria()
+    tokens, _ = hf_generate_batch(hf, prompts, batch, eos_token_id=eos, **kwargs)
     assert tokens[stopper][: at + 1] == free[stopper][: at + 1] and batch.row_snapshots[stopper] is not None
     for b, prompt in enumerate(prompts):
         alone = ta.make_cache(hf, flags, len(prompt), NEW, eos_token_id=eos)
@@ -279,6 +293,12 @@ def test_a_row_that_stops_keeps_its_statistics_at_its_eos(strategy, arch_models)
             assert row[key] == ref[key], (b, key)
     batch.reset()
     assert batch.row_snapshots == [None] * 3
+
+
+def test_stopping_criteria_need_the_eos(arch_models):
+    hf = arch_models["llama"][0]
+    with pytest.raises(UserError, match=r"make_cache\(..., eos_token_id=...\)"):
+        ta.make_cache(hf, cache_flags("tova"), BATCH_LENGTHS, NEW).stopping_criteria()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
