@@ -121,21 +121,23 @@ def prompt_attention_received(q: Tensor, k: Tensor, count_above_uniform: bool = 
 
 
 # The received sums by fused attention kernels instead of materialized probabilities: GPUs only, by default.
-# On this project's 2-core CPU the blocks ran 2-4x faster than the CPU's flash kernel (bf16 and float32,
-# 2048-4096 tokens); on a GPU the blocks are memory-bound (scores, a float32 copy, softmax and sums each
-# through memory), which the two flash passes avoid. KV_RECEIVED_ATTENTION=blocks|fused overrides.
+# On this project's 2-core CPU the blocks ran 1.6-5.3x faster than two passes of the CPU's flash kernel (bf16,
+# 1024-4096 tokens; docs/performance.md); on a GPU the blocks are memory-bound (scores, a float32 copy,
+# softmax and sums each through memory), which the fused passes avoid. KV_RECEIVED_ATTENTION=blocks|fused
+# overrides.
 RECEIVED_ATTENTION_ENV = "KV_RECEIVED_ATTENTION"
 RECEIVED_ATTENTION_PATHS = ("blocks", "fused")
-
-
-# CUDA's flash kernel takes head sizes up to 256; the second pass adds 8 dimensions (received_attention_fused).
-FLASH_MAX_HEAD_DIM = 256
+FLASH_MAX_HEAD_DIM = 256  # CUDA's flash kernel; the second pass adds BIAS_DIMENSIONS to the head
+# A bias past any score: queries before a chunked re-prefill's first one give no attention (exp(-1e4) = 0).
+EXCLUDED_QUERY_BIAS = -1e4
+BIAS_PARTS = 3  # the bias in three terms of the input dtype: ~24 bits of it even in bfloat16
+BIAS_DIMENSIONS = 8  # the parts, padded with zeros to the kernels' alignment of head sizes
 _warned: set[str] = set()
 
 
 def received_attention_path(q: Tensor) -> str:
-    """"fused" for GPU queries whose heads leave room for the second pass's extra dimensions, else "blocks";
-    KV_RECEIVED_ATTENTION overrides."""
+    """The fused passes for queries off the CPU whose heads leave room for the second pass's extra
+    dimensions, else the blocks; KV_RECEIVED_ATTENTION overrides."""
     chosen = os.environ.get(RECEIVED_ATTENTION_ENV)
     if chosen is None:
         fits = q.shape[-1] + BIAS_DIMENSIONS <= FLASH_MAX_HEAD_DIM
@@ -164,12 +166,6 @@ def causal_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> 
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
                                                                           scale=scale)[:2]
     return out, lse[..., :T].float()
-
-
-# A bias past any score: queries before a chunked re-prefill's first one give no attention (exp(-1e4) = 0).
-EXCLUDED_QUERY_BIAS = -1e4
-BIAS_PARTS = 3  # the bias in three terms of the input dtype: ~24 bits of it even in bfloat16
-BIAS_DIMENSIONS = 8  # the parts, padded with zeros to the kernels' alignment of head sizes
 
 
 def received_attention_fused(q: Tensor, k: Tensor, first_query: int = 0) -> Tensor:
