@@ -168,7 +168,7 @@ def causal_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> 
     return out, lse[..., :T].float()
 
 
-def received_attention_fused(q: Tensor, k: Tensor, first_query: int = 0) -> Tensor:
+def received_attention_fused(q: Tensor, k: Tensor, first_query: int = 0, max_elements: int | None = None) -> Tensor:
     """prompt_attention_received's sums (`count_above_uniform` off) by two causal attention passes.
 
     Key j receives r_j = Σ_{i ≥ j} exp(s_ij − lse_i), s_ij = q_i·k_j / √D, lse_i query i's log-sum-exp. The
@@ -176,8 +176,22 @@ def received_attention_fused(q: Tensor, k: Tensor, first_query: int = 0) -> Tens
     reversed so that "i ≥ j" is the kernel's causal mask, with −lse_i folded into the product: query j gets
     extra dimensions of ones, key i the matching −lse_i · √D split into BIAS_PARTS terms that the input dtype
     holds exactly (each the rounding of what the others leave), so s'_ji = s_ij − lse_i accumulates in the
-    kernel's float32 and its log-sum-exp is log r_j. Nothing of size T × T is stored. Queries before
-    `first_query` get EXCLUDED_QUERY_BIAS instead."""
+    kernel's float32 and its log-sum-exp is log r_j. Nothing of size T × T is stored; KV groups go through
+    together as long as their widened copies stay within about `max_elements` (None: `block_elements` of the
+    device), so memory stays O(block) as with the blocks. Queries before `first_query` get
+    EXCLUDED_QUERY_BIAS instead."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    rep = H // n_kv
+    if max_elements is None:
+        max_elements = block_elements(q.device)
+    groups = max(1, max_elements // (B * rep * T * (D + BIAS_DIMENSIONS)))
+    return torch.cat([_received_by_group(q[:, g * rep : (g + groups) * rep], k[:, g : g + groups], first_query)
+                      for g in range(0, n_kv, groups)], dim=1)
+
+
+def _received_by_group(q: Tensor, k: Tensor, first_query: int) -> Tensor:
+    """received_attention_fused for some KV groups at once: [B, n_kv, T]."""
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     keys = k.repeat_interleave(H // n_kv, dim=1)

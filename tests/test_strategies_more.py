@@ -427,19 +427,23 @@ def dense_received_attention(q: torch.Tensor, k: torch.Tensor, first_query: int 
     return probs.sum(dim=2).view(B, n_kv, H // n_kv, T).mean(dim=2)
 
 
-@pytest.mark.parametrize("path", ["blocks", "fused"])
+@pytest.mark.parametrize("path", ["blocks", "fused", "fused_by_kv_head"])
 @pytest.mark.parametrize("first_query", [0, 130])
 def test_received_attention_equals_a_dense_float64_pass(first_query, path):
     """H2O's attention received by each prompt key (summed over queries, the group's mean over its query heads)
     in the CPU's blocks of rows (several blocks here: 32 heads of 400 tokens, 2 rows), or by the two fused
-    attention passes, against one dense causal softmax in float64."""
-    from prompt_compression import block_elements, prompt_attention_received
+    attention passes (all 8 KV groups in one call, or one group a call), against one dense causal softmax in
+    float64."""
+    from prompt_compression import block_elements, prompt_attention_received, received_attention_fused
 
     g = torch.Generator().manual_seed(0)
     B, H, n_kv, T, D = 2, 32, 8, 400, 16
     assert block_elements(torch.device("cpu")) // (B * H * T) < T - first_query  # more than one block
     q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, T, D, generator=g)
-    got = prompt_attention_received(q, k, first_query=first_query, path=path)
+    if path == "fused_by_kv_head":
+        got = received_attention_fused(q, k, first_query, max_elements=1)
+    else:
+        got = prompt_attention_received(q, k, first_query=first_query, path=path)
     torch.testing.assert_close(got.double(), dense_received_attention(q, k, first_query), rtol=1e-5, atol=1e-6)
 
 
