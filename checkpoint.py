@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import cpu_bf16_kernels
 from checkpoint_gguf import GGUF_ARCHITECTURES, read_gguf, read_gguf_metadata
 from checkpoint_hf import (
     HF_MODEL_TYPES,
@@ -202,7 +203,8 @@ def build_model(
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes) - ({"output.weight"} if args.tie_embeddings else set())
     on_cpu = torch.device(device).type == "cpu"
-    by_column = wide_projection_weights(model) if on_cpu and dtype == torch.float32 else set()
+    by_column = (wide_projection_weights(model) if on_cpu and dtype == torch.float32
+                 and not cpu_bf16_kernels.float32_kernels_available() else set())
     arena = cpu_weight_arena(shapes, expected, by_column, dtype) if on_cpu else None
     state: dict[str, torch.Tensor] = {}
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="loading", disable=None, leave=False)
@@ -247,14 +249,16 @@ def cpu_weight_arena(shapes: dict[str, tuple[int, ...]], names: set[str], by_col
 
 
 def wide_projection_weights(model: Transformer) -> set[str]:
-    """The weights build_model stores input-major on the CPU in float32: every projection with more outputs
-    than inputs (the MLP's gate and up, the vocabulary projection, and the embedding when tied to it), each
-    the same [out, in] parameter as a transposed view of a contiguous [in, out] tensor. A decode step
-    multiplies each weight by one vector, and MKL's single-thread matrix-vector product reads an input-major
-    wide weight 1.6-1.9x faster on this project's AVX2 CPU (measured at 576 -> 1536 and 576 -> 49152);
-    narrow outputs (down, k/v) are faster as stored, the prompt's matrix products barely change (0.93x-1.0x),
-    and in bfloat16 input-major is 6-20x slower, so bf16 is left alone. Values are unchanged; sums may round
-    in another order."""
+    """The weights build_model stores input-major on the CPU in float32 where the CPU kernels cannot run
+    (cpu_bf16_kernels.py: no AVX2 and FMA, no compilers, or KV_CPU_KERNELS=0), which leaves the decode step to
+    MKL: every projection with more outputs than inputs (the MLP's gate and up, the vocabulary projection,
+    and the embedding when tied to it), each the same [out, in] parameter as a transposed view of a
+    contiguous [in, out] tensor. A decode step multiplies each weight by one vector, and MKL's single-thread
+    matrix-vector product reads an input-major wide weight 1.6-1.9x faster on this project's AVX2 CPU
+    (measured at 576 -> 1536 and 576 -> 49152); narrow outputs (down, k/v) are faster as stored, the prompt's
+    matrix products barely change (0.93x-1.0x), and in bfloat16 input-major is 6-20x slower, so bf16 is left
+    alone. Where the kernels run, every float32 weight stays row-major: their f32_linears streams it for up
+    to 8 rows faster than MKL in either layout. Values are unchanged; sums may round in another order."""
     names = {f"{name}.weight" for name, module in model.named_modules()
              if isinstance(module, torch.nn.Linear) and module.out_features > module.in_features}
     if model.args.tie_embeddings and "output.weight" in names:

@@ -1,4 +1,5 @@
-"""The CPU decode step's bfloat16 kernels: linear layers and attention that stream their operands.
+"""The CPU decode step's kernels: bfloat16 linear layers and attention, and float32 linear layers, that
+stream their operands.
 
 A decode step multiplies every weight by one vector per sequence and attends a few query rows over the
 cache, so its speed is the rate at which weights and K/V are read. torch's bf16 products of this shape are
@@ -13,7 +14,10 @@ and rounds the result to bf16 as torch does (docs/performance.md has the measure
 - `linears(x, weights, biases)`, the projections of one input (q, k, v; gate, up) stacked into one call,
   and `linear(x, weight, bias)`, every other linear layer: the kernel for bf16 on the CPU with at most
   MAX_ROWS rows (a decode step of up to that many sequences; a prompt is a matrix product, where oneDNN is
-  fast), else `F.linear`. Same values as torch's bf16 linear up to summation order.
+  fast), else `F.linear`. Same values as torch's bf16 linear up to summation order. float32 row-major
+  weights take the same streaming in float32 (`f32_linears`): MKL's float32 product of 2-8 rows read the
+  weights at about a third of its one-row rate here, and this kernel reads them at the one-row rate or
+  better (docs/performance.md).
 - `decode_attention(q, k, v, mask)`, model.grouped_attention on the CPU in bf16 for at most
   MAX_QUERY_ROWS query rows per KV head: one pass over each head's K and V, scores and probabilities in
   float32 (torch's path rounds the scores and the probabilities to bf16 before each product, so this is
@@ -115,6 +119,7 @@ def _build() -> Path | None:
 # Every other device and dtype takes torch's path before reaching them (linears, decode_attention).
 _LIBRARY = torch.library.Library("kv_eviction", "DEF")
 _LIBRARY.define("bf16_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
+_LIBRARY.define("f32_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 _LIBRARY.define("bf16_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> (Tensor, Tensor)")
 
 _library: ctypes.CDLL | None = None
@@ -153,8 +158,14 @@ def load_before_tracing(weight: Tensor) -> None:
     """Load the library now if a model with this weight (bf16 on the CPU) would use it: a compiled decode step
     calls this before its first trace, which would otherwise keep torch's path and be traced again once an
     eager call had loaded the kernels."""
-    if _ops_ready is None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    if _ops_ready is None and weight.dtype in LINEAR_OPS and weight.device.type == "cpu":
         kernel()
+
+
+def float32_kernels_available() -> bool:
+    """Whether float32 decode products take f32_linears here (loads the library on the first call): what
+    checkpoint.build_model stores its float32 weights for."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and kernel() is not None
 
 
 def kernel_status() -> str:
@@ -189,26 +200,36 @@ def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Tensor:
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
+@torch.library.register_fake("kv_eviction::f32_linears")
+def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
 @torch.library.register_fake("kv_eviction::bf16_decode_attention")
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     B, H, R, D = q.shape
     return q.new_empty(B, H, R, D), q.new_empty(B, H, R, k.shape[2], dtype=torch.float32)
 
 
-def _takes_kernel(*tensors: Tensor) -> bool:
-    # The dtype first: float32 and GPU forwards, which never take the kernels, leave after one comparison.
-    return (tensors[0].dtype == torch.bfloat16 and all(t.device.type == "cpu" and t.dtype == torch.bfloat16
-                                                       for t in tensors)
+def _takes_kernel(*tensors: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
+    # The dtype first: GPU forwards and other dtypes, which never take the kernels, leave after one comparison.
+    dtype = tensors[0].dtype
+    return (dtype in dtypes and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and _kernels_on())
+
+
+LINEAR_OPS = {torch.bfloat16: "bf16_linears", torch.float32: "f32_linears"}
 
 
 def linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
     """[F.linear(x, w, b) for each weight], through one kernel call where it is the faster way (see the
-    module's docstring): the projections of one input read as one stream of stacked weights."""
-    if (_takes_kernel(x, *weights) and x.numel() <= MAX_ROWS * x.shape[-1] and x.shape[-1] % 8 == 0
-            and all(w.is_contiguous() for w in weights)
-            and all(b is None or b.dtype == torch.bfloat16 and b.is_contiguous() for b in biases)):
-        y = torch.ops.kv_eviction.bf16_linears(x, weights, biases)
+    module's docstring): the projections of one input read as one stream of stacked weights, in bfloat16 or
+    float32 (row-major weights only: float32's input-major ones, stored so where the kernels cannot run, keep
+    MKL's product)."""
+    if (_takes_kernel(x, *weights, dtypes=tuple(LINEAR_OPS)) and x.numel() <= MAX_ROWS * x.shape[-1]
+            and x.shape[-1] % 8 == 0 and all(w.is_contiguous() for w in weights)
+            and all(b is None or b.dtype == x.dtype and b.is_contiguous() for b in biases)):
+        y = getattr(torch.ops.kv_eviction, LINEAR_OPS[x.dtype])(x, weights, biases)
         return list(y.split([w.shape[0] for w in weights], dim=-1)) if len(weights) > 1 else [y]
     return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 

@@ -1,6 +1,6 @@
-// The CPU implementations of the two torch ops that cpu_bf16_kernels.py declares (kv_eviction::bf16_linears,
-// kv_eviction::bf16_decode_attention), calling the C kernels of cpu_bf16_kernels.c. In C++ because a decode step
-// of the bundled model makes ~150 of these calls: through the dispatcher one costs ~6 us with its thread
+// The CPU implementations of the torch ops that cpu_bf16_kernels.py declares (kv_eviction::bf16_linears,
+// kv_eviction::f32_linears, kv_eviction::bf16_decode_attention), calling the C kernels of cpu_bf16_kernels.c.
+// In C++ because a decode step of the bundled model makes ~150 of these calls: through the dispatcher one costs ~6 us with its thread
 // fork, through a Python function and ctypes it cost ~16 us (2026-12-02, 2 threads), ~1.5 ms a step.
 // cpu_bf16_kernels.py checks every condition below before it calls an op; the checks here only guard
 // against a caller that did not.
@@ -11,11 +11,14 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
 int bf16_linears(const uint16_t *x, long G, const uint16_t *const *w, const uint16_t *const *b, const long *N,
                  uint16_t *y, long M, long K);
+void f32_linears(const float *x, long G, const float *const *w, const float *const *b, const long *N, float *y,
+                 long M, long K);
 int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, const long *ks, const uint16_t *v,
                           const long *vs, const uint8_t *mask, const long *ms, uint16_t *out, float *probs, long B,
                           long H, long R, long L, long D, float scale);
@@ -29,32 +32,54 @@ void check_bf16_cpu(const at::Tensor &t, const char *name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name, " must be a bfloat16 CPU tensor");
 }
 
-// x [..., K] @ [w0; w1; ...]^T + [b0; b1; ...] -> [..., N0 + N1 + ...].
+// The element type of each linears op: bf16_linears' uint16_t (bfloat16 bits), f32_linears' float.
+template <typename T> constexpr at::ScalarType scalar_type_of() {
+    return std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+}
+
+int call_linears(const uint16_t *x, long G, const uint16_t *const *w, const uint16_t *const *b, const long *N,
+                 uint16_t *y, long M, long K) {
+    return bf16_linears(x, G, w, b, N, y, M, K);
+}
+
+int call_linears(const float *x, long G, const float *const *w, const float *const *b, const long *N, float *y,
+                 long M, long K) {
+    f32_linears(x, G, w, b, N, y, M, K);
+    return 0;
+}
+
+// x [..., K] @ [w0; w1; ...]^T + [b0; b1; ...] -> [..., N0 + N1 + ...], in bfloat16 (T = uint16_t) or float32.
+template <typename T>
 at::Tensor linears_op(const at::Tensor &x, at::TensorList weights, const c10::List<std::optional<at::Tensor>> &biases) {
     const int64_t K = x.size(-1), G = static_cast<int64_t>(weights.size());
-    TORCH_CHECK(K % 8 == 0 && G > 0 && static_cast<int64_t>(biases.size()) == G, "bf16_linears: bad shapes");
-    check_bf16_cpu(x, "x");
+    TORCH_CHECK(K % 8 == 0 && G > 0 && static_cast<int64_t>(biases.size()) == G, "linears: bad shapes");
+    auto check = [](const at::Tensor &t, const char *name) {
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == scalar_type_of<T>(), name,
+                    " must be a CPU tensor of the op's dtype");
+    };
+    auto data = [](const at::Tensor &t) { return static_cast<const T *>(t.const_data_ptr()); };
+    check(x, "x");
     const at::Tensor rows = x.reshape({-1, K}).contiguous();
-    std::vector<const uint16_t *> w(G), b(G);
+    std::vector<const T *> w(G), b(G);
     std::vector<long> n(G);
     int64_t total = 0;
     for (int64_t g = 0; g < G; g++) {
         const at::Tensor &weight = weights[g];
-        check_bf16_cpu(weight, "weight");
-        TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && weight.is_contiguous(), "bf16_linears: weight shape");
-        w[g] = bf16_data(weight);
+        check(weight, "weight");
+        TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && weight.is_contiguous(), "linears: weight shape");
+        w[g] = data(weight);
         n[g] = weight.size(0);
         total += n[g];
         const std::optional<at::Tensor> bias = biases.get(g);
         if (bias.has_value()) {
-            check_bf16_cpu(*bias, "bias");
-            TORCH_CHECK(bias->is_contiguous() && bias->numel() == n[g], "bf16_linears: bias shape");
+            check(*bias, "bias");
+            TORCH_CHECK(bias->is_contiguous() && bias->numel() == n[g], "linears: bias shape");
         }
-        b[g] = bias.has_value() ? bf16_data(*bias) : nullptr;
+        b[g] = bias.has_value() ? data(*bias) : nullptr;
     }
     at::Tensor y = at::empty({rows.size(0), total}, x.options());
-    const int status = bf16_linears(bf16_data(rows), G, w.data(), b.data(), n.data(),
-                                      static_cast<uint16_t *>(y.data_ptr()), rows.size(0), K);
+    const int status = call_linears(data(rows), G, w.data(), b.data(), n.data(), static_cast<T *>(y.data_ptr()),
+                                    rows.size(0), K);
     TORCH_CHECK(status == 0, "bf16_linears: out of memory for the float32 copy of the input");
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = total;
@@ -91,6 +116,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_op(const at::Tensor &q_in, c
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kv_eviction, CPU, m) {
-    m.impl("bf16_linears", linears_op);
+    m.impl("bf16_linears", linears_op<uint16_t>);
+    m.impl("f32_linears", linears_op<float>);
     m.impl("bf16_decode_attention", decode_attention_op);
 }

@@ -16,6 +16,7 @@ from tests.strategy_matrix import attach, cache_args
 # inductor (triton) and torch's own, written out from the libraries' kernel naming.
 NAMES = {
     "kv_eviction::bf16_linears": "linear",
+    "kv_eviction::f32_linears": "linear",
     "aten::mm": "linear",
     "aten::addmm": "linear",
     "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "linear",

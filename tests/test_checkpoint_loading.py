@@ -166,14 +166,25 @@ def test_arch_configs_cover_every_hf_model_type():
     assert hf_model_args(arch_configs()["phi3"].to_dict()).rope_dim == 12  # head_dim 16 × 0.75
 
 
+@pytest.mark.parametrize("kernels", ["off", "on"])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied and untied embeddings
-def test_wide_projections_are_input_major_on_the_cpu_in_float32_and_change_no_logit(arch, tmp_path):
-    """build_model's layout rule, checked from its definition: on the CPU in float32 every nn.Linear with more
-    outputs than inputs (and the embedding tied to such an output) is a transposed view of a contiguous
-    [in, out] tensor; every other weight is contiguous; bfloat16 keeps every weight contiguous. The logits
-    equal those of the same weights made contiguous (to float32 rounding) and decode the same tokens."""
+def test_wide_projections_are_input_major_on_the_cpu_in_float32_and_change_no_logit(arch, kernels, tmp_path,
+                                                                                      monkeypatch):
+    """build_model's layout rule, checked from its definition: on the CPU in float32 without the CPU kernels
+    (KV_CPU_KERNELS=0, as where they cannot build) every nn.Linear with more outputs than inputs (and the
+    embedding tied to such an output) is a transposed view of a contiguous [in, out] tensor; every other
+    weight is contiguous; with the kernels (their f32_linears streams row-major weights) and in bfloat16
+    every weight is contiguous. The logits equal those of the same weights made contiguous (to float32
+    rounding) and decode the same tokens."""
+    import cpu_bf16_kernels
+
+    if kernels == "off":
+        monkeypatch.setenv(cpu_bf16_kernels.ENV_SWITCH, "0")
     save_tiny_model(arch, tmp_path)
     model, _ = load_checkpoint(tmp_path, "cpu", torch.float32)
+    if kernels == "on":
+        assert cpu_bf16_kernels.float32_kernels_available()
+        assert all(p.is_contiguous() for p in model.parameters())
     wide = {f"{name}.weight" for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and m.out_features > m.in_features}
     assert "output.weight" in wide and any(".feed_forward.w1." in n for n in wide)
@@ -181,7 +192,7 @@ def test_wide_projections_are_input_major_on_the_cpu_in_float32_and_change_no_lo
         wide.add("tok_embeddings.weight")
         assert model.output.weight is model.tok_embeddings.weight
     for name, p in model.named_parameters():
-        if name in wide:
+        if name in wide and kernels == "off":
             assert not p.is_contiguous() and p.t().is_contiguous(), name
         else:
             assert p.is_contiguous(), name

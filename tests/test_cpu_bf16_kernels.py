@@ -98,17 +98,41 @@ def test_linear_keeps_leading_dimensions_and_reads_strided_inputs(instruction_se
             assert within_one_ulp(y, inp.double() @ w.double().T, 8.0)
 
 
-def test_linear_leaves_prompts_float32_and_autograd_to_torch():
+def test_linear_leaves_prompts_input_major_weights_and_autograd_to_torch():
     w = torch.randn(48, 64, dtype=torch.bfloat16)
     prompt = torch.randn(1, kernels.MAX_ROWS + 1, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(kernels.linear(prompt, w), F.linear(prompt, w))
         x32, w32 = torch.randn(1, 64), torch.randn(48, 64)
-        assert torch.equal(kernels.linear(x32, w32), F.linear(x32, w32))
+        assert torch.equal(kernels.linear(prompt.float(), w32), F.linear(prompt.float(), w32))
+        by_column = w32.t().contiguous().t()  # float32's layout where the kernels cannot run
+        assert torch.equal(kernels.linear(x32, by_column), F.linear(x32, by_column))
     trained = w.clone().requires_grad_(True)
     y = kernels.linear(prompt[:, :1], trained)
     y.float().sum().backward()  # the custom op has no backward: reaching it would raise here
     assert trained.grad is not None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize(("k", "bias"), [(576, True), (72, False), (1536, False)])
+def test_float32_linears_equal_the_float64_product(rows, k, bias, monkeypatch):
+    """f32_linears (float32 decode rows, 1 to MAX_ROWS; torch's F.linear is made to fail, so the kernel is what
+    ran): within float32 summation error of the float64 product, several weights stacked in one call (a K
+    that is not a multiple of 32 takes the 8-wide tail), and each row exactly what it gives alone (no row's
+    sum depends on the others)."""
+    g = torch.Generator().manual_seed(rows * 10 + k)
+    x = torch.randn(rows, k, generator=g)
+    weights = [torch.randn(n, k, generator=g) for n in (40, 96)]
+    biases = [torch.randn(n, generator=g) if bias else None for n in (40, 96)]
+    assert kernels.float32_kernels_available()
+    monkeypatch.setattr(kernels.F, "linear", lambda *a, **kw: pytest.fail("F.linear ran, not the kernel"))
+    with torch.inference_mode():
+        got = kernels.linears(x, weights, biases)
+        alone = [kernels.linears(x[r : r + 1], weights, biases) for r in range(rows)]
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+        exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
+        torch.testing.assert_close(got[i].double(), exact, rtol=0, atol=2e-5 * math.sqrt(k))
+        assert torch.equal(got[i], torch.cat([a[i] for a in alone]))
 
 
 def exact_attention(q, k, v, mask):

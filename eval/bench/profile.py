@@ -27,7 +27,7 @@ from generate import prefill
 KINDS: list[tuple[str, re.Pattern]] = [(kind, re.compile(pattern, re.IGNORECASE)) for kind, pattern in (
     ("attention", r"attention|flash|fmha|sdpa|softmax"),
     ("cache write", r"index_put|scatter|index_copy"),
-    ("linear", r"bf16_linears|gemm|gemv|nvjet|cutlass|cublas|xmma|splitk|triton_tem"
+    ("linear", r"bf16_linears|f32_linears|gemm|gemv|nvjet|cutlass|cublas|xmma|splitk|triton_tem"
                r"|aten::(mm|addmm|bmm|linear|matmul)$"),
     ("fused (inductor)", r"triton_|cpp_fused|CompiledFxGraph"),
     ("entry (dynamo, wrappers)", r"TorchDynamo|Torch-Compiled Region|AOTDispatcher|Pregraph|CompiledFunction"),
