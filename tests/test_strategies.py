@@ -204,6 +204,9 @@ def unprotected(held: set[int], p: int) -> set[int]:
 
 
 def test_l2_evicts_the_largest_norm_key():
+    """The evicted key has the largest norm among the unprotected ones; a token repeated in the sequence has
+    the same norm at every position (RoPE keeps norms) up to how its key's product rounded (the prompt's
+    matrix product, a decode step's kernel), so keys within 1e-6 of the largest count as tied."""
     model, ids, steps = evictions("l2")
     ref_k, _ = reference_kv(model, ids)
     checked = 0
@@ -211,8 +214,9 @@ def test_l2_evicts_the_largest_norm_key():
         for h, (b, a) in enumerate(zip(before, after, strict=True)):
             if len(b) == 16:
                 evicted = b - a
-                expected = max(unprotected(b, p), key=lambda x: ref_k[h, x].norm().item())
-                assert evicted == {expected}
+                norms = {x: ref_k[h, x].norm().item() for x in unprotected(b, p)}
+                largest = max(norms.values())
+                assert len(evicted) == 1 and norms[next(iter(evicted))] >= largest * (1 - 1e-6), (p, h, evicted)
                 checked += 1
     assert checked > 0
 
