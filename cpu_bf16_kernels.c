@@ -105,10 +105,25 @@ int bf16_kernels_isa(int request) {
     return use_avx512bf16;
 }
 
+/* The linears' work split: `total` stacked weight rows (groups of N[g] rows), each thread of the parallel region
+ * one contiguous run of them, so its weights stay sequential streams. stacked_rows sums the groups; rows_of
+ * gives this thread's rows [*from, *to) of the group that starts at stacked row `base` with `n` rows. */
+static long stacked_rows(long G, const long *N) {
+    long total = 0;
+    for (long g = 0; g < G; g++) total += N[g];
+    return total;
+}
+
+static inline void rows_of(long total, long base, long n, long *from, long *to) {
+    int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    long lo = total * t / threads, hi = total * (t + 1) / threads;
+    *from = lo > base ? lo - base : 0;
+    *to = hi - base < n ? hi - base : n;
+}
+
 /* Several weights times the same x: y [M, N0 + N1 + ...] = x [M, K] @ [w0; w1; ...]^T (+ [b0; b1; ...]), each
  * w_g [N_g, K] and b_g [N_g] (or NULL) contiguous, K a multiple of 8: the projections that read one input
- * (q, k, v; gate, up) in one call and one parallel region. Each thread takes one contiguous run of the
- * stacked rows, so its weights stay sequential streams. Returns 0, or -1 when the float32 copy of x (the
+ * (q, k, v; gate, up) in one call and one parallel region (rows_of). Returns 0, or -1 when the float32 copy of x (the
  * FMA path's) cannot be allocated. */
 int bf16_linears(const uint16_t *x, long G, const uint16_t *const *w, const uint16_t *const *b, const long *N,
                  uint16_t *y, long M, long K) {
@@ -120,14 +135,12 @@ int bf16_linears(const uint16_t *x, long G, const uint16_t *const *w, const uint
         if (!xf) return -1;
         for (long i = 0; i < M * K; i++) xf[i] = to_float(x[i]);
     }
-    long total = 0;
-    for (long g = 0; g < G; g++) total += N[g];
+    long total = stacked_rows(G, N);
     #pragma omp parallel
     {
-        int threads = omp_get_num_threads(), t = omp_get_thread_num();
-        long lo = total * t / threads, hi = total * (t + 1) / threads, base = 0;
+        long base = 0, from, to;
         for (long g = 0; g < G; base += N[g], g++) {
-            long from = lo > base ? lo - base : 0, to = hi - base < N[g] ? hi - base : N[g];
+            rows_of(total, base, N[g], &from, &to);
             for (long n = from; n < to; n++) /* the row stays in L1 for every row of x */
                 for (long m = 0; m < M; m++) {
                     const uint16_t *row = w[g] + n * K;
@@ -161,14 +174,12 @@ static inline float dot_row_f32(const float *x, const float *w, long K) {
  * CPU; streaming each row once for every row of x reads at the one-row rate (docs/performance.md). */
 void f32_linears(const float *x, long G, const float *const *w, const float *const *b, const long *N, float *y,
                  long M, long K) {
-    long total = 0;
-    for (long g = 0; g < G; g++) total += N[g];
+    long total = stacked_rows(G, N);
     #pragma omp parallel
     {
-        int threads = omp_get_num_threads(), t = omp_get_thread_num();
-        long lo = total * t / threads, hi = total * (t + 1) / threads, base = 0;
+        long base = 0, from, to;
         for (long g = 0; g < G; base += N[g], g++) {
-            long from = lo > base ? lo - base : 0, to = hi - base < N[g] ? hi - base : N[g];
+            rows_of(total, base, N[g], &from, &to);
             for (long n = from; n < to; n++)
                 for (long m = 0; m < M; m++) {
                     float s = dot_row_f32(x + m * K, w[g] + n * K, K);
