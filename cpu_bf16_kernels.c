@@ -169,6 +169,35 @@ static inline float dot_row_f32(const float *x, const float *w, long K) {
     return sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
+/* dot_row_f32 for two vectors at once: each weight line loaded once for both, each vector's sums in the same
+ * order as dot_row_f32's (so each result is bit for bit what it gives alone). 8 rows of x in pairs took 0.79 of
+ * the time one at a time over the 30 gate/up weights of the bundled model (2 threads; 4 rows 0.93, 2 rows the same). */
+static inline void dot_row_f32_pair(const float *x0, const float *x1, const float *w, long K, float *s0, float *s1) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    long k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        __m256 w2 = _mm256_loadu_ps(w + k + 16), w3 = _mm256_loadu_ps(w + k + 24);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), a1);
+        a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + k + 16), a2);
+        a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + k + 24), a3);
+        c0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), c0);
+        c1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), c1);
+        c2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + k + 16), c2);
+        c3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + k + 24), c3);
+    }
+    for (; k < K; k += 8) {
+        __m256 w0 = _mm256_loadu_ps(w + k);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        c0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), c0);
+    }
+    *s0 = sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    *s1 = sum8(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+}
+
 /* bf16_linears in float32: y [M, N0 + N1 + ...] = x [M, K] @ [w0; w1; ...]^T (+ [b0; b1; ...]), K a multiple of
  * 8. MKL's float32 products of 2-8 rows read a weight at about a third of its one-row rate on this project's
  * CPU; streaming each row once for every row of x reads at the one-row rate (docs/performance.md). */
@@ -180,11 +209,20 @@ void f32_linears(const float *x, long G, const float *const *w, const float *con
         long base = 0, from, to;
         for (long g = 0; g < G; base += N[g], g++) {
             rows_of(total, base, N[g], &from, &to);
-            for (long n = from; n < to; n++)
-                for (long m = 0; m < M; m++) {
-                    float s = dot_row_f32(x + m * K, w[g] + n * K, K);
-                    y[m * total + base + n] = b[g] ? s + b[g][n] : s;
+            for (long n = from; n < to; n++) {
+                const float *row = w[g] + n * K;
+                float bias = b[g] ? b[g][n] : 0.0f, s0, s1;
+                long m = 0;
+                for (; m + 2 <= M; m += 2) {
+                    dot_row_f32_pair(x + m * K, x + (m + 1) * K, row, K, &s0, &s1);
+                    y[m * total + base + n] = b[g] ? s0 + bias : s0;
+                    y[(m + 1) * total + base + n] = b[g] ? s1 + bias : s1;
                 }
+                if (m < M) {
+                    s0 = dot_row_f32(x + m * K, row, K);
+                    y[m * total + base + n] = b[g] ? s0 + bias : s0;
+                }
+            }
         }
     }
 }

@@ -113,13 +113,13 @@ def test_linear_leaves_prompts_input_major_weights_and_autograd_to_torch():
     assert trained.grad is not None
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize(("k", "bias"), [(576, True), (72, False), (1536, False)])
 def test_float32_linears_equal_the_float64_product(rows, k, bias, monkeypatch):
     """f32_linears (float32 decode rows, 1 to MAX_ROWS; torch's F.linear is made to fail, so the kernel is what
     ran): within float32 summation error of the float64 product, several weights stacked in one call (a K
     that is not a multiple of 32 takes the 8-wide tail), and each row exactly what it gives alone (no row's
-    sum depends on the others)."""
+    sum depends on the others: rows go in pairs, an odd last one alone, each in the same order)."""
     g = torch.Generator().manual_seed(rows * 10 + k)
     x = torch.randn(rows, k, generator=g)
     weights = [torch.randn(n, k, generator=g) for n in (40, 96)]
