@@ -123,8 +123,8 @@ static inline void rows_of(long total, long base, long n, long *from, long *to) 
 
 /* Several weights times the same x: y [M, N0 + N1 + ...] = x [M, K] @ [w0; w1; ...]^T (+ [b0; b1; ...]), each
  * w_g [N_g, K] and b_g [N_g] (or NULL) contiguous, K a multiple of 8: the projections that read one input
- * (q, k, v; gate, up) in one call and one parallel region (rows_of). Returns 0, or -1 when the float32 copy of x (the
- * FMA path's) cannot be allocated. */
+ * (q, k, v; gate, up) in one call and one parallel region (rows_of). Returns 0, or -1 when the float32 copy
+ * of x (the FMA path's) cannot be allocated. */
 int bf16_linears(const uint16_t *x, long G, const uint16_t *const *w, const uint16_t *const *b, const long *N,
                  uint16_t *y, long M, long K) {
     if (use_avx512bf16 < 0) bf16_kernels_isa(-1);
@@ -170,9 +170,11 @@ static inline float dot_row_f32(const float *x, const float *w, long K) {
 }
 
 /* dot_row_f32 for two vectors at once: each weight line loaded once for both, each vector's sums in the same
- * order as dot_row_f32's (so each result is bit for bit what it gives alone). 8 rows of x in pairs took 0.79 of
- * the time one at a time over the 30 gate/up weights of the bundled model (2 threads; 4 rows 0.93, 2 rows the same). */
-static inline void dot_row_f32_pair(const float *x0, const float *x1, const float *w, long K, float *s0, float *s1) {
+ * order as dot_row_f32's (so each result is bit for bit what it gives alone). 8 rows of x in pairs took 0.79
+ * of the time one at a time over the bundled model's 30 gate/up weights (2 threads; 4 rows 0.93, 2 rows the
+ * same). */
+static inline void dot_row_f32_pair(const float *x0, const float *x1, const float *w, long K, float *s0,
+                                    float *s1) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     long k = 0;
     for (; k + 32 <= K; k += 32) {

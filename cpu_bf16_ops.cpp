@@ -1,7 +1,8 @@
 // The CPU implementations of the torch ops that cpu_bf16_kernels.py declares (kv_eviction::bf16_linears,
 // kv_eviction::f32_linears, kv_eviction::bf16_decode_attention), calling the C kernels of cpu_bf16_kernels.c.
-// In C++ because a decode step of the bundled model makes ~150 of these calls: through the dispatcher one costs ~6 us with its thread
-// fork, through a Python function and ctypes it cost ~16 us (2026-12-02, 2 threads), ~1.5 ms a step.
+// In C++ because a decode step of the bundled model makes ~150 of these calls: through the dispatcher one costs
+// ~6 us with its thread fork, through a Python function and ctypes it cost ~16 us (2026-12-02, 2 threads),
+// ~1.5 ms a step.
 // cpu_bf16_kernels.py checks every condition below before it calls an op; the checks here only guard
 // against a caller that did not.
 #include <ATen/core/Tensor.h>
