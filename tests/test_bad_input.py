@@ -10,7 +10,6 @@ itself is covered by subprocess tests in test_generate_cli.py and test_eval_cli.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import shutil
 from collections.abc import Callable
@@ -21,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import cache_spec
 import generate
 import train_gates
 from errors import run_cli
@@ -261,18 +259,6 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
 }
 
 
-# Refused by strict_yaml once cache_spec.read_yaml loads through it; until then strict xfails.
-STRICT_YAML_CASES = {"preset duplicate key", "preset 1e-1", "grid duplicate key", "grid args duplicate key",
-                     "grid budget 1e-1"}
-STRICT_YAML = "strict_load" in inspect.getsource(cache_spec.read_yaml)
-
-
-def _case(name: str):
-    pending = name in STRICT_YAML_CASES and not STRICT_YAML
-    return pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason="cache_spec patch pending")]
-                        if pending else [])
-
-
 def snapshot(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
@@ -282,7 +268,7 @@ def tripwire(*args: object, **kwargs: object) -> None:
     raise AssertionError("a model was loaded before the input was validated")
 
 
-@pytest.mark.parametrize("case", [_case(name) for name in CASES], ids=list(CASES))
+@pytest.mark.parametrize("case", list(CASES))
 def test_bad_input(case, ws, capsys, monkeypatch):
     main, build, fragment, early = CASES[case]
     argv = build(ws)

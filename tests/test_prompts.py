@@ -1,6 +1,5 @@
 """prompts.py: --prompt and --prompts_file read whole before any model loads; special files and damaged
-prompts files are one line naming the file (and line). The generate.py cases run once generate.py takes
---prompts_file (its patch); until then they are strict xfails."""
+prompts files are one line naming the file (and line), in prompts.py and through generate.py."""
 
 from __future__ import annotations
 
@@ -104,15 +103,12 @@ def test_prompt_flags_combine_in_order(tmp_path):
 
 # ---- generate.py ------------------------------------------------------------------------------------------
 
-PATCHED = any("--prompts_file" in a.option_strings for a in generate.build_parser()._actions)
-pending = pytest.mark.xfail(not PATCHED, strict=True, reason="generate.py takes --prompts_file once its patch lands")
 
 
 def tripwire(*args: object, **kwargs: object) -> None:
     raise AssertionError("a model was loaded before the prompts were read")
 
 
-@pending
 @pytest.mark.parametrize("case", ["no prompt", "dev null prompt", "prompts file empty line", "jsonl without prompt"])
 def test_generate_refuses_bad_prompts_before_loading(case, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(generate, "load_checkpoint", tripwire)
@@ -130,7 +126,6 @@ def test_generate_refuses_bad_prompts_before_loading(case, tmp_path, capsys, mon
     assert message in err, err
 
 
-@pending
 def test_generate_decodes_every_prompt_of_a_file(tiny_dir, tmp_path, capsys):
     """--prompt and --prompts_file together are the rows --prompt repeated gives, in the same order."""
     path = write(tmp_path / "p.jsonl", '{"prompt": "hello"}\n{"prompt": "cache"}\n')
