@@ -162,7 +162,7 @@ class PooledCache(KVCache):
         scores = self.token_scores(input_pos).masked_fill(blocked, float("inf"))
         return torch.where(self.filled < self.quota, empty, scores.argmin(dim=-1))
 
-    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         slot = self.choose_slot(input_pos)  # [B, n_kv]: distinct slots, each in its head's range
         B, H = k.shape[:2]
         self.storage.write(slot[:, None], k.transpose(1, 2), v.transpose(1, 2))  # H rows of the one pool head
@@ -171,7 +171,6 @@ class PooledCache(KVCache):
         self.inserted += 1
         self.filled += (self.filled < self.quota).long()
         self.after_insert(slot, input_pos, k)
-        return self.keys(), self.values(), self.mask
 
 
     # ---- chunked prefill (--prefill_chunk): each head's own held tokens + the chunk ------------------------

@@ -267,8 +267,13 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.after_prefill(keep, input_pos, k, q)
 
     def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]); return (keys, values,
-        mask) to attend over."""
+        """Insert one token (`insert`); return (keys, values, mask) to attend over."""
+        self.insert(input_pos, k, v)
+        return self.keys(), self.values(), self.mask
+
+    def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]): its strategy chooses the
+        slot, evicting when the cache is full."""
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
@@ -278,19 +283,18 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.inserted += 1
         self.filled += (self.filled < self.row_budget).long()
         self.after_insert(slot, input_pos, k)
-        return self.keys(), self.values(), self.mask
 
     def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Insert a chunk of T tokens after the prompt (input_pos [T]; k, v [B, n_kv, T, D]) into empty slots,
         evicting nothing: the question of the kvpress protocol, appended uncompressed in one forward step.
-        Each token goes through `update_kv` so per-token state (scores, gates, KIVI flushes) is exactly a
+        Each token goes through `insert` so per-token state (scores, gates, KIVI flushes) is exactly a
         decode step's; attention statistics are not updated for a chunk. Returns (keys, values, mask)."""
         T = k.shape[2]
         if self.room() < T:
             raise ValueError(f"a {self.name} cache has room for {self.room()} tokens per head, not a chunk of {T}")
         for i in range(T):
             self.before_chunk_token(i)
-            self.update_kv(input_pos[i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
+            self.insert(input_pos[i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
         return self.keys(), self.values(), self.mask
 
     def room(self) -> int:

@@ -48,6 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 C_SOURCE = Path(__file__).with_name("cpu_bf16_kernels.c")
+# Every C file compiled into the library, and the header they share (hashed with them).
+C_SOURCES = (C_SOURCE, Path(__file__).with_name("cpu_quantized_attention.c"))
+C_HEADER = Path(__file__).with_name("cpu_kernels_common.h")
 CXX_SOURCE = Path(__file__).with_name("cpu_bf16_ops.cpp")
 MAX_ROWS = 8  # more rows than this: the matrix product reuses each weight enough for oneDNN's kernels
 MAX_QUERY_ROWS = 64  # query rows per KV head (rep x T): a decode step, not a prompt chunk
@@ -98,16 +101,18 @@ def _build() -> Path | None:
     cc, cxx = compilers
     link = _torch_link_flags()
     recipe = " ".join([cc, *CFLAGS, cxx, *CXXFLAGS, *link, torch.__version__]).encode()
-    key = hashlib.sha256(C_SOURCE.read_bytes() + CXX_SOURCE.read_bytes() + recipe).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in (*C_SOURCES, C_HEADER, CXX_SOURCE))
+    key = hashlib.sha256(sources + recipe).hexdigest()[:16]
     try:
         target = cache_directory() / f"cpu_bf16_kernels-{key}.so"  # Path.home() raises without a home
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            obj, built = Path(tmp) / "kernels.o", Path(tmp) / target.name
-            subprocess.run([cc, *CFLAGS, "-c", str(C_SOURCE), "-o", str(obj)], check=True, capture_output=True)
-            subprocess.run([cxx, *CXXFLAGS, str(CXX_SOURCE), str(obj), "-o", str(built), *link], check=True,
+            objects, built = [str(Path(tmp) / f"{c.stem}.o") for c in C_SOURCES], Path(tmp) / target.name
+            for source, obj in zip(C_SOURCES, objects, strict=True):
+                subprocess.run([cc, *CFLAGS, "-c", str(source), "-o", obj], check=True, capture_output=True)
+            subprocess.run([cxx, *CXXFLAGS, str(CXX_SOURCE), *objects, "-o", str(built), *link], check=True,
                            capture_output=True)
             os.replace(built, target)
     except (OSError, RuntimeError, subprocess.CalledProcessError):
@@ -121,6 +126,8 @@ _LIBRARY = torch.library.Library("kv_eviction", "DEF")
 _LIBRARY.define("bf16_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 _LIBRARY.define("f32_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 _LIBRARY.define("bf16_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> (Tensor, Tensor)")
+_LIBRARY.define("quantized_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor v_codes, "
+                "Tensor v_scale, Tensor v_zero, Tensor mask, int bits) -> (Tensor, Tensor)")
 
 _library: ctypes.CDLL | None = None
 # None until the first load attempt, then whether the ops have their kernels. Read by linears and
@@ -211,6 +218,13 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty(B, H, R, D), q.new_empty(B, H, R, k.shape[2], dtype=torch.float32)
 
 
+@torch.library.register_fake("kv_eviction::quantized_decode_attention")
+def _(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
+      mask: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    B, H, R, D = q.shape
+    return q.new_empty(B, H, R, D), q.new_empty(B, H, R, k_codes.shape[2], dtype=torch.float32)
+
+
 def _takes_kernel(*tensors: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
     # The dtype first: GPU forwards and other dtypes, which never take the kernels, leave after one comparison.
     dtype = tensors[0].dtype
@@ -245,3 +259,18 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Ten
             and k.shape[:2] == q.shape[:2] and q.shape[3] % 8 == 0 and q.shape[3] <= 256 and _takes_kernel(q, k, v)):
         return torch.ops.kv_eviction.bf16_decode_attention(q, k, v, mask)
     return torch_attention(q, k, v, mask)
+
+
+def quantized_decode_attention(q: Tensor, k: tuple[Tensor, Tensor, Tensor], v: tuple[Tensor, Tensor, Tensor],
+                               mask: Tensor, bits: int) -> tuple[Tensor, Tensor] | None:
+    """torch_attention over per-token quantized K and V (each (codes [B, n_kv, L, D * bits / 8] uint8, scale,
+    zero [B, n_kv, L, 1]), quantization_utils' format) read from the codes by the kernel, without dequantizing
+    them: (out, probabilities) as torch_attention gives for the dequantized K and V, up to rounding. None
+    where the kernel does not take it (another device or dtype, a prompt's rows, a head size it cannot
+    unpack in groups of 8 bytes): the caller dequantizes then."""
+    D = q.shape[-1]
+    if (mask.dtype == torch.bool and q.shape[2] <= MAX_QUERY_ROWS and D <= 256 and D * bits % 64 == 0
+            and k[0].shape == v[0].shape and k[0].shape[:2] == q.shape[:2]
+            and _takes_kernel(q, k[1], k[2], v[1], v[2], dtypes=(torch.bfloat16, torch.float32))):
+        return torch.ops.kv_eviction.quantized_decode_attention(q, *k, *v, mask, bits)
+    return None

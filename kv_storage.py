@@ -9,6 +9,8 @@ leaves); the storage decides how the slot's K/V are kept. Every strategy runs on
                                             [B, n_head, T, D] (ThinK scores channels by them); n == 1 and
                                             no queries: one decode step
     keys(), values()               [B, H, L, D] in the cache dtype, what attention reads
+    attend(q, mask)                (out, probabilities) of a decode step's query rows [B, H, R, D] read from
+                                   the stored form itself, or None: attention then reads keys(), values()
     full_precision_slots()         [B, H, L] bool: slots whose K/V are kept whole (unquantized, unpruned)
     dense_equivalent(held)         [B, H]: the dense tokens the held slots' K/V are worth (compression ratio)
     attention_bytes()              bytes one decode step reads to rebuild K/V (the bench's bound)
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+import cpu_bf16_kernels
 from quantization_utils import dequantize, dequantize_codes, pack_codes, quantize, quantize_codes, unpack_codes
 
 SCHEMES = ("per_token", "kivi")
@@ -95,6 +98,12 @@ class Storage(nn.Module):
     def statistics(self, held: Tensor) -> dict[str, Tensor]:
         """Storage-specific statistics given the held slots [B, H, L], each [H]."""
         return {}
+
+    def attend(self, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor] | None:
+        """A decode step's attention (cpu_bf16_kernels.torch_attention's contract: q [B, H, R, D], mask
+        broadcastable to [B, H, R, L]) computed from the stored form, where that beats rebuilding K and V;
+        None (every storage but per-token codes on the CPU) when attention should read keys() and values()."""
+        return None
 
     def write_prefix(self, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
         """Store k, v [B, H, n, D] in slots 0..n-1 (the prompt): `write` at those slots, unless a storage
@@ -197,6 +206,12 @@ class PerTokenQuantizedStorage(Storage):
 
     def values(self) -> Tensor:
         return dequantize(self.v_codes, self.v_scale, self.v_zero, self.bits, self.dtype)
+
+    def attend(self, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor] | None:
+        # Dequantizing every slot each step cost more than the attention itself (several passes over a
+        # full-size K and V); the CPU kernel reads the codes in registers (cpu_quantized_attention.c).
+        return cpu_bf16_kernels.quantized_decode_attention(
+            q, (self.k_codes, self.k_scale, self.k_zero), (self.v_codes, self.v_scale, self.v_zero), mask, self.bits)
 
     def full_precision_slots(self) -> Tensor:
         return torch.zeros(self.k_codes.shape[:3], dtype=torch.bool, device=self.k_codes.device)

@@ -148,11 +148,14 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Te
     The rep query heads that share a KV head are folded into rows, so each KV head is read once.
     Returns (output [B, n_head, T, D], probabilities [B, n_kv, rep*T, L] in float32).
     """
+    out, probs = cpu_bf16_kernels.decode_attention(grouped_rows(q, k.shape[1]), k, v, mask)
+    return out.reshape(q.shape), probs
+
+
+def grouped_rows(q: Tensor, n_kv: int) -> Tensor:
+    """q [B, n_head, T, D] as [B, n_kv, rep * T, D]: the rep query heads that share a KV head, as its rows."""
     B, H, T, D = q.shape
-    n_kv = k.shape[1]
-    rep = H // n_kv
-    out, probs = cpu_bf16_kernels.decode_attention(q.reshape(B, n_kv, rep * T, D), k, v, mask)
-    return out.reshape(B, H, T, D), probs
+    return q.reshape(B, n_kv, H // n_kv * T, D)
 
 
 def soft_gated_attention(
@@ -295,27 +298,35 @@ class Attention(nn.Module):
                       by_rank: bool) -> Tensor:
         """A decode step: the new token into the cache (its strategy evicts), then attention over its slots."""
         cache, B = self.kv_cache, q.shape[0]
-        k_all, v_all, mask = cache.update_kv(input_pos, k, v)
+        cache.insert(input_pos, k, v)
+        mask = cache.mask
         if cache.pooled:
             # One K/V pool for all heads (budget_allocation.py): each query head attends over the slots its KV
             # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
             mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
-        if by_rank:
-            q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
-        if cache.needs_attention or q.device.type == "cpu":
-            # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached
-            # tokens (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
+        # Straight from the stored form where the storage can (per-token codes on the CPU: no full-size K and V
+        # rebuilt every step); re-rotated keys are turned after they are rebuilt, so they never are.
+        stored = None if by_rank else cache.storage.attend(grouped_rows(q, mask.shape[1]), mask)
+        if stored is not None:
+            y, probs = stored[0].reshape(q.shape), stored[1]
+        else:
+            k_all, v_all = cache.keys(), cache.values()
+            if by_rank:
+                q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
+            if not (cache.needs_attention or q.device.type == "cpu"):
+                # GPU: the fused kernel, no probabilities materialised. Faster than the grouped product below and
+                # than FlexAttention's decode kernel at 32k cached tokens on an H200 (docs/performance.md,
+                # 2026-12-04).
+                head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
+                    self.n_head // self.n_kv_head, dim=1)
+                return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)
+            # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached tokens
+            # (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
             y, probs = grouped_attention(q, k_all, v_all, mask)
-            if cache.needs_attention:
-                # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
-                cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
-            return y
-        # GPU: the fused kernel, no probabilities materialised. Faster than the grouped product above and than
-        # FlexAttention's decode kernel at 32k cached tokens on an H200 (docs/performance.md, 2026-12-04).
-        head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
-            self.n_head // self.n_kv_head, dim=1)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)
-
+        if cache.needs_attention:
+            # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
+            cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
+        return y
 
     def forward_chunk(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, input_pos: Tensor) -> Tensor:
         """A prompt chunk (--prefill_chunk, KVCache.prefill_chunk_tokens): the first is a prefill; the queries

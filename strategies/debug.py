@@ -68,10 +68,10 @@ class DebugCache(KVCache):
         super().prefill(input_pos, k, v, q, k_store)
         self.shadow.prefill(input_pos, k, v, q, k_store)
 
-    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        self.shadow.update_kv(input_pos, k, v)
+    def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        self.shadow.insert(input_pos, k, v)
         self.current_pos.copy_(input_pos)
-        return super().update_kv(input_pos, k, v)
+        super().insert(input_pos, k, v)
 
     def append(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.shadow.room() < k.shape[2]:  # the full cache always has room; the shadow must too

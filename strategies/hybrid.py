@@ -234,7 +234,7 @@ class HybridCache(KVCache):
 
     # ---- decode: admit or reject the new token per head, evict by the head's own priorities -------------------
 
-    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         B, H = k.shape[:2]
         L, limit = self.scratch, self.row_budget  # the slots, and each row's budget within them
         seen = self.inserted + 1  # [B, H], including this token
@@ -268,7 +268,6 @@ class HybridCache(KVCache):
         self.mask[..., L] = False  # the scratch slot is never held
         self.pos[..., L] = -1
         self.inserted += 1
-        return self.keys(), self.values(), self.mask
 
     def update_state(self, probs: Tensor) -> None:
         self.attn_sum += grouped_mean(probs)
