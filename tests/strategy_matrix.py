@@ -30,13 +30,14 @@ STORAGES = {"dense": [], "2bit": ["--cache_bits", "2"], "4bit": ["--cache_bits",
             "think": ["--think_ratio", "0.5", "--think_window", "8"]}
 STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fraction"), ("kivi4", "absolute")]
 # Compiled, each case a compile (seconds): the two ends, dense and KIVI (its flush is the most static-shape
-# work); per-token storage compiled is covered by the CUDA matrix and its eager run here.
-COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute")]
+# work), and per-token codes, whose CPU step attends from the codes through its own op.
+COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute"), ("4bit", "fraction")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
-# The compiled matrix's cases: every strategy and twin on dense storage, every strategy on KIVI. A twin's
-# shadow is its strategy's own cache on that storage (its full cache is always dense), so what KIVI adds to a
-# compiled twin's graph is its strategy's KIVI graph; each KIVI case is a cold compile of ~10 s here.
+# The compiled matrix's cases: every strategy and twin on dense storage, every strategy on KIVI and on 4-bit
+# codes. A twin's shadow is its strategy's own cache on that storage (its full cache is always dense), so what
+# a quantized storage adds to a compiled twin's graph is its strategy's graph on it; each case is a cold
+# compile of ~3-10 s here.
 COMPILED_CASES = ([(s, *COMPILED_STORAGE_BUDGETS[0]) for s in ALL]
                   + [(s, *sb) for sb in COMPILED_STORAGE_BUDGETS[1:] for s in STRATEGIES])
 # The budget-allocation axis (--budget_allocation adakv, budget_allocation.py): every head-specific strategy that
