@@ -126,8 +126,11 @@ _LIBRARY = torch.library.Library("kv_eviction", "DEF")
 _LIBRARY.define("bf16_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 _LIBRARY.define("f32_linears(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 _LIBRARY.define("bf16_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> (Tensor, Tensor)")
-_LIBRARY.define("quantized_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor v_codes, "
+_LIBRARY.define("per_token_decode_attention(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor v_codes, "
                 "Tensor v_scale, Tensor v_zero, Tensor mask, int bits) -> (Tensor, Tensor)")
+_LIBRARY.define("kivi_decode_attention(Tensor q, Tensor k_codes, Tensor k_group, Tensor k_scale, Tensor k_zero, "
+                "Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, Tensor slot_res, "
+                "Tensor mask, int bits) -> (Tensor, Tensor)")
 
 _library: ctypes.CDLL | None = None
 # None until the first load attempt, then whether the ops have their kernels. Read by linears and
@@ -218,11 +221,21 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty(B, H, R, D), q.new_empty(B, H, R, k.shape[2], dtype=torch.float32)
 
 
-@torch.library.register_fake("kv_eviction::quantized_decode_attention")
+def _quantized_attention_fake(q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    B, H, R, D = q.shape
+    return q.new_empty(B, H, R, D), q.new_empty(B, H, R, mask.shape[-1], dtype=torch.float32)
+
+
+@torch.library.register_fake("kv_eviction::per_token_decode_attention")
 def _(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor, v_scale: Tensor, v_zero: Tensor,
       mask: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    B, H, R, D = q.shape
-    return q.new_empty(B, H, R, D), q.new_empty(B, H, R, k_codes.shape[2], dtype=torch.float32)
+    return _quantized_attention_fake(q, mask)
+
+
+@torch.library.register_fake("kv_eviction::kivi_decode_attention")
+def _(q: Tensor, k_codes: Tensor, k_group: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor, v_scale: Tensor,
+      v_zero: Tensor, k_res: Tensor, v_res: Tensor, slot_res: Tensor, mask: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    return _quantized_attention_fake(q, mask)
 
 
 def _takes_kernel(*tensors: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
@@ -261,16 +274,35 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Ten
     return torch_attention(q, k, v, mask)
 
 
-def quantized_decode_attention(q: Tensor, k: tuple[Tensor, Tensor, Tensor], v: tuple[Tensor, Tensor, Tensor],
+def _takes_quantized(q: Tensor, mask: Tensor, bits: int, *cache_dtype: Tensor) -> bool:
+    """Whether a quantized decode attention runs in the kernel: a decode step's rows (not a prompt's), a head size
+    whose codes unpack in groups of 8 bytes, on the CPU in float32 or bf16 with the kernels built."""
+    D = q.shape[-1]
+    return (mask.dtype == torch.bool and q.shape[2] <= MAX_QUERY_ROWS and D <= 256 and D * bits % 64 == 0
+            and _takes_kernel(q, *cache_dtype, dtypes=(torch.bfloat16, torch.float32)))
+
+
+def per_token_decode_attention(q: Tensor, k: tuple[Tensor, Tensor, Tensor], v: tuple[Tensor, Tensor, Tensor],
                                mask: Tensor, bits: int) -> tuple[Tensor, Tensor] | None:
     """torch_attention over per-token quantized K and V (each (codes [B, n_kv, L, D * bits / 8] uint8, scale,
-    zero [B, n_kv, L, 1]), quantization_utils' format) read from the codes by the kernel, without dequantizing
-    them: (out, probabilities) as torch_attention gives for the dequantized K and V, up to rounding. None
-    where the kernel does not take it (another device or dtype, a prompt's rows, a head size it cannot
-    unpack in groups of 8 bytes): the caller dequantizes then."""
-    D = q.shape[-1]
-    if (mask.dtype == torch.bool and q.shape[2] <= MAX_QUERY_ROWS and D <= 256 and D * bits % 64 == 0
-            and k[0].shape == v[0].shape and k[0].shape[:2] == q.shape[:2]
-            and _takes_kernel(q, k[1], k[2], v[1], v[2], dtypes=(torch.bfloat16, torch.float32))):
-        return torch.ops.kv_eviction.quantized_decode_attention(q, *k, *v, mask, bits)
+    zero [B, n_kv, L, 1]), quantization_utils' format), read from the codes by the kernel without rebuilding
+    them: (out, probabilities) as torch_attention gives over the dequantized K and V, up to rounding. None
+    where the kernel does not take it (see _takes_quantized): the caller dequantizes then."""
+    if k[0].shape == v[0].shape and k[0].shape[:2] == q.shape[:2] and _takes_quantized(q, mask, bits, *k[1:], *v[1:]):
+        return torch.ops.kv_eviction.per_token_decode_attention(q, *k, *v, mask, bits)
+    return None
+
+
+def kivi_decode_attention(q: Tensor, buffers: dict[str, Tensor], mask: Tensor,
+                          bits: int) -> tuple[Tensor, Tensor] | None:
+    """torch_attention over KIVI's storage (kv_storage.ResidualQuantizedStorage's buffers by name, over the
+    mask's L slots), read by the kernel: each slot's key dequantized with its key group's per-channel scales,
+    its value with its channel groups', or both read from the residual where the slot's token is there. None
+    where the kernel does not take it (see _takes_quantized)."""
+    names = ("k_codes", "k_group", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res", "slot_res")
+    b = buffers
+    if (b["k_codes"].shape[:2] == q.shape[:2]
+            and _takes_quantized(q, mask, bits, b["k_scale"], b["k_zero"], b["v_scale"], b["v_zero"], b["k_res"],
+                                 b["v_res"])):
+        return torch.ops.kv_eviction.kivi_decode_attention(q, *(b[n] for n in names), mask, bits)
     return None

@@ -1,5 +1,5 @@
 // The CPU implementations of the torch ops that cpu_bf16_kernels.py declares (kv_eviction::bf16_linears,
-// kv_eviction::f32_linears, kv_eviction::bf16_decode_attention, kv_eviction::quantized_decode_attention),
+// kv_eviction::f32_linears, kv_eviction::bf16_decode_attention, and the two quantized decode attentions),
 // calling the C kernels of cpu_bf16_kernels.c and cpu_quantized_attention.c.
 // In C++ because a decode step of the bundled model makes ~150 of these calls: through the dispatcher one costs
 // ~6 us with its thread fork, through a Python function and ctypes it cost ~16 us (2026-12-02, 2 threads),
@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -24,10 +25,16 @@ void f32_linears(const float *x, long G, const float *const *w, const float *con
 int bf16_decode_attention(const uint16_t *q, const long *qs, const uint16_t *k, const long *ks, const uint16_t *v,
                           const long *vs, const uint8_t *mask, const long *ms, uint16_t *out, float *probs, long B,
                           long H, long R, long L, long D, float scale);
-int quantized_decode_attention(const float *q, const uint8_t *kc, const long *kcs, const void *ks, const void *kz,
+int per_token_decode_attention(const float *q, const uint8_t *kc, const long *kcs, const void *ks, const void *kz,
                                const long *kss, const uint8_t *vc, const long *vcs, const void *vs, const void *vz,
-                               const long *vss, int scale_bf16, int bits, const uint8_t *mask, const long *ms,
-                               float *out, float *probs, long B, long H, long R, long L, long D, float scale);
+                               const long *vss, int bf16, int bits, const uint8_t *mask, const long *ms, float *out,
+                               float *probs, long B, long H, long R, long L, long D, float scale);
+int kivi_decode_attention(const float *q, const uint8_t *kc, const long *kcs, const int32_t *group, const long *gs,
+                          const void *ks, const void *kz, const long *kss, const uint8_t *vc, const long *vcs,
+                          const void *vs, const void *vz, const long *vss, long value_group, const void *kr,
+                          const void *vr, const long *rs, const int32_t *slot_res, const long *srs, int bf16,
+                          int bits, const uint8_t *mask, const long *ms, float *out, float *probs, long B, long H,
+                          long R, long L, long D, float scale);
 }
 
 namespace {
@@ -119,46 +126,103 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_op(const at::Tensor &q_in, c
     return {out, probs};
 }
 
+// What the two quantized attention ops share: q as float32 rows, the checks on q and the mask, the outputs.
+struct QuantizedCall {
+    at::Tensor q, mask, out, probs;
+    int64_t B, H, R, L, D;
+    bool bf16;
+    long ms[4];
+
+    QuantizedCall(const at::Tensor &q_in, const at::Tensor &mask_in, int64_t slots, int64_t bits)
+        : q(q_in.to(at::kFloat).contiguous()), B(q.size(0)), H(q.size(1)), R(q.size(2)), L(slots), D(q.size(3)),
+          bf16(q_in.scalar_type() == at::kBFloat16) {
+        TORCH_CHECK((bits == 2 || bits == 4 || bits == 8) && (D * bits / 8) % 8 == 0 && D <= 256 && R <= 64 &&
+                        (q_in.scalar_type() == at::kFloat || bf16) && mask_in.scalar_type() == at::kBool,
+                    "quantized decode attention: bad shapes");
+        mask = mask_in.expand({B, H, R, L});
+        for (int d = 0; d < 4; d++) ms[d] = mask.stride(d);
+        out = at::empty({B, H, R, D}, q.options());
+        probs = at::empty({B, H, R, L}, q.options());
+    }
+
+    // A [B, H, rows, width] operand of the cache's dtype (or `type`), its last dimension contiguous.
+    void check(const at::Tensor &t, at::ScalarType type, int64_t width, const char *name) const {
+        TORCH_CHECK(t.scalar_type() == type && t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(3) == width &&
+                        t.stride(3) == 1,
+                    "quantized decode attention: ", name, " has the wrong dtype or shape");
+    }
+    at::ScalarType cache_type() const { return bf16 ? at::kBFloat16 : at::kFloat; }
+
+    std::tuple<at::Tensor, at::Tensor> result(int status, const at::Tensor &q_in) const {
+        TORCH_CHECK(status == 0, "quantized decode attention: out of memory for its work buffers");
+        return {out.to(q_in.scalar_type()), probs};
+    }
+};
+
+std::array<long, 3> strides3(const at::Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
 // q [B, H, R, D] over per-token quantized k, v (codes [B, H, L, D * bits / 8] uint8, scales and zeros [B, H, L, 1]
-// in q's dtype), mask broadcastable to [B, H, R, L] -> (out [B, H, R, D] in q's dtype, probabilities [B, H, R, L]
-// float32).
-std::tuple<at::Tensor, at::Tensor> quantized_attention_op(const at::Tensor &q_in, const at::Tensor &k_codes_in,
+// in q's dtype), mask broadcastable to [B, H, R, L] -> (out [B, H, R, D] in q's dtype, probabilities float32).
+std::tuple<at::Tensor, at::Tensor> per_token_attention_op(const at::Tensor &q_in, const at::Tensor &k_codes,
                                                           const at::Tensor &k_scale, const at::Tensor &k_zero,
-                                                          const at::Tensor &v_codes_in, const at::Tensor &v_scale,
+                                                          const at::Tensor &v_codes, const at::Tensor &v_scale,
                                                           const at::Tensor &v_zero, const at::Tensor &mask_in,
                                                           int64_t bits) {
-    const at::Tensor q = q_in.to(at::kFloat).contiguous();
-    auto last_dim_contiguous = [](const at::Tensor &t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
-    const at::Tensor k_codes = last_dim_contiguous(k_codes_in), v_codes = last_dim_contiguous(v_codes_in);
-    const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), L = k_codes.size(2);
-    const bool scale_bf16 = q_in.scalar_type() == at::kBFloat16;
-    TORCH_CHECK((bits == 2 || bits == 4 || bits == 8) && (D * bits / 8) % 8 == 0 && D <= 256 &&
-                    (q_in.scalar_type() == at::kFloat || scale_bf16) && q.dim() == 4 &&
-                    k_codes.sizes() == v_codes.sizes() && k_codes.scalar_type() == at::kByte &&
-                    v_codes.scalar_type() == at::kByte && k_codes.size(0) == B && k_codes.size(1) == H &&
-                    k_codes.size(3) == D * bits / 8 && mask_in.scalar_type() == at::kBool,
-                "quantized_decode_attention: bad shapes");
-    for (const at::Tensor *t : {&k_scale, &k_zero, &v_scale, &v_zero})
-        TORCH_CHECK(t->scalar_type() == q_in.scalar_type() && t->dim() == 4 && t->size(0) == B && t->size(1) == H &&
-                        t->size(2) == L && t->size(3) == 1,
-                    "quantized_decode_attention: scales and zeros [B, H, L, 1] in the query's dtype");
-    TORCH_CHECK(k_scale.strides() == k_zero.strides() && v_scale.strides() == v_zero.strides(),
-                "quantized_decode_attention: a scale and its zero point share their strides");
-    const at::Tensor mask = mask_in.expand({B, H, R, L});
-    at::Tensor out = at::empty({B, H, R, D}, q.options());
-    at::Tensor probs = at::empty({B, H, R, L}, q.options());
-    long strides[5][4];
-    const at::Tensor *operands[5] = {&k_codes, &v_codes, &k_scale, &v_scale, &mask};
-    for (int i = 0; i < 5; i++)
-        for (int d = 0; d < 4; d++) strides[i][d] = operands[i]->stride(d);
-    const int status = quantized_decode_attention(
-        q.const_data_ptr<float>(), k_codes.const_data_ptr<uint8_t>(), strides[0], k_scale.const_data_ptr(),
-        k_zero.const_data_ptr(), strides[2], v_codes.const_data_ptr<uint8_t>(), strides[1], v_scale.const_data_ptr(),
-        v_zero.const_data_ptr(), strides[3], scale_bf16, static_cast<int>(bits),
-        static_cast<const uint8_t *>(mask.const_data_ptr()), strides[4], out.data_ptr<float>(),
-        probs.data_ptr<float>(), B, H, R, L, D, 1.0f / std::sqrt(static_cast<float>(D)));
-    TORCH_CHECK(status == 0, "quantized_decode_attention: out of memory for its work buffers");
-    return {out.to(q_in.scalar_type()), probs};
+    const QuantizedCall c(q_in, mask_in, k_codes.size(2), bits);
+    c.check(k_codes, at::kByte, c.D * bits / 8, "k_codes");
+    c.check(v_codes, at::kByte, c.D * bits / 8, "v_codes");
+    for (const at::Tensor *t : {&k_scale, &k_zero, &v_scale, &v_zero}) {
+        c.check(*t, c.cache_type(), 1, "a scale or zero");
+        TORCH_CHECK(t->size(2) == c.L, "quantized decode attention: a scale or zero per slot");
+    }
+    TORCH_CHECK(v_codes.size(2) == c.L && k_scale.strides() == k_zero.strides() && v_scale.strides() == v_zero.strides(),
+                "quantized decode attention: a scale and its zero point share their strides");
+    const auto kcs = strides3(k_codes), vcs = strides3(v_codes), kss = strides3(k_scale), vss = strides3(v_scale);
+    const int status = per_token_decode_attention(
+        c.q.const_data_ptr<float>(), k_codes.const_data_ptr<uint8_t>(), kcs.data(), k_scale.const_data_ptr(),
+        k_zero.const_data_ptr(), kss.data(), v_codes.const_data_ptr<uint8_t>(), vcs.data(), v_scale.const_data_ptr(),
+        v_zero.const_data_ptr(), vss.data(), c.bf16, static_cast<int>(bits),
+        static_cast<const uint8_t *>(c.mask.const_data_ptr()), c.ms, c.out.data_ptr<float>(), c.probs.data_ptr<float>(),
+        c.B, c.H, c.R, c.L, c.D, 1.0f / std::sqrt(static_cast<float>(c.D)));
+    return c.result(status, q_in);
+}
+
+// q [B, H, R, D] over KIVI's storage (kv_storage.ResidualQuantizedStorage's buffers: L slots and a scratch row,
+// key groups [B, H, G, D], value channel groups [B, H, L + 1, D / Gv], the residual [B, H, E, D] and each slot's
+// entry in it), mask broadcastable to [B, H, R, L] -> (out [B, H, R, D] in q's dtype, probabilities float32).
+std::tuple<at::Tensor, at::Tensor> kivi_attention_op(
+    const at::Tensor &q_in, const at::Tensor &k_codes, const at::Tensor &k_group, const at::Tensor &k_scale,
+    const at::Tensor &k_zero, const at::Tensor &v_codes, const at::Tensor &v_scale, const at::Tensor &v_zero,
+    const at::Tensor &k_res, const at::Tensor &v_res, const at::Tensor &slot_res, const at::Tensor &mask_in,
+    int64_t bits) {
+    const QuantizedCall c(q_in, mask_in, mask_in.size(-1), bits);
+    const int64_t slots = k_codes.size(2), groups = v_scale.size(3);
+    TORCH_CHECK(c.L < slots && groups > 0 && c.D % groups == 0, "kivi decode attention: bad shapes");
+    c.check(k_codes, at::kByte, c.D * bits / 8, "k_codes");
+    c.check(v_codes, at::kByte, c.D * bits / 8, "v_codes");
+    c.check(k_scale, c.cache_type(), c.D, "k_scale");
+    c.check(k_zero, c.cache_type(), c.D, "k_zero");
+    c.check(v_scale, c.cache_type(), groups, "v_scale");
+    c.check(v_zero, c.cache_type(), groups, "v_zero");
+    c.check(k_res, c.cache_type(), c.D, "k_res");
+    c.check(v_res, c.cache_type(), c.D, "v_res");
+    for (const at::Tensor *t : {&k_group, &slot_res})
+        TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 3 && t->size(2) == slots,
+                    "kivi decode attention: group ids and residual entries are int32 [B, H, L + 1]");
+    TORCH_CHECK(v_codes.size(2) == slots && v_scale.size(2) == slots && k_scale.strides() == k_zero.strides() &&
+                    v_scale.strides() == v_zero.strides() && k_res.strides() == v_res.strides(),
+                "kivi decode attention: paired operands share their shapes and strides");
+    const auto kcs = strides3(k_codes), vcs = strides3(v_codes), gs = strides3(k_group), kss = strides3(k_scale);
+    const auto vss = strides3(v_scale), rs = strides3(k_res), srs = strides3(slot_res);
+    const int status = kivi_decode_attention(
+        c.q.const_data_ptr<float>(), k_codes.const_data_ptr<uint8_t>(), kcs.data(), k_group.const_data_ptr<int32_t>(),
+        gs.data(), k_scale.const_data_ptr(), k_zero.const_data_ptr(), kss.data(), v_codes.const_data_ptr<uint8_t>(),
+        vcs.data(), v_scale.const_data_ptr(), v_zero.const_data_ptr(), vss.data(), c.D / groups,
+        k_res.const_data_ptr(), v_res.const_data_ptr(), rs.data(), slot_res.const_data_ptr<int32_t>(), srs.data(),
+        c.bf16, static_cast<int>(bits), static_cast<const uint8_t *>(c.mask.const_data_ptr()), c.ms,
+        c.out.data_ptr<float>(), c.probs.data_ptr<float>(), c.B, c.H, c.R, c.L, c.D,
+        1.0f / std::sqrt(static_cast<float>(c.D)));
+    return c.result(status, q_in);
 }
 
 }  // namespace
@@ -167,5 +231,6 @@ TORCH_LIBRARY_IMPL(kv_eviction, CPU, m) {
     m.impl("bf16_linears", linears_op<uint16_t>);
     m.impl("f32_linears", linears_op<float>);
     m.impl("bf16_decode_attention", decode_attention_op);
-    m.impl("quantized_decode_attention", quantized_attention_op);
+    m.impl("per_token_decode_attention", per_token_attention_op);
+    m.impl("kivi_decode_attention", kivi_attention_op);
 }

@@ -41,6 +41,8 @@ class NaiveKivi:
     def _quantize(self, entries: list[int | None], keys: dict, values: dict) -> None:
         for start in range(0, len(entries), self.G):
             members = [s for s in entries[start : start + self.G] if s is not None]
+            if not members:  # every token of the group was evicted before the flush: nothing to quantize
+                continue
             for s in members:
                 self.k[s] = torch.zeros(H, D, dtype=torch.float64)
                 self.v[s] = torch.zeros(H, D, dtype=torch.float64)
