@@ -37,6 +37,7 @@ from benchmarks import (
     gated_fidelity,
     kvpress_side_by_side,
     prefill_memory,
+    quantized_attention,
     received_attention,
     streaming_past_context,
 )
@@ -101,6 +102,9 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                lambda w: ["--out", str(w / "prefill_memory.json")], (prefill_memory,)),
     EntryPoint("python -m benchmarks.received_attention", received_attention.main, received_attention.build_parser,
                lambda w: ["--out", str(w / "received.json")], (received_attention,)),
+    EntryPoint("python -m benchmarks.quantized_attention", quantized_attention.main,
+               quantized_attention.build_parser, lambda w: ["--out", str(w / "quantized.json")],
+               (quantized_attention,)),
 ]}
 # Command-line scripts outside this matrix, each with the reason; any other module that runs `run_cli` must
 # join ENTRY_POINTS (test_every_command_line_script_is_in_the_matrix).

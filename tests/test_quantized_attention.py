@@ -286,3 +286,15 @@ def test_the_bundled_model_attends_from_codes_as_over_rebuilt_keys(bundled, quan
             logits = decode_one_token(model, logits.argmax(-1).view(1, 1), torch.tensor([len(ids) + i]))
     assert len(calls) == 40 * model.args.n_layer
     assert max(calls) < (1e-5 if dtype == torch.float32 else ULP)
+
+
+def test_the_benchmark_reports_the_three_ways_and_their_agreement(tmp_path, capsys):
+    from benchmarks.quantized_attention import main
+
+    out = tmp_path / "quantized.json"
+    report = main(["--slots", "40", "300", "--batch", "2", "--q_group_size", "16", "--residual_length", "32",
+                   "--repeats", "2", "--out", str(out)])
+    assert [(r["scheme"], r["slots"]) for r in report["rows"]] == [("per_token", 40), ("per_token", 300),
+                                                                    ("kivi", 40), ("kivi", 300)]
+    assert all(r["max_relative_difference"] < 1e-5 and r["codes_ms"] > 0 for r in report["rows"])
+    assert "| kivi | 300 |" in capsys.readouterr().out and out.exists()
