@@ -22,6 +22,10 @@ and rounds the result to bf16 as torch does (docs/performance.md has the measure
   MAX_QUERY_ROWS query rows per KV head: one pass over each head's K and V, scores and probabilities in
   float32 (torch's path rounds the scores and the probabilities to bf16 before each product, so this is
   the more exact of the two).
+- `per_token_decode_attention` and `kivi_decode_attention`, a decode step's attention read straight from
+  quantized storage's codes (kv_storage's per-token and KIVI storages, float32 or bf16; the C kernels in
+  `cpu_quantized_attention.c`): each slot widened in registers instead of a full-size K and V rebuilt every
+  step, which had made quantized storage decode slower than dense.
 
 Both are torch ops (`torch.ops.kv_eviction.*`, schemas here, CPU implementations in C++ in
 `cpu_bf16_ops.cpp`, so a call costs the dispatcher's few microseconds), which a compiled step calls as

@@ -401,6 +401,8 @@ class ResidualQuantizedStorage(Storage):
     def attend(self, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor] | None:
         # Rebuilding K and V (a group-row gather per slot, the residual scattered over them) cost ~2x the dense
         # step; the CPU kernel dequantizes one slot at a time in L1 (cpu_quantized_attention.c).
+        if q.device.type != "cpu":
+            return None
         return cpu_bf16_kernels.kivi_decode_attention(q, dict(self.named_buffers()), mask, self.bits)
 
     def full_precision_slots(self) -> Tensor:

@@ -304,7 +304,7 @@ class Attention(nn.Module):
             # One K/V pool for all heads (budget_allocation.py): each query head attends over the slots its KV
             # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
             mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
-        # Straight from the stored form where the storage can (per-token codes on the CPU: no full-size K and V
+        # Straight from the stored form where the storage can (quantized codes on the CPU: no full-size K and V
         # rebuilt every step); re-rotated keys are turned after they are rebuilt, so they never are.
         stored = None if by_rank else cache.storage.attend(grouped_rows(q, mask.shape[1]), mask)
         if stored is not None:
