@@ -83,11 +83,12 @@ class NaiveKivi:
         return k, v
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize(("G", "R", "prompt"), [(4, 8, 13), (2, 4, 3), (4, 4, 20)])
-def test_matches_naive_kivi_through_flushes_and_evictions_from_both_stores(bits, G, R, prompt):
-    L, steps = 24, 48
-    rng = random.Random(bits * 100 + G * 10 + R)
+def through_flushes_and_evictions(bits: int, G: int, R: int, prompt: int, L: int = 24, steps: int = 48,
+                                  seed: int = 0):
+    """A KIVI storage and the naive KIVI fed the same prompt, then the same decode tokens into the same slots
+    (new slots until L are used, then a random slot: evicting from the residual or the quantized store);
+    yields (storage, naive, slots in use) after every step."""
+    rng = random.Random(seed)
     torch.manual_seed(bits)
     storage = make_storage(StorageSpec(bits, "kivi", G, R), B, H, L, D, torch.float32, "cpu", prompt + steps)
     naive = NaiveKivi(bits, G, R)
@@ -97,11 +98,18 @@ def test_matches_naive_kivi_through_flushes_and_evictions_from_both_stores(bits,
     naive.prompt(k, v)
     used = prompt
     for _ in range(steps):
-        slot = used if used < L else rng.randrange(L)  # then evict a random slot: residual or quantized
+        slot = used if used < L else rng.randrange(L)
         used = min(L, used + 1)
         kt, vt = torch.randn(H, D) * torch.linspace(0.5, 6, D), torch.randn(H, D)
         storage.write(torch.full((B, H, 1), slot), kt[None, :, None], vt[None, :, None])
         naive.insert(slot, kt, vt)
+        yield storage, naive, used
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(("G", "R", "prompt"), [(4, 8, 13), (2, 4, 3), (4, 4, 20)])
+def test_matches_naive_kivi_through_flushes_and_evictions_from_both_stores(bits, G, R, prompt):
+    for storage, naive, used in through_flushes_and_evictions(bits, G, R, prompt, seed=bits * 100 + G * 10 + R):
         slots = list(range(used))
         want_k, want_v = naive.keys_values(slots)
         torch.testing.assert_close(storage.keys()[0, :, :used].double(), want_k, atol=1e-5, rtol=1e-5)

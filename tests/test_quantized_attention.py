@@ -10,7 +10,6 @@ same kept positions at every step as the dequantizing path and logits within 1e-
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -25,12 +24,16 @@ from tests.strategy_matrix import PROMPT, STRATEGIES, TOTAL, attach, cache_args,
 ULP = 2.0**-7
 
 
+def exact_over(q, k, v, mask):
+    """Attention in float64 over the given K/V."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    return probs @ v.double(), probs
+
+
 def exact(q, kq, vq, mask, bits):
     """The definition: attention in float64 over the K/V the codes stand for."""
-    k, v = dequantize(*kq, bits, torch.float64), dequantize(*vq, bits, torch.float64)
-    scores = (q.double() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
-    return probs @ v, probs
+    return exact_over(q, dequantize(*kq, bits, torch.float64), dequantize(*vq, bits, torch.float64), mask)
 
 
 def quantized(shape, bits, dtype, g, offset=0.0):
@@ -135,34 +138,15 @@ def test_compiled_calls_equal_eager_calls():
 
 # ---- KIVI: group scales, value channel groups, the residual --------------------------------------------------
 
-def exact_over(q, k, v, mask):
-    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
-    return probs @ v.double(), probs
-
-
 @pytest.mark.parametrize(("G", "R", "prompt"), [(4, 8, 13), (8, 8, 20), (2, 4, 3)])
 def test_kivi_attention_matches_the_naive_kivi_through_flushes_and_evictions(G, R, prompt):
     # tests/test_kivi.py's naive KIVI (8-wide heads, so 8 bits; value groups of 2 and 4 channels take the
     # kernel's narrow-group path, of 8 its vector path): every step's attention over the slots in use against
     # the float64 attention over the naive store's keys and values, residual tokens whole.
-    from tests.test_kivi import B, D, H, NaiveKivi
+    from tests.test_kivi import B, D, H, through_flushes_and_evictions
 
-    L, steps, bits = 24, 40, 8
-    rng = random.Random(G * 10 + R)
-    torch.manual_seed(G)
-    storage = make_storage(StorageSpec(bits, "kivi", G, R), B, H, L, D, torch.float32, "cpu", prompt + steps)
-    naive = NaiveKivi(bits, G, R)
-    k, v = torch.randn(H, prompt, D) * torch.linspace(0.5, 6, D), torch.randn(H, prompt, D)
-    storage.write(torch.arange(prompt).expand(B, H, prompt), k[None], v[None])
-    naive.prompt(k, v)
-    used = prompt
-    for _ in range(steps):
-        slot = used if used < L else rng.randrange(L)  # then evict a random slot: residual or quantized
-        used = min(L, used + 1)
-        kt, vt = torch.randn(H, D) * torch.linspace(0.5, 6, D), torch.randn(H, D)
-        storage.write(torch.full((B, H, 1), slot), kt[None, :, None], vt[None, :, None])
-        naive.insert(slot, kt, vt)
+    L = 24
+    for storage, naive, used in through_flushes_and_evictions(8, G, R, prompt, L, steps=40, seed=G * 10 + R):
         q, mask = torch.randn(B, H, 3, D), (torch.arange(L) < used).view(1, 1, 1, L).expand(B, H, 1, L)
         with torch.inference_mode():
             out, probs = storage.attend(q, mask)
