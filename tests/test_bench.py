@@ -245,6 +245,32 @@ def test_batch_plan_takes_the_largest_batch_whose_measured_caches_fit_the_cap():
         ("full", 1), ("full", 8), ("l2", 1), ("l2", 8)]
 
 
+def test_quantized_storages_fit_more_rows_and_are_compared_with_the_dense_full_cache():
+    from cache_setup import cache_config, cache_specs
+    from eval.bench.batched import ENGINES, batch_plan, caches_bytes, fill_batch_comparisons
+    from eval.bench.measure import random_weight_model
+
+    shapes = random_weight_model("smollm2-135m", "meta", torch.float32).args
+    args = build_parser().parse_args(["--batch_sizes", "1", "4", "8", "16", "32", "--kv_memory_gb", "0.4",
+                                      "--batch_context", "2048", "--budgets", "0.1", "--batch_cache_bits", "4", "16"])
+    plan = batch_plan(args, ["recent_global"], shapes, torch.float32)
+    assert [(j.strategy, j.cache_bits, j.batch_size) for j in plan] == [
+        ("full", 16, 4), ("full", 4, 16), ("recent_global", 16, 32), ("recent_global", 4, 32)]
+    # The 4-bit full cache's bytes are the per-token codes' own (codes, scales and zero points, measured).
+    specs = cache_specs(cache_config(cache_strategy=["full"], max_cache_length=[1.0], cache_bits=4), shapes, 2048, 64)
+    assert plan[1].cache_bytes == caches_bytes(specs, shapes, 16, 2112, torch.float32) < plan[0].cache_bytes
+
+    def row(strategy, bits, tok_s):
+        r = dict.fromkeys(FIELDS)
+        r.update(engine=ENGINES[True], strategy=strategy, budget=1.0, cache_bits=bits, context=2048, new_tokens=16,
+                 batch_size=4, kv_memory_cap_gb=0.4, decode_tokens_per_second=tok_s, bound_tokens_per_second=1.0)
+        return r
+
+    rows = [row("full", 16, 10.0), row("full", 4, 35.0), row("recent_global", 4, 60.0)]
+    fill_batch_comparisons(rows)
+    assert [r["speedup_vs_full"] for r in rows] == [None, 3.5, 6.0]
+
+
 def test_batched_comparisons_are_against_the_full_cache_under_the_same_cap():
     from eval.bench.batched import ENGINES, fill_batch_comparisons
     from eval.bench.report import summarize_batch_targets
@@ -269,6 +295,7 @@ BAD_BATCH_INPUT = {
     "batch size zero": (["--batch_sizes", "0"], "--batch_sizes: must be at least 1"),
     "negative batch size": (["--batch_sizes", "4", "-1"], "--batch_sizes: must be at least 1"),
     "negative cap": (["--kv_memory_gb", "-1"], "--kv_memory_gb: must be greater than 0"),
+    "storage without codes": (["--batch_cache_bits", "3"], "--batch_cache_bits: invalid choice"),
 }
 
 

@@ -77,6 +77,7 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (EVAL, ["--compile_scope", "block"], "--compile_scope would be ignored"),
     (STREAMING, ["--compile_scope", "step"], "--compile_scope would be ignored"),
     (BENCH, ["--batch_context", "64"], "--batch_context would be ignored: it applies to --batch_sizes only"),
+    (BENCH, ["--batch_cache_bits", "4"], "--batch_cache_bits would be ignored: it applies to --batch_sizes only"),
     (BENCH, ["--batch_sizes", "1", "--profile_steps", "4"], "--profile_steps would be ignored: --batch_sizes"),
     (REPRODUCE, ["--summarize"], "--runs_dir would be ignored: --summarize only rebuilds"),
     (REPRODUCE, ["--list"], "--list takes no experiment names"),

@@ -1,7 +1,8 @@
 """Throughput under a memory cap (`--batch_sizes`, `--kv_memory_gb`): for each strategy and budget, the
 largest of the batch sizes whose caches fit the cap, decoded as one batch of rows sharing positions.
 
-A compressed cache holds fewer bytes per row, so more rows fit the same memory; decode reads the weights
+A compressed cache holds fewer bytes per row, and quantized storage (`--batch_cache_bits`) fewer bytes per
+token, so more rows fit the same memory; decode reads the weights
 once per step for the whole batch, so tokens per second summed over the rows grow with the batch until
 the step stops being bound by reading the weights. The bound: B x bandwidth / (weight bytes + the B rows'
 K/V bytes read per step).
@@ -57,6 +58,7 @@ class BatchJob:
     cache_bytes: int  # of the caches at this batch size, measured on the meta device
     context: int
     new_tokens: int
+    cache_bits: int = 16  # 16: dense storage; 2/4/8: per-token codes
 
 
 def caches_bytes(specs: list[LayerCacheSpec], model_args: ModelArgs, batch_size: int, capacity: int,
@@ -77,28 +79,31 @@ def check_batch_flags(args: argparse.Namespace) -> None:
 
 def batch_plan(args: argparse.Namespace, strategies: list[str], model_args: ModelArgs,
                dtype: torch.dtype) -> list[BatchJob]:
-    """The full cache first, then every strategy at every budget: the largest of --batch_sizes whose caches
-    fit --kv_memory_gb, or (no cap) a row per batch size. A configuration with no batch size that fits
-    is a UserError, before anything runs."""
+    """The full cache first, then every strategy at every budget, each on every storage of --batch_cache_bits:
+    the largest of --batch_sizes whose caches fit --kv_memory_gb, or (no cap) a row per batch size. A
+    configuration with no batch size that fits is a UserError, before anything runs."""
     new = args.new_tokens
     context = args.batch_context
     if context + new > model_args.context_length:
         raise UserError(f"--batch_context {context} plus --new_tokens {new} exceeds the model's context of "
                         f"{model_args.context_length} tokens")
     cap = None if args.kv_memory_gb is None else args.kv_memory_gb * GB
-    configs = [("full", 1.0)] + [(s, b) for s in strategies for b in sorted(set(args.budgets))]
+    storages = sorted(set(args.batch_cache_bits), reverse=True)  # dense (16) first: the comparisons' reference
+    configs = [("full", 1.0, bits) for bits in storages] + [
+        (s, b, bits) for s in strategies for b in sorted(set(args.budgets)) for bits in storages]
     jobs = []
-    for strategy, budget in configs:
-        specs = cache_specs(cache_args(strategy, budget), model_args, context, new)
+    for strategy, budget, bits in configs:
+        specs = cache_specs(cache_args(strategy, budget, bits), model_args, context, new)
         sizes = {b: caches_bytes(specs, model_args, b, context + new, dtype) for b in sorted(set(args.batch_sizes))}
         fitting = [b for b, n in sizes.items() if cap is None or n <= cap]
         if not fitting:
             smallest = min(sizes)
-            raise UserError(f"--kv_memory_gb {args.kv_memory_gb:g} holds no batch of {strategy} at budget {budget:g}: "
+            raise UserError(f"--kv_memory_gb {args.kv_memory_gb:g} holds no batch of {strategy} at budget {budget:g}"
+                            f"{'' if bits == 16 else f' in {bits}-bit codes'}: "
                             f"its caches take {sizes[smallest] / GB:.4g} GB at batch {smallest} (context {context} + "
                             f"{new} new tokens); a cap must hold at least one row")
         for b in fitting if cap is None else [max(fitting)]:
-            jobs.append(BatchJob(strategy, budget, b, sizes[b], context, new))
+            jobs.append(BatchJob(strategy, budget, b, sizes[b], context, new, bits))
     return jobs
 
 
@@ -111,7 +116,7 @@ def bench_batch(model: Transformer, tokenizer: object, ids: list[int], job: Batc
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    specs = cache_specs(cache_args(job.strategy, job.budget), model.args, len(ids), job.new_tokens)
+    specs = cache_specs(cache_args(job.strategy, job.budget, job.cache_bits), model.args, len(ids), job.new_tokens)
     caches, single = attach_row_caches(model, specs, len(ids) + job.new_tokens, job.batch_size, tokenizer, classes)
     step, compile_seconds = decode_one_token, None
     if compile_scope is not None:
@@ -157,18 +162,22 @@ def bench_batch(model: Transformer, tokenizer: object, ids: list[int], job: Batc
                 "compression_ratio": stats["compression_ratio"], "cache_bytes": stats["cache_bytes"],
                 "kv_bytes_read_per_step": kv, "bound_tokens_per_second": round(bound, 1),
                 "fraction_of_bound": round(tok_s / bound, 3), "compile_seconds": compile_seconds,
-                "peak_rss_mb": peak_rss_mb(), "peak_device_memory_mb": peak_device_memory_mb(device)})
+                "peak_rss_mb": peak_rss_mb(), "peak_device_memory_mb": peak_device_memory_mb(device),
+                "cache_bits": job.cache_bits})
     model.remove_caches()
     return row
 
 
 def fill_batch_comparisons(rows: list[dict]) -> None:
-    """Each batched row's throughput over the full cache's under the same cap (with no cap: at the same
+    """Each batched row's throughput over the dense full cache's under the same cap (with no cap: at the same
     batch size), measured and as the bound predicts it."""
+    def dense_full(r: dict) -> bool:
+        return r["strategy"] == "full" and r.get("cache_bits") in (None, 16)  # rows from before the field: dense
+
     for r in rows:
-        if r["engine"] not in ENGINES.values() or r["strategy"] == "full":
+        if r["engine"] not in ENGINES.values() or dense_full(r):
             continue
-        full = next((f for f in rows if f["engine"] == r["engine"] and f["strategy"] == "full"
+        full = next((f for f in rows if f["engine"] == r["engine"] and dense_full(f)
                      and f["context"] == r["context"] and f["new_tokens"] == r["new_tokens"]
                      and (r["kv_memory_cap_gb"] is not None or f["batch_size"] == r["batch_size"])), None)
         if full is not None:
@@ -177,10 +186,10 @@ def fill_batch_comparisons(rows: list[dict]) -> None:
 
 
 def format_batch_table(rows: list[dict]) -> str:
-    cols = ["strategy", "budget", "context", "batch_size", "cache_bytes", "decode_tokens_per_second",
+    cols = ["strategy", "budget", "cache_bits", "context", "batch_size", "cache_bytes", "decode_tokens_per_second",
             "bound_tokens_per_second", "fraction_of_bound", "speedup_vs_full", "bound_speedup_vs_full",
             "median_ms_per_step", "compile_seconds", "peak_rss_mb", "peak_device_memory_mb"]
-    short = {"batch_size": "batch", "decode_tokens_per_second": "decode tok/s (all rows)",
+    short = {"batch_size": "batch", "cache_bits": "bits", "decode_tokens_per_second": "decode tok/s (all rows)",
              "bound_tokens_per_second": "bound tok/s", "fraction_of_bound": "of bound",
              "speedup_vs_full": "× full at cap", "bound_speedup_vs_full": "bound × full",
              "median_ms_per_step": "ms/step", "compile_seconds": "compile s", "peak_rss_mb": "peak RSS MB",

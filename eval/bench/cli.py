@@ -64,6 +64,9 @@ def add_batch_arguments(p: CliParser) -> None:
                         "in 10^9 bytes")
     p.add_argument("--batch_context", type=positive_int, default=2048,
                    help="prompt tokens of every row of --batch_sizes")
+    p.add_argument("--batch_cache_bits", nargs="+", type=int, choices=[2, 4, 8, 16], default=[16],
+                   help="the storages every configuration of --batch_sizes runs on: 16 dense, 2/4/8 per-token "
+                        "codes (each compared with the dense full cache under the cap)")
 
 
 def build_parser() -> CliParser:
@@ -131,7 +134,7 @@ QUICK_SETS = ("contexts", "strategy_contexts", "speedup_contexts", "bound_contex
 PLAN_ONLY = ("contexts", "bound_contexts", "strategy_contexts", "speedup_contexts", "budget_strategies",
              "recompile_steps", "profile_steps", "overhead_blocks", "no_same_size_ref", "inductor_freezing", "no_hf",
              "hf_static", "quick")
-BATCHED_ONLY = ("kv_memory_gb", "batch_context")
+BATCHED_ONLY = ("kv_memory_gb", "batch_context", "batch_cache_bits")
 
 
 def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:

@@ -32,7 +32,7 @@ FIELDS = ["engine", "strategy", "budget", "context", "new_tokens", "batch_size",
           "kv_bytes_read_per_step", "bound_tokens_per_second", "fraction_of_bound", "fraction_of_bound_paired",
           "same_size_full_median_ms",
           "overhead_vs_same_size_full", "speedup_vs_full", "bound_speedup_vs_full", "recompilations",
-          "recompile_check_steps", "compile_seconds", "peak_rss_mb", "peak_device_memory_mb"]
+          "recompile_check_steps", "compile_seconds", "peak_rss_mb", "peak_device_memory_mb", "cache_bits"]
 
 # `--random_weights`: real models' shapes as their Hugging Face configs (read by the same code as a checkpoint's
 # config.json). Decode speed depends on the shapes only, so nothing is downloaded.
@@ -276,7 +276,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
            "overhead_vs_same_size_full": overhead, "speedup_vs_full": None, "bound_speedup_vs_full": None,
            "recompilations": recompilations, "recompile_check_steps": check_steps,
            "compile_seconds": round(result.compile_seconds, 1) if compiled else None, "peak_rss_mb": peak_rss_mb(),
-           "peak_device_memory_mb": peak_device_memory_mb(device)}
+           "peak_device_memory_mb": peak_device_memory_mb(device), "cache_bits": 16}
     if profile_steps:  # not a CSV column: bench.json and bench.md's profile table
         row["profile"] = profile_decode_steps(model, ids, step, profile_steps)
     return row

@@ -21,8 +21,8 @@ EST_STEP_A, EST_STEP_B, EST_EAGER_FACTOR = 0.033, 3.2e-6, 1.4
 EST_HF_STEP_A, EST_HF_STEP_B = 0.039, 2.5e-5
 
 
-def cache_args(strategy: str, budget: float) -> argparse.Namespace:
-    return cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)])
+def cache_args(strategy: str, budget: float, cache_bits: int = 16) -> argparse.Namespace:
+    return cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)], cache_bits=cache_bits)
 
 
 def cache_slots(strategy: str, budget: float, n_layer: int, prompt: int, new: int) -> int:
