@@ -28,8 +28,9 @@ bench.json / bench.md end with the targets (TARGET_*) as measured ratios.
 
 `--batch_sizes` measures throughput under a memory cap instead (eval/bench/batched.py): the full cache and
 each strategy at each of --budgets, at the largest of those batch sizes whose measured caches fit
---kv_memory_gb, decoded as one batch of rows of a --batch_context prompt; tokens/s summed over the rows,
-the ratio to the full cache under the same cap, and the bound B x bandwidth / (weights + B rows' K/V).
+--kv_memory_gb, decoded as one batch of rows of a --batch_context prompt, on each storage of
+--batch_cache_bits (dense, or per-token codes); tokens/s summed over the rows, the ratio to the dense full cache
+under the same cap, and the bound B x bandwidth / (weights + B rows' K/V).
 
     python -m eval.bench                 # the default plan
     python -m eval.bench --dry_run       # the plan, the number of compiles, prefill tokens and steps
