@@ -249,6 +249,7 @@ def test_quantized_storages_fit_more_rows_and_are_compared_with_the_dense_full_c
     from cache_setup import cache_config, cache_specs
     from eval.bench.batched import ENGINES, batch_plan, caches_bytes, fill_batch_comparisons
     from eval.bench.measure import random_weight_model
+    from eval.bench.report import summarize_batch_targets
 
     shapes = random_weight_model("smollm2-135m", "meta", torch.float32).args
     args = build_parser().parse_args(["--batch_sizes", "1", "4", "8", "16", "32", "--kv_memory_gb", "0.4",
@@ -266,9 +267,14 @@ def test_quantized_storages_fit_more_rows_and_are_compared_with_the_dense_full_c
                  batch_size=4, kv_memory_cap_gb=0.4, decode_tokens_per_second=tok_s, bound_tokens_per_second=1.0)
         return r
 
-    rows = [row("full", 16, 10.0), row("full", 4, 35.0), row("recent_global", 4, 60.0)]
+    rows = [row("full", 16, 10.0), row("full", 4, 35.0), row("recent_global", 16, 25.0),
+            row("recent_global", 4, 60.0)]
     fill_batch_comparisons(rows)
-    assert [r["speedup_vs_full"] for r in rows] == [None, 3.5, 6.0]
+    assert [r["speedup_vs_full"] for r in rows] == [None, 3.5, 2.5, 6.0]
+    # The target judges eviction on dense storage; rows on codes are reported beside it, keyed with their bits.
+    target = summarize_batch_targets(rows, 1.0, ["recent_global"])["batched_over_full_at_cap"]
+    assert set(target["value"]) == {"full@1/4bit", "recent_global@1", "recent_global@1/4bit"}
+    assert target["met"] is False and target["value"]["recent_global@1/4bit"]["speedup"] == 6.0
 
 
 def test_batched_comparisons_are_against_the_full_cache_under_the_same_cap():

@@ -130,13 +130,21 @@ def _recompilation_target(rows: list[dict]) -> dict:
 
 
 def summarize_batch_targets(rows: list[dict], speedup_budget: float, judged: list[str]) -> dict:
-    """Batched rows under a cap: each strategy's throughput over the full cache's at --speedup_budget, measured
-    and predicted by the bound; met when every one of `judged` (--speedup_strategies) that ran reaches it."""
-    value = {f"{r['strategy']}@{r['budget']:g}": {"batch": r["batch_size"], "speedup": r["speedup_vs_full"],
-                                                  "predicted": r["bound_speedup_vs_full"]}
+    """Batched rows under a cap: each strategy's throughput over the dense full cache's at --speedup_budget,
+    measured and predicted by the bound (rows on codes keyed with their bits); met when every one of `judged`
+    (--speedup_strategies) that ran on dense storage reaches it."""
+    def dense(r: dict) -> bool:
+        return r.get("cache_bits") in (None, 16)
+
+    def key(r: dict) -> str:
+        return f"{r['strategy']}@{r['budget']:g}" + ("" if dense(r) else f"/{r['cache_bits']}bit")
+
+    value = {key(r): {"batch": r["batch_size"], "speedup": r["speedup_vs_full"],
+                      "predicted": r["bound_speedup_vs_full"]}
              for r in rows if r["kv_memory_cap_gb"] is not None and r["speedup_vs_full"] is not None}
-    full = next((r["batch_size"] for r in rows if r["strategy"] == "full" and r["kv_memory_cap_gb"] is not None), None)
-    checked = [v["speedup"] for k, v in value.items() if k.split("@")[0] in judged
+    full = next((r["batch_size"] for r in rows if r["strategy"] == "full" and dense(r)
+                 and r["kv_memory_cap_gb"] is not None), None)
+    checked = [v["speedup"] for k, v in value.items() if "/" not in k and k.split("@")[0] in judged
                and float(k.split("@")[1]) == speedup_budget]
     goal = (f">= {TARGET_BATCHED_OVER_FULL}x the full cache's tokens/s under the same cap (full: batch {full}), "
             f"{', '.join(judged)} at {speedup_budget:g}")
