@@ -266,11 +266,6 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.filled.fill_(n)
         self.after_prefill(keep, input_pos, k, q)
 
-    def update_kv(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Insert one token (`insert`); return (keys, values, mask) to attend over."""
-        self.insert(input_pos, k, v)
-        return self.keys(), self.values(), self.mask
-
     def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]): its strategy chooses the
         slot, evicting when the cache is full."""
@@ -313,7 +308,7 @@ class KVCache(ChunkedPrefill, nn.Module):
 
     def observe_gates(self, log_gates: Tensor) -> None:
         """Log forget gates [B, n_kv, T] (float32, ≤ 0) of the tokens entering this layer, for needs_gates
-        caches; called before `prefill` / `update_kv` with the same tokens."""
+        caches; called before `prefill` / `insert` with the same tokens."""
 
     def reset(self) -> None:
         self.chunk_queries = None
@@ -397,7 +392,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         """The next empty slot while there is one, else the lowest-scoring unprotected token."""
         filled = self.filled
         if self.never_full:
-            # Never full (the full cache, or a budget above the sequence): skip scoring. A copy, since update_kv
+            # Never full (the full cache, or a budget above the sequence): skip scoring. A copy, since insert
             # advances `filled` in place before after_insert reads the slot.
             return filled.clone()
         # Slots past a row's budget are empty, and empty slots (pos −1) are always protected: never chosen.

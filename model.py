@@ -152,6 +152,16 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Te
     return out.reshape(q.shape), probs
 
 
+def attend_slots(cache: KVCache, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """grouped_attention of a decode step's queries over a cache's slots (mask: which slots each group's rows
+    see), read straight from the stored form where the storage can (quantized codes on the CPU: no full-size K
+    and V rebuilt every step, kv_storage.Storage.attend), else over its keys() and values()."""
+    stored = cache.storage.attend(grouped_rows(q, mask.shape[1]), mask)
+    if stored is not None:
+        return stored[0].reshape(q.shape), stored[1]
+    return grouped_attention(q, cache.keys(), cache.values(), mask)
+
+
 def grouped_rows(q: Tensor, n_kv: int) -> Tensor:
     """q [B, n_head, T, D] as [B, n_kv, rep * T, D]: the rep query heads that share a KV head, as its rows."""
     B, H, T, D = q.shape
@@ -260,7 +270,7 @@ class Attention(nn.Module):
             q = q * self.q_rescale
 
         if cache is not None and cache.needs_gates:
-            # Each token's gate goes to the cache before its K/V (prefill or update_kv) so they stay together.
+            # Each token's gate goes to the cache before its K/V (prefill or insert) so they stay together.
             cache.observe_gates(self.gate(x))
         if cache is None and self.soft_gating is not None:
             y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
@@ -304,25 +314,20 @@ class Attention(nn.Module):
             # One K/V pool for all heads (budget_allocation.py): each query head attends over the slots its KV
             # head holds, as rows of one group, [B, 1, n_head, P]; probabilities stay [B, n_kv, rep, P].
             mask = mask.expand(-1, -1, self.n_head // self.n_kv_head, -1).reshape(B, 1, self.n_head, -1)
-        # Straight from the stored form where the storage can (quantized codes on the CPU: no full-size K and V
-        # rebuilt every step); re-rotated keys are turned after they are rebuilt, so they never are.
-        stored = None if by_rank else cache.storage.attend(grouped_rows(q, mask.shape[1]), mask)
-        if stored is not None:
-            y, probs = stored[0].reshape(q.shape), stored[1]
+        if by_rank:  # re-rotated keys are turned after they are rebuilt
+            q, k_all = rotate_by_rank(q, cache.keys(), cache.pos, input_pos, cos, sin)
+            y, probs = grouped_attention(q, k_all, cache.values(), mask)
+        elif not (cache.needs_attention or q.device.type == "cpu"):
+            # GPU: the fused kernel, no probabilities materialised. Faster than the grouped product below and than
+            # FlexAttention's decode kernel at 32k cached tokens on an H200 (docs/performance.md, 2026-12-04).
+            head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
+                self.n_head // self.n_kv_head, dim=1)
+            return F.scaled_dot_product_attention(q, cache.keys(), cache.values(), attn_mask=head_mask,
+                                                  enable_gqa=True)
         else:
-            k_all, v_all = cache.keys(), cache.values()
-            if by_rank:
-                q, k_all = rotate_by_rank(q, k_all, cache.pos, input_pos, cos, sin)
-            if not (cache.needs_attention or q.device.type == "cpu"):
-                # GPU: the fused kernel, no probabilities materialised. Faster than the grouped product below and
-                # than FlexAttention's decode kernel at 32k cached tokens on an H200 (docs/performance.md,
-                # 2026-12-04).
-                head_mask = mask.transpose(1, 2) if cache.pooled else mask.repeat_interleave(
-                    self.n_head // self.n_kv_head, dim=1)
-                return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=head_mask, enable_gqa=True)
             # On the CPU the explicit grouped matmul + softmax is ~3.5x faster than SDPA at 4k cached tokens
             # (docs/DESIGN.md §7), and it yields the probabilities for caches that need them.
-            y, probs = grouped_attention(q, k_all, v_all, mask)
+            y, probs = attend_slots(cache, q, mask)
         if cache.needs_attention:
             # Grouped by KV head, [B, n_kv, rep, L]: the cache decides how to pool the query heads.
             cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))

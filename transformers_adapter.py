@@ -11,14 +11,16 @@ transformers 5.24 names the argument `cache=` (`past_key_values=` still works, d
 How the contract maps onto transformers (its models call `cache.update(k, v, layer_idx, kwargs=...)` with
 keys after q/k norm and RoPE, then the attention function with the query):
 
-- `update` of a decode step (one token) is `KVCache.update_kv`: it returns the slots' keys and values; the
-  slots' mask stays with the layer. Of the prompt it only passes the keys through: `KVCache.prefill`
-  needs the prompt's queries (prompt rules score with them), which only the attention function sees.
+- `update` of a decode step (one token) is `KVCache.insert`; it hands back the token's own keys and values,
+  since the attention function reads the slots itself (from quantized codes without rebuilding K and V on the
+  CPU), and the slots' mask stays with the layer. Of the prompt it only passes the keys through:
+  `KVCache.prefill` needs the prompt's queries (prompt rules score with them), which only the attention
+  function sees.
 - `update` hands the layer to the attention function through the keyword dict the model passes to both
   (`kwargs=kwargs` to `update`, `**kwargs` to the attention function); without it (another cache, or none)
   the function is plain SDPA with transformers' own mask, so switching a model to it changes nothing else.
 - the attention function: the prompt is causal SDPA (the sliding window where the layer has one), then
-  `prefill`; a decode step is `model.grouped_attention` over the slots with their mask, and
+  `prefill`; a decode step is `model.attend_slots` over the slots with their mask, and
   `update_state(probs [B, n_kv, rep, L])` for caches that need the probabilities: model.Attention's steps.
 - a batch: `make_cache(..., prompt_length=[n_0, n_1, ...])` gives one row per prompt, each with the budgets
   its own length gives (cache_setup.build_row_caches, as generate.py's batches). transformers pads a batch on

@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from cache import KVCache, cache_statistics
 from chunk_attention import chunk_attention
 from errors import UserError
-from model import ModelArgs, follows_window, grouped_attention, sliding_causal_mask
+from model import ModelArgs, attend_slots, follows_window, grouped_attention, sliding_causal_mask
 from strategies.debug import attention_loss_curve
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
@@ -52,7 +52,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def seen(self) -> Tensor:
         """Tokens each row has seen, [B] (no host sync): the next token's position in its row. A copy: a view
-        of `inserted` would advance inside update_kv, and after_insert would read the next position."""
+        of `inserted` would advance inside insert, and after_insert would read the next position."""
         return self.cache.inserted[:, 0].clone()
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: object,
@@ -65,11 +65,13 @@ class EvictionLayer(CacheLayerMixin):
             raise UserError("this model does not pass its attention keywords to the cache (transformers' own "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)} classes do)")
         shared[LAYER_KEY] = self
-        T = key_states.shape[2]
-        if T > 1:  # the prompt (or a chunk after it): the attention function stores it, with the queries
-            return key_states, value_states
-        keys, values, self._mask = self.cache.update_kv(self.seen(), key_states, value_states)
-        return keys, values
+        if key_states.shape[2] == 1:  # a decode step: into the slots, which the attention function reads itself
+            self.cache.insert(self.seen(), key_states, value_states)
+            self._mask = self.cache.mask
+        # The prompt (or a chunk after it) goes to the attention function, which stores it with the queries; a
+        # decode step's attention reads the slots (attend_slots: from quantized codes without rebuilding K and V
+        # on the CPU), so the new token's own K/V are all transformers needs back.
+        return key_states, value_states
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """model.Attention's three paths over this layer's cache; q, k, v as the model made them (after RoPE)."""
@@ -96,7 +98,7 @@ class EvictionLayer(CacheLayerMixin):
         mask = self._mask
         if cache.pooled:  # one K/V pool for all heads (budget_allocation.py): every query head over it
             mask = mask.expand(-1, -1, H // cache.n_kv_heads, -1).reshape(B, 1, H, -1)
-        y, probs = grouped_attention(q, k, v, mask)
+        y, probs = attend_slots(cache, q, mask)
         if cache.needs_attention:
             cache.update_state(probs.view(B, cache.n_kv_heads, -1, probs.shape[-1]))
         return y
@@ -147,7 +149,7 @@ class EvictionLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Our attention ignores transformers' masks (the slots carry their own); generate still builds one from
         # these sizes: the prompt's own keys (padding is refused from it), then the slots, as StaticLayer does.
-        return (query_length if query_length > 1 else self.cache.keys().shape[2]), 0
+        return (query_length if query_length > 1 else self.cache.mask.shape[-1]), 0
 
     def get_max_length(self) -> int:
         return self.cache.capacity_needed  # prompt + new tokens the caches were sized for (full / debug_)

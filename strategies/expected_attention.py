@@ -22,7 +22,7 @@ Where this differs from kvpress, and why:
   averaged over the group (one expected query per KV head: buffers sized without the number of query
   heads, which a cache does not know before the prompt) and values are not used, because the prompt rule
   (`prompt_scores`) sees keys and queries only and must order tokens as the decode rule does.
-- No decode query reaches a cache (update_kv gets K/V, update_state probabilities), so the statistics are
+- No decode query reaches a cache (insert gets K/V, update_state probabilities), so the statistics are
   fixed at prefill; each inserted key gets its expected logit under them once, when it arrives.
 
 Buffers: `query_mean` [B, n_kv, d], `query_cov` [B, n_kv, d, d] (only its diagonal [B, n_kv, d] in the

@@ -35,7 +35,7 @@ class GatedCache(KVCache):
     def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, *args, **kwargs)
         B, H = batch_size, n_kv_heads
-        # The gate of the token the coming update_kv inserts (observe_gates runs first, in the same step).
+        # The gate of the token the coming insert stores (observe_gates runs first, in the same step).
         self.register_buffer("incoming_log_gate", torch.zeros(B, H, 1, device=self.pos.device))
         # The prompt's gates [B, H, T] between observe_gates and prefill (eager only; cleared after use).
         self.prompt_log_gates: Tensor | None = None

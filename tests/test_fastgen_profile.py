@@ -136,7 +136,7 @@ def test_decode_evicts_the_least_summed_attention(monkeypatch: pytest.MonkeyPatc
     newest_evicted = 0
     for step, position in enumerate(range(n, n + 3)):
         cache.observe_tokens(torch.tensor([[2]]))
-        cache.update_kv(torch.tensor([position]), torch.randn(1, 5, 1, 4), torch.randn(1, 5, 1, 4))
+        cache.insert(torch.tensor([position]), torch.randn(1, 5, 1, 4), torch.randn(1, 5, 1, 4))
         now = {h: {int(p) for p in cache.pos[0, h, : cache.max_cache_length] if p >= 0} for h in range(5)}
         for h in range(5):
             added = now[h] - held[h]

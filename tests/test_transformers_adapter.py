@@ -47,7 +47,7 @@ MATRIX = [s for s in ALL if not _needs_gates(s) and s.removeprefix("debug_") != 
 # flips one 4-bit code in a few layers (measured: layers 5, 8, 16 of 30 at prefill), a whole quantization step;
 # when the quantized cache drives the output (4bit tova / keydiff / l2, measured) that moves a near-tie eviction
 # or a later token. Under debug_ the output is the full cache's while the shadow's quantized storage takes every
-# update_kv, so kept positions stay comparable.
+# insert, so kept positions stay comparable.
 VARIANTS = {
     "adakv_heavy_hitter": ["--cache_strategy", "heavy_hitter", "--budget_allocation", "adakv"],
     "4bit_debug_tova": ["--cache_strategy", "debug_tova", *STORAGES["4bit"]],
@@ -140,6 +140,21 @@ def test_bundled_model_matches_our_loop(strategy, hf_bundled, bundled, prompt):
 def test_storages_patterns_and_adakv_match_our_loop(variant, hf_bundled, bundled, prompt):
     model, tokenizer = bundled
     assert_same_run(hf_bundled, model, tokenizer, cache_flags(VARIANTS[variant]), prompt)
+
+
+@pytest.mark.parametrize("storage", ["4bit", "kivi4"])
+def test_a_quantized_cache_driving_transformers_attends_from_its_codes(storage, hf_bundled, prompt, monkeypatch):
+    # The adapter's decode step reads the slots itself (model.attend_slots): on quantized storage from the codes,
+    # checked at every layer and step against the float64 attention over the K/V rebuilt from them. (The run is
+    # not compared with our loop: a ~1e-6 difference in transformers' keys can flip a 4-bit code.)
+    from tests.test_quantized_attention import checked_attend
+
+    calls: list = []
+    checked_attend(monkeypatch, calls)
+    cache = ta.make_cache(hf_bundled, cache_flags(["--cache_strategy", "heavy_hitter", *STORAGES[storage]]),
+                          len(prompt), NEW)
+    hf_generate(hf_bundled, prompt, cache)
+    assert len(calls) == (NEW - 1) * len(cache.kv_caches) and max(calls) < 1e-5
 
 
 def test_full_equals_transformers_dynamic_cache(hf_bundled, prompt):
