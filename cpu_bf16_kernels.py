@@ -297,16 +297,14 @@ def per_token_decode_attention(q: Tensor, k: tuple[Tensor, Tensor, Tensor], v: t
     return None
 
 
-def kivi_decode_attention(q: Tensor, buffers: dict[str, Tensor], mask: Tensor,
-                          bits: int) -> tuple[Tensor, Tensor] | None:
-    """torch_attention over KIVI's storage (kv_storage.ResidualQuantizedStorage's buffers by name, over the
-    mask's L slots), read by the kernel: each slot's key dequantized with its key group's per-channel scales,
-    its value with its channel groups', or both read from the residual where the slot's token is there. None
-    where the kernel does not take it (see _takes_quantized)."""
-    names = ("k_codes", "k_group", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res", "slot_res")
-    b = buffers
-    if (b["k_codes"].shape[:2] == q.shape[:2]
-            and _takes_quantized(q, mask, bits, b["k_scale"], b["k_zero"], b["v_scale"], b["v_zero"], b["k_res"],
-                                 b["v_res"])):
-        return torch.ops.kv_eviction.kivi_decode_attention(q, *(b[n] for n in names), mask, bits)
+def kivi_decode_attention(q: Tensor, keys: tuple[Tensor, Tensor, Tensor, Tensor],
+                          values: tuple[Tensor, Tensor, Tensor], residual: tuple[Tensor, Tensor, Tensor],
+                          mask: Tensor, bits: int) -> tuple[Tensor, Tensor] | None:
+    """torch_attention over KIVI's storage (kv_storage.ResidualQuantizedStorage's buffers, over the mask's L
+    slots): keys (codes, group id per slot, per-group scale, zero), values (codes, scale, zero per channel
+    group) and the residual (keys, values, each slot's entry), read by the kernel: each slot's key dequantized
+    with its key group's per-channel scales, its value with its channel groups', or both read from the residual
+    where the slot's token is there. None where the kernel does not take it (see _takes_quantized)."""
+    if keys[0].shape[:2] == q.shape[:2] and _takes_quantized(q, mask, bits, *keys[2:], *values[1:], *residual[:2]):
+        return torch.ops.kv_eviction.kivi_decode_attention(q, *keys, *values, *residual, mask, bits)
     return None

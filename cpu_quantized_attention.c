@@ -71,7 +71,7 @@ struct Storage {
     /* acc [R, D] += p[r] * v_l for the rows whose p[r] is not 0 (pr: the R probabilities of slot l). */
     void (*add_value)(const Storage *s, long b, long h, long l, const float *pr, float *acc);
     int bits, bf16;
-    long R, D, P;
+    long H, R, D, P;
 };
 
 /* dots[r][j] = q_r . rows[j] for j < 8 (rows [8][D] floats in L1), 8 slots at a time for every query row. */
@@ -107,22 +107,19 @@ typedef struct {
     const uint8_t *kc, *vc;
     const void *ks, *kz, *vs, *vz;
     const long *kcs, *vcs, *kss, *vss; /* element strides of the first three dimensions */
+    const float *qsum;                 /* [B, H, R]: each query row's sum, for the zero points' share */
 } PerToken;
 
 static void per_token_key_dots(const Storage *s, long b, long h, long l, long n, const float *q, float *dots) {
     const PerToken *t = (const PerToken *)s;
     const long R = s->R, D = s->D;
-    float rows[8][256], qsum[64], raw[64 * 8];
+    const float *qsum = t->qsum + (b * t->base.H + h) * R;
+    float rows[8][256], raw[64 * 8];
     for (long j = 0; j < 8; j++) {
         if (j < n) unpack_row(t->kc + b * t->kcs[0] + h * t->kcs[1] + (l + j) * t->kcs[2], s->P, s->bits, rows[j]);
         else memset(rows[j], 0, sizeof(float) * D);
     }
     dots_of_rows(q, rows, R, D, raw);
-    for (long r = 0; r < R; r++) {
-        float sum = 0.0f;
-        for (long d = 0; d < D; d++) sum += q[r * D + d];
-        qsum[r] = sum;
-    }
     for (long j = 0; j < n; j++) {
         const long at = b * t->kss[0] + h * t->kss[1] + (l + j) * t->kss[2];
         const float sc = scalar_at(t->ks, at, s->bf16), z = scalar_at(t->kz, at, s->bf16);
@@ -209,8 +206,8 @@ static void kivi_add_value(const Storage *s, long b, long h, long l, const float
  * broadcast dimensions); out [B, H, R, D] and probs [B, H, R, L] float32, contiguous. D <= 256, a multiple of 8.
  * Returns 0, or -1 when out of memory. */
 static int attend(const Storage *s, const float *q, const uint8_t *mask, const long *ms, float *out, float *probs,
-                  long B, long H, long L, float scale) {
-    const long R = s->R, D = s->D, heads = B * H, span = ATTENTION_CHUNK, chunks = L > 0 ? (L + span - 1) / span : 1;
+                  long B, long L, float scale) {
+    const long H = s->H, R = s->R, D = s->D, heads = B * H, span = ATTENTION_CHUNK, chunks = L > 0 ? (L + span - 1) / span : 1;
     float *part = malloc(sizeof(float) * heads * chunks * R * D);
     if (!part) return -1;
     #pragma omp parallel
@@ -258,9 +255,18 @@ int per_token_decode_attention(const float *q, const uint8_t *kc, const long *kc
                                const long *kss, const uint8_t *vc, const long *vcs, const void *vs, const void *vz,
                                const long *vss, int bf16, int bits, const uint8_t *mask, const long *ms, float *out,
                                float *probs, long B, long H, long R, long L, long D, float scale) {
-    const PerToken t = {{per_token_key_dots, per_token_add_value, bits, bf16, R, D, D * bits / 8},
-                        kc, vc, ks, kz, vs, vz, kcs, vcs, kss, vss};
-    return attend(&t.base, q, mask, ms, out, probs, B, H, L, scale);
+    float *qsum = malloc(sizeof(float) * B * H * R); /* once a call, not once every 8 slots */
+    if (!qsum) return -1;
+    for (long row = 0; row < B * H * R; row++) {
+        float sum = 0.0f;
+        for (long d = 0; d < D; d++) sum += q[row * D + d];
+        qsum[row] = sum;
+    }
+    const PerToken t = {{per_token_key_dots, per_token_add_value, bits, bf16, H, R, D, D * bits / 8},
+                        kc, vc, ks, kz, vs, vz, kcs, vcs, kss, vss, qsum};
+    const int status = attend(&t.base, q, mask, ms, out, probs, B, L, scale);
+    free(qsum);
+    return status;
 }
 
 int kivi_decode_attention(const float *q, const uint8_t *kc, const long *kcs, const int32_t *group, const long *gs,
@@ -269,7 +275,7 @@ int kivi_decode_attention(const float *q, const uint8_t *kc, const long *kcs, co
                           const void *vr, const long *rs, const int32_t *slot_res, const long *srs, int bf16,
                           int bits, const uint8_t *mask, const long *ms, float *out, float *probs, long B, long H,
                           long R, long L, long D, float scale) {
-    const Kivi t = {{kivi_key_dots, kivi_add_value, bits, bf16, R, D, D * bits / 8},
+    const Kivi t = {{kivi_key_dots, kivi_add_value, bits, bf16, H, R, D, D * bits / 8},
                     kc, vc, group, slot_res, ks, kz, vs, vz, kr, vr, kcs, vcs, gs, kss, vss, rs, srs, value_group};
-    return attend(&t.base, q, mask, ms, out, probs, B, H, L, scale);
+    return attend(&t.base, q, mask, ms, out, probs, B, L, scale);
 }

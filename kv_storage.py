@@ -401,9 +401,9 @@ class ResidualQuantizedStorage(Storage):
     def attend(self, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor] | None:
         # Rebuilding K and V (a group-row gather per slot, the residual scattered over them) cost ~2x the dense
         # step; the CPU kernel dequantizes one slot at a time in L1 (cpu_quantized_attention.c).
-        if q.device.type != "cpu":
-            return None
-        return cpu_bf16_kernels.kivi_decode_attention(q, dict(self.named_buffers()), mask, self.bits)
+        return cpu_bf16_kernels.kivi_decode_attention(
+            q, (self.k_codes, self.k_group, self.k_scale, self.k_zero), (self.v_codes, self.v_scale, self.v_zero),
+            (self.k_res, self.v_res, self.slot_res), mask, self.bits)
 
     def full_precision_slots(self) -> Tensor:
         return self.slot_res[:, :, : self.slots] >= 0
