@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts_file", default=None,
                         help="more prompts, after any --prompt: one per line, or a .jsonl of {\"prompt\": ...} rows")
     parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--ignore_eos", action="store_true",
+                        help="decode --max_new_tokens tokens past any EOS (speed comparisons on equal token counts)")
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -383,6 +385,12 @@ def check_lengths(prompt_length: int, max_new_tokens: int, context_length: int,
         )
 
 
+def eos_ids_for(args: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+    """The tokens that stop a row; none with --ignore_eos. A batch's tok/s counts the tokens its rows keep, and
+    two caches whose texts differ stop their rows at different steps: their speeds compare on equal counts."""
+    return [] if args.ignore_eos else tokenizer.eos_ids
+
+
 def prefill_length_for(specs: list[LayerCacheSpec], prompt_length: int, feed_long_prompts: bool) -> int:
     """--feed_long_prompts prefills what fits the smallest layer budget; otherwise the whole prompt."""
     if not feed_long_prompts:
@@ -423,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_caches(model, specs, len(prompt_ids) + args.max_new_tokens, tokenizer)
 
     step = compile_decode_step(scope=args.compile_scope) if args.compile else decode_one_token
-    result = generate(model, prompt_ids, args.max_new_tokens, tokenizer.eos_ids, step,
+    result = generate(model, prompt_ids, args.max_new_tokens, eos_ids_for(args, tokenizer), step,
                       args.temperature, args.top_k, args.seed, progress=sys.stderr.isatty(),
                       prefill_length=prefill_length_for(specs, len(prompt_ids), args.feed_long_prompts))
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -461,6 +469,7 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
     of its largest budget, so a short prompt beside a long one would hold empty slots (a row's tokens do not
     depend on its batch). Each row prints when its batch finishes, under its prompt's index."""
     step = compile_decode_step(scope=args.compile_scope) if args.compile else decode_one_token
+    eos_ids = eos_ids_for(args, tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
     batches = [order[first : first + args.batch_size] for first in range(0, len(order), args.batch_size)]
     rows, specs_of = [None] * len(prompts), [None] * len(prompts)
@@ -473,8 +482,8 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
             print(format_cache_spec(row_specs[0]))
         lengths = [prefill_length_for(s, len(ids), args.feed_long_prompts) for s, ids in zip(row_specs, batch,
                                                                                               strict=True)]
-        results = generate_batch(model, batch, args.max_new_tokens, tokenizer.eos_ids, step, args.temperature,
-                                 args.top_k, args.seed, progress=sys.stderr.isatty(), prefill_lengths=lengths)
+        results = generate_batch(model, batch, args.max_new_tokens, eos_ids, step, args.temperature, args.top_k,
+                                 args.seed, progress=sys.stderr.isatty(), prefill_lengths=lengths)
         decode_seconds += results[0].decode_seconds
         decoded += sum(len(r.tokens) - 1 for r in results)
         compile_seconds += results[0].compile_seconds

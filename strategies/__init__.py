@@ -14,6 +14,7 @@ from cache import KVCache
 from errors import UserError
 from strategies import (
     chunkkv,
+    compactor,
     critical_kv,
     duo_attention,
     expected_attention,
@@ -36,7 +37,7 @@ from strategies.debug import debug_strategy
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
-STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters)
+STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -30,13 +30,12 @@ from errors import UserError
 from strategies.tova import TovaCache
 
 
-@register_strategy
-class CriticalKVCache(TovaCache):
-    name = "critical_kv"
-    hyperparameters = ("global_tokens", "recent_window")
+class PromptValueNorms:
+    """Mixed in before KVCache by a strategy whose prompt rule weighs tokens by ‖v‖: a prompt rule sees keys and
+    queries only, and the prompt's values reach a cache's own prefill alone, which keeps their norms here."""
 
     # ‖v‖ of the last prompt's tokens, [B, n_kv, T] (eager, T floats per head; set by this cache's own
-    # prefill, cleared by reset), for the prompt rule.
+    # prefill, a chunked prefill's virtual prompt too, cleared by reset), for the prompt rule.
     prompt_value_norms: Tensor | None = None
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
@@ -47,17 +46,31 @@ class CriticalKVCache(TovaCache):
         super().reset()
         self.prompt_value_norms = None
 
+    @classmethod
+    def value_norms_for(cls, cache: KVCache, k: Tensor) -> Tensor | None:
+        """The value norms of the prompt keys k [B, n_kv, T, D] `cache` is scoring; None for a pooled cache of
+        this strategy (--budget_allocation adakv, whose prefill does not hand them on); refused for a cache of
+        another strategy using this rule as its --prompt_compression_strategy."""
+        norms = getattr(cache, "prompt_value_norms", None)
+        if norms is not None and norms.shape[-1] == k.shape[2]:
+            return norms
+        if isinstance(cache, cls):
+            return None
+        raise UserError(f"prompt compression '{cls.name}' needs the prompt's values, which only a {cls.name} cache "
+                        f"receives (got a {cache.name} cache); use --cache_strategy {cls.name} or another "
+                        "compressor")
+
+
+@register_strategy
+class CriticalKVCache(PromptValueNorms, TovaCache):
+    name = "critical_kv"
+    hyperparameters = ("global_tokens", "recent_window")
+
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.last_attention * self.values().float().norm(dim=-1)
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         attention = TovaCache.prompt_scores(cache, k, q)
-        norms = getattr(cache, "prompt_value_norms", None)
-        if norms is not None and norms.shape[-1] == k.shape[2]:
-            return attention * norms
-        if isinstance(cache, CriticalKVCache):  # pooled (adakv): its prefill does not pass the values on
-            return attention
-        raise UserError(f"prompt compression 'critical_kv' needs the prompt's values, which only a critical_kv "
-                        f"cache receives (got a {cache.name} cache); use --cache_strategy critical_kv or another "
-                        "compressor")
+        norms = cls.value_norms_for(cache, k)
+        return attention if norms is None else attention * norms

@@ -95,3 +95,21 @@ def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys
         for key in ("prompt_tokens", "compression_ratio", "tokens_held_per_head", "cache_budget_per_layer"):
             assert row[key] == single[key], key
     assert "---- row 2 ----" in capsys.readouterr().out
+
+
+def test_ignore_eos_decodes_every_token_past_the_eos(tmp_path):
+    """A short chat answer stops at its EOS; with --ignore_eos the same tokens go on to --max_new_tokens, one
+    prompt and a batch alike (a batch's tok/s then counts equal tokens whatever the cache)."""
+    import generate
+
+    common = ["--prompt", "What is the capital of France?", "--max_new_tokens", "14"]
+    for extra in ([], ["--prompt", "Hi", "--batch_size", "2"]):
+        runs = {}
+        for flag in ([], ["--ignore_eos"]):
+            path = tmp_path / f"{len(extra)}{len(flag)}.json"
+            generate.main([*common, *extra, *flag, "--stats_json", str(path)])
+            payload = json.loads(path.read_text())
+            runs[bool(flag)] = [r["tokens"] for r in payload.get("row_statistics", [payload])]
+        for stopped, free in zip(runs[False], runs[True], strict=True):
+            assert len(stopped) < 14 and len(free) == 14, (stopped, free)
+            assert free[: len(stopped)] == stopped

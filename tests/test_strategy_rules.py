@@ -47,9 +47,9 @@ def test_prompt_selection_equals_repeated_decode_eviction_on_the_same_scores(nam
     if cache.needs_gates:
         cache.prompt_log_gates = seen["log_gates"]
     cls = type(cache)
-    scores = cls.prompt_scores(cache, seen["k"], seen["q"]).float()  # [1, heads, T]
     budget = 12
-    cache.max_cache_length = budget
+    cache.max_cache_length = budget  # before scoring: a rule may weigh by the compression (compactor's λ)
+    scores = cls.prompt_scores(cache, seen["k"], seen["q"]).float()  # [1, heads, T]
     if cache.needs_gates:
         cache.prompt_log_gates = seen["log_gates"]
     kept = compress_prompt(cache, torch.arange(PROMPT), seen["k"], seen["q"])[0]

@@ -1,0 +1,198 @@
+"""`compactor`: Compactor (Chari & Van Durme 2025, "Compactor: Calibrated Query-Agnostic KV Cache Compression
+with Approximate Leverage Scores", arXiv 2507.08143).
+
+Query-agnostic: a token is kept for what the context itself says about it, whatever question follows. Two
+scores, each z-normalised over a head's scored tokens, are blended as λ · z(leverage) + z(attention):
+
+- Leverage: the statistical leverage of the token's key among the head's keys, ℓᵢ = cᵢᵀ (CᵀC)⁻¹ cᵢ with C the
+  centred keys (cᵢ = kᵢ − mean). A key far outside the directions the other keys span is an outlier the
+  rest cannot stand in for (a geometric score, as in leverage-score row sampling).
+- Attention: non-causal attention within chunks of `--compactor_chunk` tokens (every query of a chunk
+  attends to every key of the chunk), summed over the chunk's queries and averaged over the query heads of
+  the KV group, times ‖vᵢ‖, then smoothed over neighbouring positions (a window of 3).
+
+λ (`--compactor_blending`) defaults to the compression ratio, 1 − kept / prompt tokens, as kvpress's
+CompactorPress (the paper's authors' press): the harder the compression, the more the outliers count. The
+first `global_tokens` (attention sinks, whose keys are outliers of their own) are kept and left out of both
+scores' statistics.
+
+- Prompt: the blended score of every prompt token; the best are kept (sinks and the recent window
+  protected).
+- Decode: Compactor compresses the prompt only. Here the prompt's statistics are kept (its keys' mean, the
+  whitening map L⁻¹ of their regularised Gram matrix LLᵀ, and the leverages' mean and spread), a decoded
+  token is scored when it enters by the leverage of its key against them (d² per head, not a pass over
+  the held keys), with an average attention term (z = 0: it has no chunk of queries), and the lowest
+  score held is evicted; prompt tokens keep the scores they were kept by.
+
+Where this differs from the paper (and from kvpress's press):
+- Exact leverage scores of the d-dimensional keys (d ≤ 256, so the d × d Gram matrix is cheap), with a
+  ridge of 1e-6 × its mean eigenvalue so a head with fewer scored tokens than channels stays invertible,
+  where the paper approximates them with a Gaussian sketch and kvpress solves by Cholesky with jitter.
+- Keys after RoPE (a cache receives them rotated), where kvpress recomputes pre-RoPE keys from the
+  hidden states; leverage is not rotation-invariant per position, so scores differ from pre-RoPE ones.
+- Statistics leave out the sinks but include the recent window (whose tokens become candidates at decode);
+  kvpress's press leaves out its first 8 and last 4 tokens.
+- Attention scaled by 1/√d (softmax of q·k/√d, as the layer's own attention); each head's scores
+  z-normalised over its own tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cache import KVCache, Setting, finite_float, register_strategy
+from kv_storage import scatter_slots
+from prompt_compression import block_elements
+from strategies.critical_kv import PromptValueNorms
+
+BLENDING = Setting("compactor_blending", None, type=finite_float, low=0.0, prompt_rule=True,
+                   help="weight λ of the leverage z-score against the attention z-score (default: the "
+                        "compression ratio, 1 − kept / prompt tokens, as kvpress's CompactorPress)")
+CHUNK = Setting("compactor_chunk", 256, low=1, prompt_rule=True,
+                help="tokens per chunk of the non-causal attention score (256, as kvpress)")
+# Ridge on the centred keys' Gram matrix, relative to its mean eigenvalue (trace / d).
+RIDGE = 1e-6
+
+
+def whitening(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean [B, H, d] and whitening map W = L⁻¹ [B, H, d, d] (float64) of keys [B, H, n, d], LLᵀ the ridge-
+    regularised Gram matrix of the centred keys: a key's leverage is then ‖W (k − mean)‖²."""
+    x = keys.double()
+    mean = x.mean(dim=2)
+    c = x - mean[:, :, None]
+    gram = c.transpose(-1, -2) @ c
+    d = gram.shape[-1]
+    eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30)
+    factor = torch.linalg.cholesky(gram + RIDGE * scale[..., None, None] * eye)
+    return mean, torch.linalg.solve_triangular(factor, eye.expand_as(factor), upper=False)
+
+
+def leverage(keys: Tensor, mean: Tensor, whiten: Tensor) -> Tensor:
+    """Leverage of keys [B, H, n, d] against (mean, whiten) from `whitening`: [B, H, n] float64."""
+    c = keys.double() - mean[:, :, None]
+    return (c @ whiten.transpose(-1, -2)).square().sum(-1)
+
+
+def chunk_attention(q: Tensor, k: Tensor, chunk: int) -> Tensor:
+    """Non-causal attention within consecutive chunks of `chunk` tokens, summed over each chunk's queries and
+    averaged over the query heads of each KV group: q [B, n_head, n, d], k [B, n_kv, n, d] -> [B, n_kv, n]
+    float32. The last chunk holds the remainder (a softmax over its own keys only)."""
+    B, n_head, n, d = q.shape
+    n_kv = k.shape[1]
+    rep = n_head // n_kv
+    n_chunks = math.ceil(n / chunk)
+    pad = n_chunks * chunk - n
+    qs = F.pad(q.float(), (0, 0, 0, pad)).view(B, n_kv, rep, n_chunks, chunk, d)
+    ks = F.pad(k.float(), (0, 0, 0, pad)).view(B, n_kv, 1, n_chunks, chunk, d)
+    real = torch.arange(n_chunks * chunk, device=q.device).view(n_chunks, chunk) < n  # [n_chunks, chunk]
+    out = torch.empty(B, n_kv, n_chunks, chunk, device=q.device)
+    # Blocks of chunks so the probabilities stay within the prompt passes' block size.
+    per_block = max(1, block_elements(q.device) // (B * n_head * chunk * chunk))
+    for first in range(0, n_chunks, per_block):
+        block = slice(first, first + per_block)
+        logits = qs[:, :, :, block] @ ks[:, :, :, block].transpose(-1, -2) / math.sqrt(d)
+        logits = logits.masked_fill(~real[block, None, :], float("-inf"))
+        probs = logits.softmax(dim=-1) * real[block, :, None]  # padded queries give nothing
+        out[:, :, block] = probs.sum(dim=-2).mean(dim=2)
+    return out.flatten(2)[..., :n]
+
+
+def z_score(x: Tensor) -> Tensor:
+    """(x − mean) / std over the last dimension (sample std; a spread under 1e-6 counts as 1e-6)."""
+    std = x.std(dim=-1, keepdim=True) if x.shape[-1] > 1 else torch.zeros_like(x[..., :1])
+    return (x - x.mean(dim=-1, keepdim=True)) / std.clamp(min=1e-6)
+
+
+def blending(cache: KVCache, prompt_tokens: int) -> float:
+    """λ: the setting, else the compression ratio: of the prompt when it exceeds the target, else the one decode
+    eviction reaches (the budget against prompt + new tokens)."""
+    value = cache.setting(BLENDING)
+    if value is not None:
+        return float(value)
+    target = cache.prompt_target()
+    if prompt_tokens > target:
+        return 1.0 - target / prompt_tokens
+    return max(0.0, 1.0 - cache.max_cache_length / cache.capacity_needed)
+
+
+def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The blended scores of prompt keys k [B, n_kv, T, d] (queries q [B, n_head, T, d], value norms [B, n_kv, T]
+    or None): [B, n_kv, T] float32 (the sinks get the largest score), and the statistics a decoded token is
+    scored against (whitening, leverage mean and std, λ)."""
+    B, H, T, _ = k.shape
+    g = min(cache.global_tokens, T)
+    lam = blending(cache, T)
+    if T - g < 2:  # nothing to take statistics over: every token is a sink or alone
+        mean, whiten = whitening(k)
+        lev_mean = torch.zeros(B, H, 1, dtype=torch.float64, device=k.device)
+        stats = dict(mean=mean, whiten=whiten, lev_mean=lev_mean, lev_std=torch.ones_like(lev_mean), blend=lam)
+        return torch.zeros(B, H, T, device=k.device), stats
+    mean, whiten = whitening(k[:, :, g:])
+    lev = leverage(k[:, :, g:], mean, whiten)
+    lev_mean, lev_std = lev.mean(-1, keepdim=True), lev.std(-1, keepdim=True).clamp(min=1e-6)
+    attention = chunk_attention(q[:, :, g:], k[:, :, g:], int(cache.setting(CHUNK)))
+    if norms is not None:
+        attention = attention * norms[..., g:]
+    attention = F.avg_pool1d(attention, kernel_size=3, stride=1, padding=1)  # zero padding counted, as kvpress
+    scored = (lam * (lev - lev_mean) / lev_std).float() + z_score(attention)
+    scores = torch.cat([scored.amax(-1, keepdim=True).expand(B, H, g), scored], dim=-1)  # no host read
+    return scores, dict(mean=mean, whiten=whiten, lev_mean=lev_mean, lev_std=lev_std, blend=lam)
+
+
+@register_strategy
+class CompactorCache(PromptValueNorms, KVCache):
+    name = "compactor"
+    hyperparameters = ("global_tokens", "recent_window")
+    settings = (BLENDING, CHUNK)
+    head_specific = True
+    slot_buffers = ("score",)  # the blended score each held token was kept by, or entered with
+
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, head_dim, *args, **kwargs)
+        B, H, d = batch_size, n_kv_heads, head_dim
+        kw = dict(dtype=torch.float64, device=self.pos.device)
+        # The prompt's statistics a decoded token is scored against (see compactor_scores).
+        self.register_buffer("key_mean", torch.zeros(B, H, d, **kw))
+        self.register_buffer("whiten", torch.zeros(B, H, d, d, **kw))
+        self.register_buffer("lev_mean", torch.zeros(B, H, 1, **kw))
+        self.register_buffer("lev_std", torch.ones(B, H, 1, **kw))
+        self.register_buffer("blend", torch.zeros(B, 1, 1, **kw))
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        return self.score
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        scores, stats = compactor_scores(cache, k, q, cls.value_norms_for(cache, k))
+        if isinstance(cache, CompactorCache):  # its after_prefill takes them rather than scoring again
+            cache.__dict__["prompt_statistics"] = (k, scores, stats)
+        return scores
+
+    def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
+        stashed = self.__dict__.pop("prompt_statistics", None)
+        if stashed is not None and stashed[0] is k:
+            _, scores, stats = stashed
+        else:  # the prompt fitted, or another rule chose it: score it here
+            scores, stats = compactor_scores(self, k, q, self.value_norms_for(self, k))
+        self.key_mean.copy_(stats["mean"])
+        self.whiten.copy_(stats["whiten"])
+        self.lev_mean.copy_(stats["lev_mean"])
+        self.lev_std.copy_(stats["lev_std"])
+        self.blend.fill_(stats["blend"])
+        n = keep.shape[-1]
+        self.score[:, :, :n] = scores.gather(2, keep)
+
+    def reset(self) -> None:
+        super().reset()
+        self.__dict__.pop("prompt_statistics", None)
+        self.lev_std.fill_(1.0)
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        lev = leverage(k, self.key_mean, self.whiten)  # [B, n_kv, 1]
+        score = (self.blend * (lev - self.lev_mean) / self.lev_std).float()
+        scatter_slots(self.score, 2, slot[..., None], score)
