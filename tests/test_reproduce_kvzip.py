@@ -1,4 +1,5 @@
-"""The kvzip experiment's declaration: what its arms run and what its claim compares (no model is loaded)."""
+"""The query-agnostic experiments' declarations (kvzip, compactor): what their arms run and what their claims
+compare (no model is loaded)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def test_a_dry_run_prints_every_arm_and_runs_nothing(capsys: pytest.CaptureFixtu
     assert len(commands) == len(EXPERIMENTS["kvzip"].arms) == 3
     assert sum("--cache_strategy kvzip" in c for c in commands) == 1
     assert not RUNS.exists()
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compactor_is_compared_with_snapkv_both_blind_to_the_question_at_half(profile: str) -> None:
+    exp = EXPERIMENTS["compactor"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("compactor", "snapkv query-agnostic")]
+    compactor, snapkv = parsed("compactor", "compactor", profile), parsed("compactor", "snapkv query-agnostic", profile)
+    assert compactor["cache_strategy"] == ["compactor"] and snapkv["cache_strategy"] == ["heavy_hitter"]
+    for args in (compactor, snapkv):
+        assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [0.5]
+    assert {key for key in compactor if compactor[key] != snapkv[key]} == {"cache_strategy"}
