@@ -84,10 +84,43 @@ def load_head_scores(path: Path) -> dict:
     return data
 
 
-@register_strategy
-class DuoAttentionCache(VariableOccupancy, KVCache):
-    name = "duo_attention"
+class StreamingHeads(VariableOccupancy, KVCache):
+    """Heads in one of two roles, per row (`retrieval` [B, n_kv]: 1.0 retrieval, 0.0 streaming): a retrieval head
+    keeps every token up to the budget (then the oldest unprotected goes first), a streaming head only the sinks
+    and the recent window. What sets the roles is the subclass's (DuoAttention: per head, calibrated; SimLayerKV:
+    per layer, from the prompt's attention)."""
+
     hyperparameters = ("global_tokens", "recent_window")
+    head_specific = True
+
+    def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, n_kv_heads, *args, **kwargs)
+        self.register_buffer("retrieval", torch.zeros(batch_size, n_kv_heads, device=self.pos.device))
+
+    def token_scores(self, input_pos: Tensor) -> Tensor:
+        return self.pos.float()  # the oldest unprotected token goes first (both roles)
+
+    @classmethod
+    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+        # One row per KV head (the same in each), so Ada-KV's allocation can read it as head-specific.
+        return cache.scored_positions(k).float().expand(-1, k.shape[1], -1)
+
+    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
+        self.release_streaming(input_pos)
+
+    def release_streaming(self, newest: Tensor) -> None:
+        """Streaming heads keep only their sinks and window: release every other token they hold."""
+        streaming = self.retrieval[..., None] == 0
+        self.release(self.evictable(newest) & streaming)
+
+    def extra_statistics(self) -> dict[str, Tensor]:
+        """1 for a retrieval head, 0 for a streaming one, per KV head."""
+        return {"retrieval_head": self.retrieval.mean(dim=0)}
+
+
+@register_strategy
+class DuoAttentionCache(StreamingHeads):
+    name = "duo_attention"
     settings = (
         FRACTION := Setting("duo_retrieval_fraction", 0.5, type=finite_float, low=0.0, high=1.0,
                             help="fraction of the model's KV heads that keep everything (retrieval heads); "
@@ -95,7 +128,6 @@ class DuoAttentionCache(VariableOccupancy, KVCache):
         PATH := Setting("duo_heads_path", None, type=str,
                         help="head scores from calibrate_duo.py (default: the shipped file when it fits)"),
     )
-    head_specific = True
 
     def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, *args, **kwargs)
@@ -106,8 +138,7 @@ class DuoAttentionCache(VariableOccupancy, KVCache):
             shipped = load_head_scores(SHIPPED)
             if shipped.get("n_kv_head") == n_kv_heads and shipped.get("head_dim") == self.head_dim:
                 self.head_file = shipped
-        # The role of each KV head, per row (1.0: retrieval), set from the file (configure) or the prompt.
-        self.register_buffer("retrieval", torch.zeros(batch_size, n_kv_heads, device=self.pos.device))
+        # The roles (`retrieval`) are set from the file (configure) or the prompt (after_prefill).
         self.roles_from_file = False
 
     def configure(self, **settings: object) -> None:
@@ -131,29 +162,9 @@ class DuoAttentionCache(VariableOccupancy, KVCache):
         if self.roles_from_file:
             self.apply_file_roles()
 
-    def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.pos.float()  # the oldest unprotected token goes first (both roles)
-
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        # One row per KV head (the same in each), so Ada-KV's allocation can read it as head-specific.
-        return cache.scored_positions(k).float().expand(-1, k.shape[1], -1)
-
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         if not self.roles_from_file:
             loss = streaming_loss(q, k, self.global_tokens, self.recent_window)  # [B, n_kv]
             n = round(self.fraction * self.n_kv_heads)
             top = loss.topk(n, dim=-1).indices
             self.retrieval.copy_(torch.zeros_like(loss).scatter(1, top, 1.0))
-
-    def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        self.release_streaming(input_pos)
-
-    def release_streaming(self, newest: Tensor) -> None:
-        """Streaming heads keep only their sinks and window: release every other token they hold."""
-        streaming = self.retrieval[..., None] == 0
-        self.release(self.evictable(newest) & streaming)
-
-    def extra_statistics(self) -> dict[str, Tensor]:
-        """1 for a retrieval head, 0 for a streaming one, per KV head."""
-        return {"retrieval_head": self.retrieval.mean(dim=0)}
