@@ -156,12 +156,12 @@ class CompactorCache(PromptValueNorms, KVCache):
         super().__init__(batch_size, n_kv_heads, head_dim, *args, **kwargs)
         B, H, d = batch_size, n_kv_heads, head_dim
         kw = dict(dtype=torch.float64, device=self.pos.device)
-        # The prompt's statistics a decoded token is scored against (see compactor_scores).
-        self.register_buffer("key_mean", torch.zeros(B, H, d, **kw))
-        self.register_buffer("whiten", torch.zeros(B, H, d, d, **kw))
-        self.register_buffer("lev_mean", torch.zeros(B, H, 1, **kw))
-        self.register_buffer("lev_std", torch.ones(B, H, 1, **kw))
-        self.register_buffer("blend", torch.zeros(B, 1, 1, **kw))
+        # A decoded key's score λ·(‖W(k − μ)‖² − mean) / std against the prompt's statistics (compactor_scores),
+        # folded at prefill into ‖A k − b‖² − c (A = W·√(λ / std), b = A μ, c = λ·mean / std): a matrix-vector
+        # product and a sum per head in the decode step.
+        self.register_buffer("decode_map", torch.zeros(B, H, d, d, **kw))
+        self.register_buffer("decode_bias", torch.zeros(B, H, d, **kw))
+        self.register_buffer("decode_offset", torch.zeros(B, H, 1, **kw))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.score
@@ -179,20 +179,19 @@ class CompactorCache(PromptValueNorms, KVCache):
             _, scores, stats = stashed
         else:  # the prompt fitted, or another rule chose it: score it here
             scores, stats = compactor_scores(self, k, q, self.value_norms_for(self, k))
-        self.key_mean.copy_(stats["mean"])
-        self.whiten.copy_(stats["whiten"])
-        self.lev_mean.copy_(stats["lev_mean"])
-        self.lev_std.copy_(stats["lev_std"])
-        self.blend.fill_(stats["blend"])
+        gain = (stats["blend"] / stats["lev_std"]).sqrt()  # [B, n_kv, 1]
+        decode_map = stats["whiten"] * gain[..., None]
+        self.decode_map.copy_(decode_map)
+        self.decode_bias.copy_((decode_map @ stats["mean"][..., None])[..., 0])
+        self.decode_offset.copy_(stats["blend"] * stats["lev_mean"] / stats["lev_std"])
         n = keep.shape[-1]
         self.score[:, :, :n] = scores.gather(2, keep)
 
     def reset(self) -> None:
         super().reset()
         self.__dict__.pop("prompt_statistics", None)
-        self.lev_std.fill_(1.0)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
-        lev = leverage(k, self.key_mean, self.whiten)  # [B, n_kv, 1]
-        score = (self.blend * (lev - self.lev_mean) / self.lev_std).float()
-        scatter_slots(self.score, 2, slot[..., None], score)
+        whitened = k.double() @ self.decode_map.transpose(-1, -2) - self.decode_bias[:, :, None]  # [B, n_kv, 1, d]
+        score = whitened.square().sum(-1) - self.decode_offset  # [B, n_kv, 1]
+        scatter_slots(self.score, 2, slot[..., None], score.float())
