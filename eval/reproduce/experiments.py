@@ -84,6 +84,10 @@ FIDELITY_EXTRAS = ("perplexity", "perplexity_delta", "top1_agreement")
 # two and a half minutes an arm. More, shorter windows: the interval is over windows, not positions.
 SHORT_WINDOWS = {"quick": ("--seq_len", "160", "--prefill_tokens", "32", "--limit", "8"),
                  "full": ("--seq_len", "1024", "--prefill_tokens", "64", "--limit", "20")}
+# Strategies that decide from the prompt (FastGen's profile, head or layer roles): a 128-token prompt, then 96
+# teacher-forced positions.
+PROFILED_PROMPT = {"quick": ("--seq_len", "224", "--prefill_tokens", "128", "--limit", "8"),
+                   "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")}
 # Needle items of ~512 tokens: 40 items resolve a 20-point gap with the paired interval; prefill and ~10
 # answer tokens take ~3 s an item (the query-agnostic arm feeds the question one token at a time: ~6 s).
 NEEDLES = {"quick": ("--seq_len", "512", "--max_new_tokens", "16", "--limit", "40"),
@@ -210,9 +214,7 @@ register(Experiment(
           Arm("recent window", ("--cache_strategy", "recent_global"), match_compression_of="fastgen")),
     comparisons=(Comparison("fastgen", "heavy hitters"), Comparison("fastgen", "recent window")),
     varies=frozenset({"cache_strategy", "max_cache_length"}),
-    # FastGen profiles the prompt: a 128-token prompt, then 96 teacher-forced positions.
-    profiles={"quick": ("--seq_len", "224", "--prefill_tokens", "128", "--limit", "8"),
-              "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")},
+    profiles=PROFILED_PROMPT,
     extra_metrics=FIDELITY_EXTRAS,
     notes=("FastGen's compression is measured, not set: the single policies hold the budget at which their mean "
            "compression over the scored steps equals FastGen's measured compression (mean over windows). eval "
@@ -280,8 +282,7 @@ register(Experiment(
                  Comparison("duo", "inverse ranking", "inverse roles"),
                  Comparison("duo", "streamingllm", "uniform")),
     varies=frozenset({"duo_heads_path", "cache_strategy", "max_cache_length"}),
-    profiles={"quick": ("--seq_len", "224", "--prefill_tokens", "128", "--limit", "8"),
-              "full": ("--seq_len", "1024", "--prefill_tokens", "256", "--limit", "20")},
+    profiles=PROFILED_PROMPT,
     extra_metrics=FIDELITY_EXTRAS,
     source=duo_controls.calibration_for,
     prepare=duo_controls.write_control_files,
@@ -393,4 +394,30 @@ register(Experiment(
            "tokens; leverage is exact (the paper sketches it) and taken on keys after RoPE "
            "(strategies/compactor.py); heavy_hitter's prompt rule is SnapKV's (window 32, max-pooling kernel 7), "
            "its window the context's last 32 tokens."),
+))
+
+
+register(Experiment(
+    name="simlayerkv",
+    paper="SimLayerKV (Zhang et al., arXiv 2410.13846)",
+    claim="Trimming only the lazy layers (those whose last query attends almost only to the sinks and the recent "
+          "window) to the sinks and the window keeps the next-token distribution closer to the full cache than "
+          "trimming every layer alike (StreamingLLM) at the same measured compression.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=("--global_tokens", "4", "--recent_window", "32"),
+    unread={"recent_window": ("streamingllm",)},
+    arms=(Arm("simlayerkv", ("--cache_strategy", "simlayerkv", "--max_cache_length", "1.0",
+                             "--simlayer_threshold", "0.9")),
+          Arm("streamingllm", ("--cache_strategy", "recent_global"), match_compression_of="simlayerkv")),
+    comparisons=(Comparison("simlayerkv", "streamingllm"),),
+    varies=frozenset({"cache_strategy", "max_cache_length"}),
+    profiles=PROFILED_PROMPT,
+    extra_metrics=FIDELITY_EXTRAS,
+    notes=("SimLayerKV's compression is measured, not set (which layers are lazy is an outcome): StreamingLLM holds "
+           "the budget at which its mean compression over the scored steps equals SimLayerKV's measured one, as "
+           "in the fastgen experiment (whose notes say how the final compression stands in for the mean).",
+           "The threshold is kvpress's value for Llama 3 (0.9), the default; the window is a quarter of the "
+           "128-token prompt (the paper keeps 1024 recent tokens of prompts in the thousands). The layers decide "
+           "per window, from the last prompt query's attention (--simlayer_last 1).",
+           "recent_global reads no --recent_window: all it holds beyond the 4 sinks is its window."),
 ))

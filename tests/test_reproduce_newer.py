@@ -1,5 +1,5 @@
-"""The query-agnostic experiments' declarations (kvzip, compactor): what their arms run and what their claims
-compare (no model is loaded)."""
+"""The declarations of the experiments on the newer strategies (kvzip, compactor, simlayerkv): what their arms
+run and what their claims compare (no model is loaded)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def test_compactor_is_compared_with_snapkv_both_blind_to_the_question_at_half(pr
     for args in (compactor, snapkv):
         assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [0.5]
     assert {key for key in compactor if compactor[key] != snapkv[key]} == {"cache_strategy"}
+
+
+def test_simlayerkv_is_compared_with_streamingllm_at_its_measured_compression() -> None:
+    """The layers' roles are an outcome, so StreamingLLM is the matched arm; both keep 4 sinks, and SimLayerKV's
+    lazy layers the same 32-token window StreamingLLM's budget is matched against."""
+    exp = EXPERIMENTS["simlayerkv"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("simlayerkv", "streamingllm")]
+    assert not exp.higher_is_better and exp.metric == "kl_mean"
+    assert exp.arm("streamingllm").match_compression_of == "simlayerkv"
+    ours, theirs = parsed("simlayerkv", "simlayerkv"), parsed("simlayerkv", "streamingllm")
+    assert ours["cache_strategy"] == ["simlayerkv"] and ours["max_cache_length"] == [1.0]
+    assert ours["simlayer_threshold"] == 0.9 and theirs["cache_strategy"] == ["recent_global"]
+    assert ours["global_tokens"] == theirs["global_tokens"] == 4 and ours["recent_window"] == 32
+    assert {key for key in ours if ours[key] != theirs[key]} == {"cache_strategy", "max_cache_length"}
