@@ -20,15 +20,16 @@ def parsed(experiment: str, label: str, profile: str = "quick") -> dict:
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_kvzip_is_compared_with_snapkv_both_blind_to_the_question(profile: str) -> None:
-    exp = EXPERIMENTS["kvzip"]
-    assert [(c.treatment, c.control) for c in exp.comparisons] == [("kvzip", "snapkv query-agnostic")]
+@pytest.mark.parametrize("experiment, budget", [("kvzip", 0.25), ("compactor", 0.5)])
+def test_query_agnostic_rules_are_compared_with_snapkv_both_blind_to_the_question(experiment, budget, profile) -> None:
+    exp = EXPERIMENTS[experiment]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [(experiment, "snapkv query-agnostic")]
     assert exp.higher_is_better and exp.metric == "string_match"
-    kvzip, snapkv = parsed("kvzip", "kvzip", profile), parsed("kvzip", "snapkv query-agnostic", profile)
-    assert kvzip["cache_strategy"] == ["kvzip"] and snapkv["cache_strategy"] == ["heavy_hitter"]
-    for args in (kvzip, snapkv):
-        assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [0.25]
-    assert {key for key in kvzip if kvzip[key] != snapkv[key]} == {"cache_strategy"}
+    ours, snapkv = parsed(experiment, experiment, profile), parsed(experiment, "snapkv query-agnostic", profile)
+    assert ours["cache_strategy"] == [experiment] and snapkv["cache_strategy"] == ["heavy_hitter"]
+    for args in (ours, snapkv):
+        assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [budget]
+    assert {key for key in ours if ours[key] != snapkv[key]} == {"cache_strategy"}
 
 
 def test_the_query_aware_reference_differs_from_the_control_only_in_seeing_the_question() -> None:
@@ -46,17 +47,6 @@ def test_a_dry_run_prints_every_arm_and_runs_nothing(capsys: pytest.CaptureFixtu
     assert len(commands) == len(EXPERIMENTS["kvzip"].arms) == 3
     assert sum("--cache_strategy kvzip" in c for c in commands) == 1
     assert not RUNS.exists()
-
-
-@pytest.mark.parametrize("profile", PROFILES)
-def test_compactor_is_compared_with_snapkv_both_blind_to_the_question_at_half(profile: str) -> None:
-    exp = EXPERIMENTS["compactor"]
-    assert [(c.treatment, c.control) for c in exp.comparisons] == [("compactor", "snapkv query-agnostic")]
-    compactor, snapkv = parsed("compactor", "compactor", profile), parsed("compactor", "snapkv query-agnostic", profile)
-    assert compactor["cache_strategy"] == ["compactor"] and snapkv["cache_strategy"] == ["heavy_hitter"]
-    for args in (compactor, snapkv):
-        assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [0.5]
-    assert {key for key in compactor if compactor[key] != snapkv[key]} == {"cache_strategy"}
 
 
 def test_simlayerkv_is_compared_with_streamingllm_at_its_measured_compression() -> None:
