@@ -119,6 +119,7 @@ class PooledCache(KVCache):
         if k_store is not None:  # keys to store before RoPE: --rerotate_positions, refused with adakv
             raise ValueError("a pooled cache does not store keys for re-rotation")
         B, H, T, D = k.shape
+        self.observe_prompt_values(v)
         L, P, target = self.max_cache_length, self.pool_slots, self.prompt_target()
         n = min(T, target)  # tokens kept per head on average
         if T > target:
@@ -163,6 +164,7 @@ class PooledCache(KVCache):
         return torch.where(self.filled < self.quota, empty, scores.argmin(dim=-1))
 
     def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        self.observe_token_values(v)
         slot = self.choose_slot(input_pos)  # [B, n_kv]: distinct slots, each in its head's range
         B, H = k.shape[:2]
         self.storage.write(slot[:, None], k.transpose(1, 2), v.transpose(1, 2))  # H rows of the one pool head
@@ -244,12 +246,13 @@ class PooledCache(KVCache):
         keep = self.chunk_pairs(heads, end, T)  # (b, h) -> sorted indices into its virtual prompt
         self.write_pairs(heads, keep, seen)
         chunk = T
-        for (b, h), (positions, keys, _, queries, carried) in heads.items():
+        for (b, h), (positions, keys, values, queries, carried) in heads.items():
             slot_token = torch.zeros(self.pool_slots, dtype=torch.long, device=k.device)
             start = int(self.offset[b, h])
             slot_token[start : start + len(keep[b, h])] = keep[b, h]
             with self.head_view(b, h):
                 self.virtual_prompt(carried, positions, end, len(positions) - chunk)
+                self.observe_prompt_values(values[None, None])
                 self.after_prefill(slot_token.view(1, 1, -1), positions.view(1, 1, -1), keys[None, None],
                                    queries[None])
 
@@ -270,9 +273,10 @@ class PooledCache(KVCache):
         B, H = self.inserted.shape
         longest = max(len(p) for p, *_ in heads.values())
         scores = torch.full((B, H, longest), float("-inf"), device=self.pos.device)  # −inf: past a head's prompt
-        for (b, h), (positions, keys, _, queries, carried) in heads.items():
+        for (b, h), (positions, keys, values, queries, carried) in heads.items():
             with self.head_view(b, h):
                 self.virtual_prompt(carried, positions, end, len(positions) - chunk)
+                self.observe_prompt_values(values[None, None])
                 got = rule.prompt_scores(self, keys[None, None], queries[None])
             if got is None or got.shape[1] != 1:
                 raise UserError(f"--budget_allocation adakv needs head-specific prompt scores; prompt compression "

@@ -245,6 +245,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         and initial scores that need the prompt's attention. `k_store`: the keys to store when they are not
         the scored ones (before RoPE, under `rerotate_positions`)."""
         B, H, T, _ = k.shape
+        self.observe_prompt_values(v)
         compress = T > self.prompt_target()
         if compress:
             keep = self.select_prompt_tokens(input_pos, k, v, q)  # [B, pos_heads, target], sorted
@@ -269,6 +270,7 @@ class KVCache(ChunkedPrefill, nn.Module):
     def insert(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Insert one token (input_pos [1], or [B]: one per row; k, v [B, n_kv, 1, D]): its strategy chooses the
         slot, evicting when the cache is full."""
+        self.observe_token_values(v)
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
@@ -299,6 +301,15 @@ class KVCache(ChunkedPrefill, nn.Module):
     def before_chunk_token(self, i: int) -> None:
         """Hook: token i of a chunk (`append`) is next; per-token inputs the model passed for the whole chunk
         (gates, token ids) are moved into place here."""
+
+    def observe_prompt_values(self, v: Tensor) -> None:
+        """Values [B, n_kv, T, D] of the prompt about to be scored (a chunked prefill's virtual prompt too, one
+        head's under adakv): a prompt rule sees keys and queries only, so a strategy that weighs tokens by their
+        values keeps what it needs here (strategies.critical_kv.PromptValueNorms)."""
+
+    def observe_token_values(self, v: Tensor) -> None:
+        """Values [B, n_kv, 1, D] of the token `insert` is about to store, before its slot is chosen and
+        `after_insert` runs (which receives its key only)."""
 
     def update_state(self, probs: Tensor) -> None:
         """This step's attention probabilities over the slots, [B, n_kv, rep, L] (rep query heads per KV head)."""

@@ -16,6 +16,7 @@ from strategies import (
     chunkkv,
     compactor,
     critical_kv,
+    curdkv,
     duo_attention,
     expected_attention,
     gated,
@@ -39,7 +40,7 @@ from strategies.debug import debug_strategy
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv)
+                   simlayerkv, curdkv)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

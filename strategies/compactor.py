@@ -120,9 +120,9 @@ def blending(cache: KVCache, prompt_tokens: int) -> float:
     return max(0.0, 1.0 - cache.max_cache_length / cache.capacity_needed)
 
 
-def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The blended scores of prompt keys k [B, n_kv, T, d] (queries q [B, n_head, T, d], value norms [B, n_kv, T]
-    or None): [B, n_kv, T] float32 (the sinks get the largest score), and the statistics a decoded token is
+def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The blended scores of prompt keys k [B, n_kv, T, d] (queries q [B, n_head, T, d], value norms [B, n_kv, T]):
+    [B, n_kv, T] float32 (the sinks get the largest score), and the statistics a decoded token is
     scored against (whitening, leverage mean and std, λ)."""
     B, H, T, _ = k.shape
     g = min(cache.global_tokens, T)
@@ -136,8 +136,7 @@ def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor | None)
     lev = leverage(k[:, :, g:], mean, whiten)
     lev_mean, lev_std = lev.mean(-1, keepdim=True), lev.std(-1, keepdim=True).clamp(min=1e-6)
     attention = chunk_attention(q[:, :, g:], k[:, :, g:], int(cache.setting(CHUNK)))
-    if norms is not None:
-        attention = attention * norms[..., g:]
+    attention = attention * norms[..., g:]
     attention = F.avg_pool1d(attention, kernel_size=3, stride=1, padding=1)  # zero padding counted, as kvpress
     scored = (lam * (lev - lev_mean) / lev_std).float() + z_score(attention)
     scores = torch.cat([scored.amax(-1, keepdim=True).expand(B, H, g), scored], dim=-1)  # no host read

@@ -17,8 +17,7 @@ Where this differs from the paper:
 - One query (TOVA's latest) instead of SnapKV's observation window, and one stage: the paper first keeps
   the top attention tokens, then re-ranks by the bound; the product alone is its second stage.
 - The prompt rule needs the prompt's values, which reach a cache's own prefill only: another cache using
-  `critical_kv` as its --prompt_compression_strategy is refused, and a pooled cache
-  (--budget_allocation adakv, whose prefill does not hand them on) selects its prompt by attention alone.
+  `critical_kv` as its --prompt_compression_strategy is refused.
 """
 
 from __future__ import annotations
@@ -32,30 +31,28 @@ from strategies.tova import TovaCache
 
 class PromptValueNorms:
     """Mixed in before KVCache by a strategy whose prompt rule weighs tokens by ‖v‖: a prompt rule sees keys and
-    queries only, and the prompt's values reach a cache's own prefill alone, which keeps their norms here."""
+    queries only, so the norms of the values the cache is given with a prompt are kept here
+    (`observe_prompt_values`: a prefill's, a chunked prefill's virtual prompt's, one head's under adakv)."""
 
-    # ‖v‖ of the last prompt's tokens, [B, n_kv, T] (eager, T floats per head; set by this cache's own
-    # prefill, a chunked prefill's virtual prompt too, cleared by reset), for the prompt rule.
+    # ‖v‖ of the last prompt's tokens, [B, n_kv, T] (eager, T floats per head; cleared by reset).
     prompt_value_norms: Tensor | None = None
 
-    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
+    def observe_prompt_values(self, v: Tensor) -> None:
         self.prompt_value_norms = v.float().norm(dim=-1)
-        super().prefill(input_pos, k, v, q, k_store)
 
     def reset(self) -> None:
         super().reset()
         self.prompt_value_norms = None
 
     @classmethod
-    def value_norms_for(cls, cache: KVCache, k: Tensor) -> Tensor | None:
-        """The value norms of the prompt keys k [B, n_kv, T, D] `cache` is scoring; None for a pooled cache of
-        this strategy (--budget_allocation adakv, whose prefill does not hand them on); refused for a cache of
-        another strategy using this rule as its --prompt_compression_strategy."""
+    def value_norms_for(cls, cache: KVCache, k: Tensor) -> Tensor:
+        """The value norms of the prompt keys k [B, n_kv, T, D] `cache` is scoring; refused for a cache of another
+        strategy using this rule as its --prompt_compression_strategy (its values never reach this rule)."""
         norms = getattr(cache, "prompt_value_norms", None)
         if norms is not None and norms.shape[-1] == k.shape[2]:
             return norms
         if isinstance(cache, cls):
-            return None
+            raise ValueError(f"a {cls.name} cache was asked to score a prompt whose values it was not given")
         raise UserError(f"prompt compression '{cls.name}' needs the prompt's values, which only a {cls.name} cache "
                         f"receives (got a {cache.name} cache); use --cache_strategy {cls.name} or another "
                         "compressor")
@@ -72,5 +69,4 @@ class CriticalKVCache(PromptValueNorms, TovaCache):
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
         attention = TovaCache.prompt_scores(cache, k, q)
-        norms = cls.value_norms_for(cache, k)
-        return attention if norms is None else attention * norms
+        return attention * cls.value_norms_for(cache, k)

@@ -63,8 +63,13 @@ CHUNKABLE = [s for s in ALL if s not in CHUNK_REFUSED]
 # Settings that make a strategy's rule act on the matrix's 24-token prompt (LagKV's default partition of
 # 128 tokens would score none of it: every head would keep the newest tokens, the same in every head), and
 # within the matrices' short contexts (KVzip's reconstruction pass reads the context twice unless chunked:
-# context + 4 tokens; the unchunked pass is checked against its oracle in test_strategies_more).
-MATRIX_FLAGS = {"lagkv": ["--lag_size", "4"], "kvzip": ["--kvzip_chunk", "4"]}
+# context + 4 tokens; the unchunked pass is checked against its oracle in test_strategies_more), and CurDKV's
+# windows tiling it (with its default of 16 the last 8 tokens share a window of their own and outrank the rest
+# in every head alike, so Ada-KV's heads all get the same quota; the default is checked against its oracle in
+# test_curdkv).
+CURDKV_WINDOW = 6
+MATRIX_FLAGS = {"lagkv": ["--lag_size", "4"], "kvzip": ["--kvzip_chunk", "4"],
+                "curdkv": ["--curdkv_window", str(CURDKV_WINDOW)]}
 
 
 def cache_args(strategy: str, budget: str, storage: str = "dense", *extra: str):

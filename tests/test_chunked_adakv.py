@@ -81,20 +81,19 @@ def naive_adaptive_chunks(rule: str, q, k, v, chunk: int, budget: int, heads: in
     return history
 
 
-ADAKV_RULES = {"tova": "tova", "l2": "l2", "heavy_hitter": "heavy_hitter",
-               # pooled, critical_kv's prompt rule has no values (budget_allocation.py): attention alone
-               "critical_kv": "critical_kv_attention"}
+# The value-weighted rules (critical_kv, curdkv) get each head's own values (KVCache.observe_prompt_values).
+ADAKV_RULES = ["tova", "l2", "heavy_hitter", "critical_kv", "curdkv"]
 
 
 @pytest.mark.parametrize("chunk", [5, 6, 9])
-@pytest.mark.parametrize("strategy", sorted(ADAKV_RULES))
+@pytest.mark.parametrize("strategy", ADAKV_RULES)
 def test_adakv_layer0_keeps_the_naive_adaptive_choice_after_every_chunk(strategy, chunk):
     model = make_tiny_model()
     ids = token_ids()
     caches = attach(model, pooled_args(strategy))
     with torch.inference_mode():
         q, k, v = layer0_qkv(model, ids[:, :PROMPT])
-        expected = naive_adaptive_chunks(ADAKV_RULES[strategy], q, k, v, chunk, int(BUDGET), model.args.n_kv_head)
+        expected = naive_adaptive_chunks(strategy, q, k, v, chunk, int(BUDGET), model.args.n_kv_head)
         for n in range(chunk, PROMPT + chunk, chunk):  # the same prompt cut after each chunk
             model.reset_caches()
             chunked_prefill(model, ids[:, : min(n, PROMPT)], chunk, decode_one_token)

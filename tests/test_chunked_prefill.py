@@ -5,7 +5,7 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
   every storage: the same kept positions, greedy tokens and logits (float32, atol 1e-5);
 - N = 1 is --feed_long_prompts' path with a prefill of one token (every prompt token a decode step);
 - several chunks against naive references written here from the rules' definitions (recent_global,
-  keep_it_odd, l2, tova, critical_kv, SnapKV for heavy_hitter): the positions layer 0 keeps after every
+  keep_it_odd, l2, tova, critical_kv, curdkv, SnapKV for heavy_hitter): the positions layer 0 keeps after every
   chunk, and for a one-layer model the logits after the prompt (the last chunk attending over the held
   tokens and itself);
 - the kvpress protocol (the context chunked, the question appended), compiled decoding afterwards, and bad
@@ -31,6 +31,7 @@ from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     CHUNK_REFUSED,
     CHUNKABLE,
+    CURDKV_WINDOW,
     GLOBAL,
     PROMPT,
     RECENT,
@@ -138,10 +139,18 @@ def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tu
         score = torch.tensor([(p % 2) * 1000.0 + p for p in cand])
     elif rule == "l2":
         score = torch.stack([-k[h, p].norm() for p in cand])
-    elif rule in ("tova", "critical_kv", "critical_kv_attention"):
+    elif rule in ("tova", "critical_kv"):
         score = attention_from(q, k, cand[-1], cand, h)
         if rule == "critical_kv":
             score = score * torch.stack([v[h, p].norm() for p in cand])
+    elif rule == "curdkv":  # each token's share of its window's squared key norms times its values' share
+        shares = []
+        for first in range(0, n, CURDKV_WINDOW):
+            window = cand[first : first + CURDKV_WINDOW]
+            key_sq = [float(k[h, p].double().square().sum()) for p in window]
+            value_sq = [float(v[h, p].double().square().sum()) for p in window]
+            shares += [a / sum(key_sq) * b / sum(value_sq) for a, b in zip(key_sq, value_sq, strict=True)]
+        score = torch.tensor(shares) / sum(shares)
     elif rule == "heavy_hitter":  # SnapKV: the last W queries' attention summed, max-pooled over K keys
         window, kernel = 4, 1  # no pooling: max-pooled votes tie exactly, and top-k breaks ties its own way
         votes = torch.zeros(n)
@@ -161,7 +170,7 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
     return sorted(cand[i] for i in order[:budget])
 
 
-NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "heavy_hitter"]
+NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "curdkv", "heavy_hitter"]
 RULE_FLAGS = {"heavy_hitter": ["--snapkv_window", "4", "--snapkv_kernel", "1"]}
 
 

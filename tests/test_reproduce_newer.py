@@ -1,4 +1,4 @@
-"""The declarations of the experiments on the newer strategies (kvzip, compactor, simlayerkv): what their arms
+"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, simlayerkv): what their arms
 run and what their claims compare (no model is loaded)."""
 
 from __future__ import annotations
@@ -30,6 +30,23 @@ def test_query_agnostic_rules_are_compared_with_snapkv_both_blind_to_the_questio
     for args in (ours, snapkv):
         assert args["query_aware"] is False and args["protocol"] == "kvpress" and args["max_cache_length"] == [budget]
     assert {key for key in ours if ours[key] != snapkv[key]} == {"cache_strategy"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_curdkv_is_compared_with_snapkv_and_chunkkv_blind_to_the_question_on_compactors_items(profile) -> None:
+    exp = EXPERIMENTS["curdkv"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("curdkv", "snapkv query-agnostic"),
+                                                                   ("curdkv", "chunkkv query-agnostic")]
+    assert exp.higher_is_better and exp.metric == "string_match" and exp.arm("compactor").reference
+    runs = {label: parsed("curdkv", label, profile)
+            for label in ("curdkv", "snapkv query-agnostic", "chunkkv query-agnostic", "compactor")}
+    assert [args["cache_strategy"] for args in runs.values()] == [["curdkv"], ["heavy_hitter"], ["chunkkv"],
+                                                                 ["compactor"]]
+    for args in runs.values():
+        assert {key for key in args if args[key] != runs["curdkv"][key]} <= {"cache_strategy"}
+    # The compactor experiment's arms on the same items: one --runs_dir computes them once.
+    assert runs["compactor"] == parsed("compactor", "compactor", profile)
+    assert runs["snapkv query-agnostic"] == parsed("compactor", "snapkv query-agnostic", profile)
 
 
 def test_the_query_aware_reference_differs_from_the_control_only_in_seeing_the_question() -> None:
