@@ -308,8 +308,8 @@ class KVCache(ChunkedPrefill, nn.Module):
         values keeps what it needs here (strategies.critical_kv.PromptValueNorms)."""
 
     def observe_token_values(self, v: Tensor) -> None:
-        """Values [B, n_kv, 1, D] of the token `insert` is about to store, before its slot is chosen and
-        `after_insert` runs (which receives its key only)."""
+        """Values [B, n_kv, 1, D] of the token `insert` is about to store (this class's and adakv's pooled
+        insert), before its slot is chosen and `after_insert` runs (which receives its key only)."""
 
     def update_state(self, probs: Tensor) -> None:
         """This step's attention probabilities over the slots, [B, n_kv, rep, L] (rep query heads per KV head)."""
