@@ -13,6 +13,7 @@ import cache
 from cache import KVCache
 from errors import UserError
 from strategies import (
+    capkv,
     chunkkv,
     compactor,
     critical_kv,
@@ -40,7 +41,7 @@ from strategies.debug import debug_strategy
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv, curdkv)
+                   simlayerkv, curdkv, capkv)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -30,27 +30,43 @@ from strategies.tova import TovaCache
 
 
 class PromptValueNorms:
-    """Mixed in before KVCache by a strategy whose prompt rule weighs tokens by ‖v‖: a prompt rule sees keys and
-    queries only, so the norms of the values the cache is given with a prompt are kept here
-    (`observe_prompt_values`: a prefill's, a chunked prefill's virtual prompt's, one head's under adakv)."""
+    """Mixed in before KVCache by a strategy whose prompt rule weighs tokens by their values: a prompt rule sees
+    keys and queries only, so the values the cache is given with a prompt are kept here
+    (`observe_prompt_values`: a prefill's, a chunked prefill's virtual prompt's, one head's under adakv): their
+    norms, and with `keeps_prompt_values` the values themselves, which that strategy's `after_prefill` drops
+    (the last reader: a prompt's values are the size of its keys)."""
 
     # ‖v‖ of the last prompt's tokens, [B, n_kv, T] (eager, T floats per head; cleared by reset).
     prompt_value_norms: Tensor | None = None
+    # The values themselves, [B, n_kv, T, D], for a strategy that sets keeps_prompt_values.
+    prompt_values: Tensor | None = None
+    keeps_prompt_values: bool = False
 
     def observe_prompt_values(self, v: Tensor) -> None:
         self.prompt_value_norms = v.float().norm(dim=-1)
+        if self.keeps_prompt_values:
+            self.prompt_values = v
 
     def reset(self) -> None:
         super().reset()
-        self.prompt_value_norms = None
+        self.prompt_value_norms = self.prompt_values = None
 
     @classmethod
     def value_norms_for(cls, cache: KVCache, k: Tensor) -> Tensor:
         """The value norms of the prompt keys k [B, n_kv, T, D] `cache` is scoring; refused for a cache of another
         strategy using this rule as its --prompt_compression_strategy (its values never reach this rule)."""
-        norms = getattr(cache, "prompt_value_norms", None)
-        if norms is not None and norms.shape[-1] == k.shape[2]:
-            return norms
+        return cls.observed_for(cache, k, "prompt_value_norms")
+
+    @classmethod
+    def values_for(cls, cache: KVCache, k: Tensor) -> Tensor:
+        """The values [B, n_kv, T, D] of the prompt keys k `cache` is scoring (keeps_prompt_values), as above."""
+        return cls.observed_for(cache, k, "prompt_values")
+
+    @classmethod
+    def observed_for(cls, cache: KVCache, k: Tensor, attribute: str) -> Tensor:
+        observed = getattr(cache, attribute, None)
+        if observed is not None and observed.shape[2] == k.shape[2]:
+            return observed
         if isinstance(cache, cls):
             raise ValueError(f"a {cls.name} cache was asked to score a prompt whose values it was not given")
         raise UserError(f"prompt compression '{cls.name}' needs the prompt's values, which only a {cls.name} cache "

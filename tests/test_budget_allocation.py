@@ -176,7 +176,7 @@ def test_kept_positions_after_prefill_equal_the_naive_selection_on_the_strategys
         original = cache.prefill
 
         def spy(input_pos, k, v, q, cache=cache, seen=seen, original=original) -> None:
-            seen.update(k=k.clone(), q=q.clone())
+            seen.update(k=k.clone(), v=v.clone(), q=q.clone())
             if cache.needs_gates:  # the gated rule reads the prompt's gates, which prefill clears
                 seen["log_gates"] = cache.prompt_log_gates.clone()
             original(input_pos, k, v, q)
@@ -187,6 +187,7 @@ def test_kept_positions_after_prefill_equal_the_naive_selection_on_the_strategys
             prefill(model, distinct_ids(seed)[:, :PROMPT])
             rule = cache.prompt_compressor
             cache.prompt_log_gates = seen.get("log_gates")
+            cache.observe_prompt_values(seen["v"])  # as the prefill handed them (capkv drops them after it)
             scores = rule.prompt_scores(cache, seen["k"], seen["q"]).float()[0]
         expected = naive_selection(scores, GLOBAL, rule.prompt_protected_window(cache), 12, int(0.2 * 12))
         assert held_positions(cache) == expected, f"seed {seed}"

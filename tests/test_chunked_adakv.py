@@ -81,8 +81,8 @@ def naive_adaptive_chunks(rule: str, q, k, v, chunk: int, budget: int, heads: in
     return history
 
 
-# The value-weighted rules (critical_kv, curdkv) get each head's own values (KVCache.observe_prompt_values).
-ADAKV_RULES = ["tova", "l2", "heavy_hitter", "critical_kv", "curdkv"]
+# The value-weighted rules (critical_kv, curdkv, capkv) get each head's own values (KVCache.observe_prompt_values).
+ADAKV_RULES = ["tova", "l2", "heavy_hitter", "critical_kv", "curdkv", "capkv"]
 
 
 @pytest.mark.parametrize("chunk", [5, 6, 9])

@@ -5,7 +5,7 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
   every storage: the same kept positions, greedy tokens and logits (float32, atol 1e-5);
 - N = 1 is --feed_long_prompts' path with a prefill of one token (every prompt token a decode step);
 - several chunks against naive references written here from the rules' definitions (recent_global,
-  keep_it_odd, l2, tova, critical_kv, curdkv, SnapKV for heavy_hitter): the positions layer 0 keeps after every
+  keep_it_odd, l2, tova, critical_kv, curdkv, capkv, SnapKV for heavy_hitter): the positions layer 0 keeps after every
   chunk, and for a one-layer model the logits after the prompt (the last chunk attending over the held
   tokens and itself);
 - the kvpress protocol (the context chunked, the question appended), compiled decoding afterwards, and bad
@@ -151,6 +151,17 @@ def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tu
             value_sq = [float(v[h, p].double().square().sum()) for p in window]
             shares += [a / sum(key_sq) * b / sum(value_sq) for a, b in zip(key_sq, value_sq, strict=True)]
         score = torch.tensor(shares) / sum(shares)
+    elif rule == "capkv":  # w·vᵀA⁻¹v past the sinks, w from the cosine to the group's mean query (τ = 5)
+        rep, rest = q.shape[0] // k.shape[0], cand[GLOBAL:]
+        mu = torch.stack([q[j, p] for j in range(h * rep, (h + 1) * rep) for p in rest]).double().mean(0)
+        cos = {p: float(mu @ k[h, p].double() / (mu.norm() * k[h, p].double().norm())) for p in rest}
+        weight = {p: math.exp(5.0 * (cos[p] - max(cos.values()))) for p in rest}
+        capacity = torch.eye(k.shape[-1], dtype=torch.float64)
+        for p in rest:
+            capacity += (weight[p] + 1e-6) * torch.outer(v[h, p].double(), v[h, p].double())
+        inverse = torch.linalg.inv(capacity)
+        lev = [weight[p] * float(v[h, p].double() @ inverse @ v[h, p].double()) for p in rest]
+        score = torch.tensor([max(lev) + 1] * GLOBAL + lev)
     elif rule == "heavy_hitter":  # SnapKV: the last W queries' attention summed, max-pooled over K keys
         window, kernel = 4, 1  # no pooling: max-pooled votes tie exactly, and top-k breaks ties its own way
         votes = torch.zeros(n)
@@ -170,7 +181,7 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
     return sorted(cand[i] for i in order[:budget])
 
 
-NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "curdkv", "heavy_hitter"]
+NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "curdkv", "capkv", "heavy_hitter"]
 RULE_FLAGS = {"heavy_hitter": ["--snapkv_window", "4", "--snapkv_kernel", "1"]}
 
 

@@ -28,7 +28,7 @@ def prompt_cache(name: str) -> tuple:
     prefill_fn = caches[0].prefill
 
     def spy(input_pos, k, v, q) -> None:
-        seen.update(k=k.clone(), q=q.clone())
+        seen.update(k=k.clone(), v=v.clone(), q=q.clone())
         if caches[0].needs_gates:
             seen["log_gates"] = caches[0].prompt_log_gates.clone()
         prefill_fn(input_pos, k, v, q)
@@ -37,6 +37,7 @@ def prompt_cache(name: str) -> tuple:
     with torch.inference_mode():
         run(model, token_ids()[:, : PROMPT + 1], lambda *a: None, lambda p: None)
     assert layer.kv_cache is caches[0]
+    caches[0].observe_prompt_values(seen["v"])  # as a prefill hands them over (a rule may drop them after it)
     return caches[0], seen
 
 
