@@ -1,5 +1,5 @@
-"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, simlayerkv): what their arms
-run and what their claims compare (no model is loaded)."""
+"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, capkv, simlayerkv): what
+their arms run and what their claims compare (no model is loaded)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ def parsed(experiment: str, label: str, profile: str = "quick") -> dict:
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-@pytest.mark.parametrize("experiment, budget", [("kvzip", 0.25), ("compactor", 0.5)])
+@pytest.mark.parametrize("experiment, budget", [("kvzip", 0.25), ("compactor", 0.5), ("capkv", 0.5)])
 def test_query_agnostic_rules_are_compared_with_snapkv_both_blind_to_the_question(experiment, budget, profile) -> None:
     exp = EXPERIMENTS[experiment]
-    assert [(c.treatment, c.control) for c in exp.comparisons] == [(experiment, "snapkv query-agnostic")]
+    assert [(c.treatment, c.control) for c in exp.comparisons][0] == (experiment, "snapkv query-agnostic")
     assert exp.higher_is_better and exp.metric == "string_match"
     ours, snapkv = parsed(experiment, experiment, profile), parsed(experiment, "snapkv query-agnostic", profile)
     assert ours["cache_strategy"] == [experiment] and snapkv["cache_strategy"] == ["heavy_hitter"]
@@ -47,6 +47,17 @@ def test_curdkv_is_compared_with_snapkv_and_chunkkv_blind_to_the_question_on_com
     # The compactor experiment's arms on the same items: one --runs_dir computes them once.
     assert runs["compactor"] == parsed("compactor", "compactor", profile)
     assert runs["snapkv query-agnostic"] == parsed("compactor", "snapkv query-agnostic", profile)
+
+
+def test_capkv_is_also_compared_with_expected_attention_blind_to_the_question() -> None:
+    exp = EXPERIMENTS["capkv"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("capkv", "snapkv query-agnostic"),
+                                                                   ("capkv", "expected attention")]
+    ours, theirs = parsed("capkv", "capkv"), parsed("capkv", "expected attention")
+    assert theirs["cache_strategy"] == ["expected_attention"]
+    assert {key for key in ours if ours[key] != theirs[key]} == {"cache_strategy"}
+    # compactor's and curdkv's SnapKV arm: one --runs_dir computes it once.
+    assert parsed("capkv", "snapkv query-agnostic") == parsed("compactor", "snapkv query-agnostic")
 
 
 def test_the_query_aware_reference_differs_from_the_control_only_in_seeing_the_question() -> None:

@@ -429,6 +429,31 @@ register(Experiment(
 
 
 register(Experiment(
+    name="capkv",
+    paper="CapKV (Tang et al., arXiv 2604.25975)",
+    claim="Keeping the context's tokens of the largest capacity share (the weighted leverage of their values, weighted "
+          "by their keys' closeness to the queries' anchor), before any question is seen, retrieves a needle more "
+          "often than SnapKV's selection and than expected attention's (the anchor without the values), at the same "
+          "budget.",
+    task="niah_single", metric="string_match", higher_is_better=True,
+    # The kvpress protocol (the paper's, through kvpress's CapPress), on compactor's and curdkv's items and budget.
+    common=_HALF_BLIND,
+    arms=(Arm("capkv", ("--cache_strategy", "capkv")),
+          Arm("snapkv query-agnostic", ("--cache_strategy", "heavy_hitter")),
+          Arm("expected attention", ("--cache_strategy", "expected_attention"))),
+    comparisons=(Comparison("capkv", "snapkv query-agnostic"), Comparison("capkv", "expected attention")),
+    varies=frozenset({"cache_strategy"}),
+    profiles=NEEDLES,
+    notes=("The paper's headline is that CapKV outperforms prior methods on LongBench and AIME25 (Qwen3, Llama 3.1, "
+           "Mistral); the decided claim is superiority over query-agnostic SnapKV and over expected attention, whose "
+           "query anchor CapKV's press takes over, at half of each context (both comparisons needed).",
+           "CapKV as kvpress's CapPress, τ = 5, with the anchor the mean of the context's queries after RoPE and one "
+           "anchor and capacity matrix per KV head (strategies/capkv.py); expected_attention models the last 64 "
+           "queries (its default); heavy_hitter's prompt rule is SnapKV's (window 32, max-pooling kernel 7)."),
+))
+
+
+register(Experiment(
     name="simlayerkv",
     paper="SimLayerKV (Zhang et al., arXiv 2410.13846)",
     claim="Trimming only the lazy layers (those whose last query attends almost only to the sinks and the recent "
