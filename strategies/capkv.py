@@ -9,8 +9,8 @@ CapKV keeps the tokens with the largest
     scoreᵢ = wᵢ · vᵢᵀ A⁻¹ vᵢ,   A = I + Σⱼ (wⱼ + ε) vⱼvⱼᵀ,   wᵢ = exp(τ · (cos(μ, kᵢ) − maxⱼ cos(μ, kⱼ)))
 
 with the value vᵢ as the output direction, μ an anchor of the queries, τ = `--capkv_tau` (5) and ε = 1e-6, as
-kvpress's CapPress (the authors' press): keys and anchor normalised, the exponent shifted by its maximum, the
-first `global_tokens` (sinks) out of every sum and kept.
+kvpress's CapPress: keys and anchor normalised, the exponent shifted by its maximum, the first `global_tokens`
+(sinks) out of every sum and kept.
 
 - Prompt: μ is the mean of the prompt's queries after the sinks, over the query heads of the KV group; the best
   scores are kept (sinks and the recent window protected).

@@ -3,9 +3,9 @@
 
 A token's effect on the layer's output softmax(QKᵀ)V runs through its value as much as through its key, so
 CurDKV keeps the rows of K and V that a CUR decomposition of them would sample: rows of large leverage. As
-kvpress's CURPress (the press its authors contributed), a row's leverage is approximated by its squared norm
-(length-squared sampling, the first step of randomized CUR), normalised within consecutive windows of
-`--curdkv_window` tokens (16) so that a stretch of large-norm tokens cannot take the whole budget:
+kvpress's CURPress, a row's leverage is approximated by its squared norm (the length-squared sampling of early
+randomized CUR algorithms), normalised within consecutive windows of `--curdkv_window` tokens (16) so that a
+stretch of large-norm tokens cannot take the whole budget:
 
     k̃ᵢ = ‖kᵢ‖² / Σ_{j ∈ window(i)} ‖kⱼ‖²,   ṽᵢ likewise,   scoreᵢ = k̃ᵢ · ṽᵢ / Σⱼ k̃ⱼ ṽⱼ   (per KV head)
 
