@@ -69,7 +69,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated()
         Path("/proc/self/clear_refs").write_text("5")
-        return _status_kb("VmRSS") * 1024
+        # The reset high-water mark (the resident size at the reset), not a VmRSS read after it: pages touched
+        # between the two reads would put "before" above a peak that never rises past it.
+        return _status_kb("VmHWM") * 1024
 
     def peak(self) -> int:
         if self.cuda:
