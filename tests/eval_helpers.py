@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from eval.results import is_finished
 from tests.conftest import ROOT, TINY_ARGS, make_tiny_model
 
 PYDOC_EXCERPT = ROOT / "tests" / "data" / "pydoc_excerpt.txt"  # pinned: pydoc text differs between Pythons
@@ -83,3 +84,11 @@ def single_thread() -> Iterator[None]:
 def one_thread() -> Iterator[None]:
     with single_thread():
         yield
+
+
+def finished(out_dir: Path) -> int:
+    """Finished runs as the sweep counts them: pathlib's glob also matches a run still being written in its
+    hidden temporary directory (metrics.json is written there last, then the directory is swapped in), which a
+    SIGKILL at that moment leaves unfinished."""
+    return sum(1 for m in out_dir.glob("*/*/*/metrics.json")
+               if not m.parent.name.startswith(".") and is_finished(m.parent))

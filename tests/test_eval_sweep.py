@@ -16,10 +16,11 @@ import pytest
 
 from errors import UserError
 from eval import plot, sweep
-from eval.results import TRAILING_COLUMNS, is_finished
+from eval.results import TRAILING_COLUMNS
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
+    finished,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     single_thread,
 )
@@ -35,14 +36,6 @@ def sweep_flags(tiny_dir, out_dir) -> list[str]:
     return ["--strategies", *STRATEGIES, "--budgets", "0.5", "0.25", "--tasks", "fidelity",
             "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT), "--seq_len", "800",
             "--prefill_tokens", "32", "--out_dir", str(out_dir)]
-
-
-def finished(out_dir) -> int:
-    """Finished runs as the sweep counts them: pathlib's glob also matches a run still being written in its
-    hidden temporary directory (metrics.json is written there last, then the directory is swapped in), which a
-    SIGKILL at that moment leaves unfinished."""
-    return sum(1 for m in out_dir.glob("*/*/*/metrics.json")
-               if not m.parent.name.startswith(".") and is_finished(m.parent))
 
 
 def comparable(out_dir) -> pd.DataFrame:

@@ -27,6 +27,7 @@ from eval.sweep_ray import SCRATCH
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
+    finished,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
     single_thread,
 )
@@ -42,10 +43,6 @@ def sweep_flags(tiny_dir: Path, out_dir: Path) -> list[str]:
     return ["--strategies", "full", "recent_global", "--budgets", "0.5", "0.25", "--tasks", "fidelity",
             "--checkpoint_path", str(tiny_dir), "--text_file", str(PYDOC_EXCERPT), "--seq_len", "300",
             "--prefill_tokens", "32", "--out_dir", str(out_dir)]
-
-
-def finished(out_dir: Path) -> int:
-    return len(list(out_dir.glob("*/*/*/metrics.json")))
 
 
 def assert_same_rows(out_dir: Path, reference: Path) -> None:
