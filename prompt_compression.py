@@ -321,3 +321,31 @@ def largest(scores: Tensor, k: int) -> Tensor:
     votes tie exactly across a pooling window, and topk breaks ties differently on a CPU and a GPU; a
     stable sort makes every device keep the same (head, token) pairs."""
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class ScoredOnce:
+    """Mixed in by a strategy whose prompt rule computes statistics its `after_prefill` needs too (compactor's
+    whitening map, capkv's capacity matrix): `scoring(cache, k, q)` -> (scores, statistics). What the rule
+    computed for its own cache is kept there and taken back by `scored_prompt` for the same keys, so a
+    compressed prompt is scored once; a prompt that fitted, or that another rule chose, is scored there."""
+
+    @classmethod
+    def scoring(cls, cache, k: Tensor, q: Tensor) -> tuple[Tensor, dict]:
+        raise NotImplementedError
+
+    @classmethod
+    def prompt_scores(cls, cache, k: Tensor, q: Tensor) -> Tensor:
+        scores, statistics = cls.scoring(cache, k, q)
+        if isinstance(cache, cls):
+            cache.__dict__["prompt_scoring"] = (k, scores, statistics)
+        return scores
+
+    def scored_prompt(self, k: Tensor, q: Tensor) -> tuple[Tensor, dict]:
+        stashed = self.__dict__.pop("prompt_scoring", None)
+        if stashed is not None and stashed[0] is k:
+            return stashed[1], stashed[2]
+        return self.scoring(self, k, q)
+
+    def reset(self) -> None:
+        super().reset()
+        self.__dict__.pop("prompt_scoring", None)

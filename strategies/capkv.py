@@ -33,6 +33,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, register_strategy
 from kv_storage import scatter_slots
+from prompt_compression import ScoredOnce
 from strategies.critical_kv import PromptValueNorms
 
 TAU = Setting("capkv_tau", 5.0, type=finite_float, low=0.0,
@@ -65,7 +66,7 @@ def capacity_scores(k: Tensor, v: Tensor, stats: dict[str, Tensor], tau: float) 
 
 
 @register_strategy
-class CapKVCache(PromptValueNorms, KVCache):
+class CapKVCache(ScoredOnce, PromptValueNorms, KVCache):
     name = "capkv"
     hyperparameters = ("global_tokens", "recent_window")
     settings = (TAU,)
@@ -88,7 +89,7 @@ class CapKVCache(PromptValueNorms, KVCache):
         return self.score
 
     @classmethod
-    def scores_and_statistics(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """Every prompt token's score [B, n_kv, T] float32 (the sinks above the rest) and the statistics."""
         v, tau = cls.values_for(cache, k), float(cache.setting(TAU))
         g = min(cache.global_tokens, k.shape[2])
@@ -97,12 +98,8 @@ class CapKVCache(PromptValueNorms, KVCache):
         top = scored.amax(-1, keepdim=True) + 1 if scored.shape[-1] else scored.new_ones(*scored.shape[:2], 1)
         return torch.cat([top.expand(*scored.shape[:2], g), scored], dim=-1), stats
 
-    @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return cls.scores_and_statistics(cache, k, q)[0]
-
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        scores, stats = self.scores_and_statistics(self, k, q)
+        scores, stats = self.scored_prompt(k, q)
         self.prompt_values = None  # the last reader of the prompt's values
         self.anchor.copy_(stats["anchor"])
         self.top_cosine.copy_(stats["top"])

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, register_strategy
 from kv_storage import scatter_slots
-from prompt_compression import block_elements
+from prompt_compression import ScoredOnce, block_elements
 from strategies.critical_kv import PromptValueNorms
 
 BLENDING = Setting("compactor_blending", None, type=finite_float, low=0.0, prompt_rule=True,
@@ -144,7 +144,7 @@ def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor) -> tup
 
 
 @register_strategy
-class CompactorCache(PromptValueNorms, KVCache):
+class CompactorCache(ScoredOnce, PromptValueNorms, KVCache):
     name = "compactor"
     hyperparameters = ("global_tokens", "recent_window")
     settings = (BLENDING, CHUNK)
@@ -166,18 +166,11 @@ class CompactorCache(PromptValueNorms, KVCache):
         return self.score
 
     @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        scores, stats = compactor_scores(cache, k, q, cls.value_norms_for(cache, k))
-        if isinstance(cache, CompactorCache):  # its after_prefill takes them rather than scoring again
-            cache.__dict__["prompt_statistics"] = (k, scores, stats)
-        return scores
+    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return compactor_scores(cache, k, q, cls.value_norms_for(cache, k))
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        stashed = self.__dict__.pop("prompt_statistics", None)
-        if stashed is not None and stashed[0] is k:
-            _, scores, stats = stashed
-        else:  # the prompt fitted, or another rule chose it: score it here
-            scores, stats = compactor_scores(self, k, q, self.value_norms_for(self, k))
+        scores, stats = self.scored_prompt(k, q)
         gain = (stats["blend"] / stats["lev_std"]).sqrt()  # [B, n_kv, 1]
         decode_map = stats["whiten"] * gain[..., None]
         self.decode_map.copy_(decode_map)
@@ -185,10 +178,6 @@ class CompactorCache(PromptValueNorms, KVCache):
         self.decode_offset.copy_(stats["blend"] * stats["lev_mean"] / stats["lev_std"])
         n = keep.shape[-1]
         self.score[:, :, :n] = scores.gather(2, keep)
-
-    def reset(self) -> None:
-        super().reset()
-        self.__dict__.pop("prompt_statistics", None)
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         whitened = k.double() @ self.decode_map.transpose(-1, -2) - self.decode_bias[:, :, None]  # [B, n_kv, 1, d]
