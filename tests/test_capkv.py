@@ -20,27 +20,34 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b) / math.sqrt(float(a @ a) * float(b @ b))
 
 
+def naive_capacity(group: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scored: list[int],
+                   tau: float = 5.0):
+    """CapKV's score of a position x by its definition, statistics over the `scored` positions: w_x · v_xᵀ A⁻¹ v_x,
+    w_x = exp(τ (cos(μ, k_x) − the largest cosine over `scored`)), μ the mean of the group's queries group
+    [rep, T, d] over `scored`, A = I + Σ (w + 1e-6) v vᵀ over `scored`."""
+    mu = sum(group[j, x].double() for j in range(group.shape[0]) for x in scored) / (group.shape[0] * len(scored))
+    top = max(cosine(mu, keys[x].double()) for x in scored)
+
+    def weight(x: int) -> float:
+        return math.exp(tau * (cosine(mu, keys[x].double()) - top))
+
+    capacity = torch.eye(keys.shape[-1], dtype=torch.float64)
+    for x in scored:
+        capacity += (weight(x) + 1e-6) * torch.outer(values[x].double(), values[x].double())
+    inverse = torch.linalg.inv(capacity)
+    return lambda x: weight(x) * float(values[x].double() @ inverse @ values[x].double())
+
+
 def capkv_oracle(model, ids, tau: float = 5.0) -> Score:
-    """Prompt token x ≥ GLOBAL: w_x · v_xᵀ A⁻¹ v_x, w_x = exp(τ (cos(μ, k_x) − the largest such cosine)), μ the
-    mean query of the group over the positions after the sinks, A = I + Σ (w + 1e-6) v vᵀ over them. Decoded
-    token p: the same against the prompt's μ, largest cosine and A."""
+    """Prompt tokens past the sinks and decoded tokens, all against the prompt's statistics (`naive_capacity`)."""
     ref_k, ref_v = reference_kv(model, ids)
     q = layer0_queries(model, ids).double()
-    n_kv = ref_k.shape[0]
-    rep = q.shape[0] // n_kv
-    scored = range(GLOBAL, PROMPT)
-    table: list[dict[int, float]] = []
-    for h in range(n_kv):
-        keys, values = ref_k[h].double(), ref_v[h].double()
-        group = q[h * rep : (h + 1) * rep]
-        mu = sum(group[j, x] for j in range(rep) for x in scored) / (rep * len(scored))
-        top = max(cosine(mu, keys[x]) for x in scored)
-        weight = {x: math.exp(tau * (cosine(mu, keys[x]) - top)) for x in range(TOTAL)}
-        capacity = torch.eye(keys.shape[-1], dtype=torch.float64)
-        for x in scored:
-            capacity += (weight[x] + 1e-6) * torch.outer(values[x], values[x])
-        inverse = torch.linalg.inv(capacity)
-        table.append({x: weight[x] * float(values[x] @ inverse @ values[x]) for x in range(GLOBAL, TOTAL)})
+    rep = q.shape[0] // ref_k.shape[0]
+    scored = list(range(GLOBAL, PROMPT))
+    table = []
+    for h in range(ref_k.shape[0]):
+        score = naive_capacity(q[h * rep : (h + 1) * rep], ref_k[h], ref_v[h], scored, tau)
+        table.append({x: score(x) for x in range(GLOBAL, TOTAL)})
     return lambda p, h, held, x: table[h][x]
 
 

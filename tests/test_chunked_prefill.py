@@ -41,6 +41,8 @@ from tests.strategy_matrix import (
     inner,
     token_ids,
 )
+from tests.test_capkv import naive_capacity
+from tests.test_curdkv import naive_window_shares, squared_norms
 
 ATOL = 1e-5
 # Every chunkable strategy and twin on dense storage; the strategies (a twin's shadow is the same cache) on
@@ -144,23 +146,13 @@ def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tu
         if rule == "critical_kv":
             score = score * torch.stack([v[h, p].norm() for p in cand])
     elif rule == "curdkv":  # each token's share of its window's squared key norms times its values' share
-        shares = []
-        for first in range(0, n, CURDKV_WINDOW):
-            window = cand[first : first + CURDKV_WINDOW]
-            key_sq = [float(k[h, p].double().square().sum()) for p in window]
-            value_sq = [float(v[h, p].double().square().sum()) for p in window]
-            shares += [a / sum(key_sq) * b / sum(value_sq) for a, b in zip(key_sq, value_sq, strict=True)]
+        shares = naive_window_shares(squared_norms(k[h, cand]), squared_norms(v[h, cand]), CURDKV_WINDOW,
+                                     "kv_product")
         score = torch.tensor(shares) / sum(shares)
-    elif rule == "capkv":  # w·vᵀA⁻¹v past the sinks, w from the cosine to the group's mean query (τ = 5)
-        rep, rest = q.shape[0] // k.shape[0], cand[GLOBAL:]
-        mu = torch.stack([q[j, p] for j in range(h * rep, (h + 1) * rep) for p in rest]).double().mean(0)
-        cos = {p: float(mu @ k[h, p].double() / (mu.norm() * k[h, p].double().norm())) for p in rest}
-        weight = {p: math.exp(5.0 * (cos[p] - max(cos.values()))) for p in rest}
-        capacity = torch.eye(k.shape[-1], dtype=torch.float64)
-        for p in rest:
-            capacity += (weight[p] + 1e-6) * torch.outer(v[h, p].double(), v[h, p].double())
-        inverse = torch.linalg.inv(capacity)
-        lev = [weight[p] * float(v[h, p].double() @ inverse @ v[h, p].double()) for p in rest]
+    elif rule == "capkv":  # w·vᵀA⁻¹v past the sinks, statistics over them (τ = 5); the sinks above the rest
+        rep = q.shape[0] // k.shape[0]
+        capacity = naive_capacity(q[h * rep : (h + 1) * rep], k[h], v[h], cand[GLOBAL:])
+        lev = [capacity(p) for p in cand[GLOBAL:]]
         score = torch.tensor([max(lev) + 1] * GLOBAL + lev)
     elif rule == "heavy_hitter":  # SnapKV: the last W queries' attention summed, max-pooled over K keys
         window, kernel = 4, 1  # no pooling: max-pooled votes tie exactly, and top-k breaks ties its own way

@@ -6,6 +6,7 @@ sinks, a 4-token recent window)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from errors import UserError
 from tests.strategy_matrix import PROMPT, TOTAL
@@ -18,6 +19,19 @@ def combined(key_share: float, value_share: float, leverage: str) -> float:
             "kv_product": key_share * value_share}[leverage]
 
 
+def naive_window_shares(key_sq: list[float], value_sq: list[float], window: int, leverage: str) -> list[float]:
+    """The combined shares of consecutive windows of `window` entries (the last one the remainder)."""
+    shares = []
+    for first in range(0, len(key_sq), window):
+        keys, values = key_sq[first : first + window], value_sq[first : first + window]
+        shares += [combined(a / sum(keys), b / sum(values), leverage) for a, b in zip(keys, values, strict=True)]
+    return shares
+
+
+def squared_norms(x: torch.Tensor) -> list[float]:
+    return [float(sum(c * c for c in row.double().tolist())) for row in x]
+
+
 def curdkv_oracle(model, ids, window: int = 16, leverage: str = "kv_product") -> Score:
     """Prompt token x: its share of its window's squared key norms (windows 0..w−1, w..2w−1, ...; the last
     one the remainder) combined with its share of their squared value norms, over the head's sum of that
@@ -25,16 +39,10 @@ def curdkv_oracle(model, ids, window: int = 16, leverage: str = "kv_product") ->
     ref_k, ref_v = reference_kv(model, ids)
     table: list[dict[int, float]] = []
     for h in range(ref_k.shape[0]):
-        key_sq = [float(sum(c * c for c in ref_k[h, x].double().tolist())) for x in range(TOTAL)]
-        value_sq = [float(sum(c * c for c in ref_v[h, x].double().tolist())) for x in range(TOTAL)]
-        raw = {}
-        for first in range(0, PROMPT, window):
-            members = range(first, min(first + window, PROMPT))
-            key_sum, value_sum = sum(key_sq[x] for x in members), sum(value_sq[x] for x in members)
-            for x in members:
-                raw[x] = combined(key_sq[x] / key_sum, value_sq[x] / value_sum, leverage)
-        total = sum(raw.values())
-        row = {x: s / total for x, s in raw.items()}
+        key_sq, value_sq = squared_norms(ref_k[h, :TOTAL]), squared_norms(ref_v[h, :TOTAL])
+        raw = naive_window_shares(key_sq[:PROMPT], value_sq[:PROMPT], window, leverage)
+        total = sum(raw)
+        row = {x: s / total for x, s in enumerate(raw)}
         for p in range(PROMPT, TOTAL):
             members = range(max(0, p - window + 1), p + 1)
             key_sum, value_sum = sum(key_sq[x] for x in members), sum(value_sq[x] for x in members)
