@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 
 def chunk_attention(q: Tensor, held_k: Tensor, held_v: Tensor, k: Tensor, v: Tensor, held_valid: Tensor,
@@ -29,6 +28,10 @@ def chunk_attention(q: Tensor, held_k: Tensor, held_v: Tensor, k: Tensor, v: Ten
             if slots.numel() < held_k.shape[2]:
                 held_k, held_v = held_k.index_select(2, slots), held_v.index_select(2, slots)
             keys, values = torch.cat([held_k, k], 2), torch.cat([held_v, v], 2)
+            # Imported here: the module imports torch._dynamo (~1 s), which a command refused at its flags
+            # never needs.
+            from torch.nn.attention.bias import causal_lower_right
+
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, keys.shape[2]),
                                                   enable_gqa=True)
     pos = torch.cat([held_pos.expand(B, n_kv, -1), input_pos.expand(B, n_kv, T)], -1)

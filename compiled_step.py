@@ -13,6 +13,15 @@ from checkpoint import COMPILE_SCOPES
 from model import Transformer
 
 
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far (differences of it count a run's compiles).
+    torch._dynamo is imported here, not at the top: its ~1 s import is never needed by a command refused at
+    its flags."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _run_block(layer: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor) -> Tensor:
     return layer(x, cos, sin, input_pos)
 

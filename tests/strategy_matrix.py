@@ -34,11 +34,33 @@ STORAGE_BUDGETS = [("dense", "fraction"), ("dense", "absolute"), ("4bit", "fract
 COMPILED_STORAGE_BUDGETS = [("dense", "fraction"), ("kivi4", "absolute"), ("4bit", "fraction")]
 STRATEGIES = sorted(CACHE_STRATEGIES)
 ALL = STRATEGIES + [f"debug_{s}" for s in STRATEGIES]
-# The compiled matrix's cases: every strategy and twin on dense storage, every strategy on KIVI and on 4-bit
-# codes. A twin's shadow is its strategy's own cache on that storage (its full cache is always dense), so what
-# a quantized storage adds to a compiled twin's graph is its strategy's graph on it; each case is a cold
-# compile of ~3-10 s here.
-COMPILED_CASES = ([(s, *COMPILED_STORAGE_BUDGETS[0]) for s in ALL]
+# The traits by which the code around a strategy's own update differs: the debug_ twin's wrapper (it hands
+# the shadow attention only if it reads it), the layer (per-head slots, empty slots, token ids, gates), the
+# prompt's profile. Code that wraps every strategy alike (a twin's wrapper, the whole step's embedding,
+# layer loop and head, re-rotation by rank) is compiled for one strategy per set of traits (the first evicting
+# one in name order), while each strategy's own update is compiled on its own (COMPILED_CASES): a new
+# strategy joins these lists when it brings a new set of traits.
+GRAPH_TRAITS = ("head_specific", "needs_attention", "needs_token_ids", "needs_token_classes", "needs_gates",
+                "profiles_prompt", "variable_occupancy")
+
+
+def one_per_trait_set(names: list[str]) -> list[str]:
+    """The first of `names` (not `full`) for each set of GRAPH_TRAITS among them."""
+    chosen: dict[tuple, str] = {}
+    for name in names:
+        traits = tuple(bool(getattr(CACHE_STRATEGIES[name], t, False)) for t in GRAPH_TRAITS)
+        if name != "full":
+            chosen.setdefault(traits, name)
+    return list(chosen.values())
+
+
+TRAIT_REPRESENTATIVES = one_per_trait_set(STRATEGIES)
+# The compiled matrix's cases: every strategy on dense storage, KIVI and 4-bit codes, and the twins of
+# TRAIT_REPRESENTATIVES on dense storage (a twin's graph is its wrapper around the strategy's own cache,
+# whose graph the strategy's case compiles; every twin runs eager in the matrix). Each case is a cold compile
+# of ~3-10 s here.
+COMPILED_TWINS = [f"debug_{s}" for s in TRAIT_REPRESENTATIVES]
+COMPILED_CASES = ([(s, *COMPILED_STORAGE_BUDGETS[0]) for s in STRATEGIES + COMPILED_TWINS]
                   + [(s, *sb) for sb in COMPILED_STORAGE_BUDGETS[1:] for s in STRATEGIES])
 # The budget-allocation axis (--budget_allocation adakv, budget_allocation.py): every head-specific strategy that
 # can pool its heads (hybrid sizes them itself) and its debug_ twin, on dense and per-token-quantized storage
@@ -50,9 +72,11 @@ ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items())
                     if c.head_specific and not c.profiles_prompt and s not in VARIABLE]
 ADAKV = ADAKV_STRATEGIES + [f"debug_{s}" for s in ADAKV_STRATEGIES]
 ADAKV_STORAGES = ["dense", "4bit"]
-# Compiled: every strategy and twin on dense storage, every strategy quantized (a twin's quantized part is its
-# shadow, the strategy's own cache, as in COMPILED_CASES).
-ADAKV_COMPILED_CASES = [(s, "dense") for s in ADAKV] + [(s, "4bit") for s in ADAKV_STRATEGIES]
+# Compiled: every strategy on dense and per-token-quantized storage, and on dense storage the twins of one
+# strategy per set of traits (as in COMPILED_CASES).
+ADAKV_COMPILED_TWINS = [f"debug_{s}" for s in one_per_trait_set(ADAKV_STRATEGIES)]
+ADAKV_COMPILED_CASES = ([(s, "dense") for s in ADAKV_STRATEGIES + ADAKV_COMPILED_TWINS]
+                        + [(s, "4bit") for s in ADAKV_STRATEGIES])
 ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapkv_window", "4"]}
 # --prefill_chunk (KVCache.prefill_chunk_tokens): every strategy and twin but those that declare why they
 # cannot compress a prompt chunk by chunk (cache_spec refuses the flag for them).

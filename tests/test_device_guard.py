@@ -27,6 +27,7 @@ from tests.strategy_matrix import (
     PROMPT,
     STORAGES,
     TOKEN_CLASSES,
+    TRAIT_REPRESENTATIVES,
     attach,
     cache_args,
     token_ids,
@@ -35,10 +36,14 @@ from tests.strategy_matrix import (
 # Every strategy on every storage with uniform budgets; the pooled caches of --budget_allocation adakv on theirs.
 CASES = [(s, st, "uniform") for s in ALL for st in sorted(STORAGES)] + \
         [(s, st, "adakv") for s in ADAKV for st in ADAKV_STORAGES]
+# In bfloat16 as well: the storages (their codes and scales) and one strategy per set of traits with its twin
+# (a strategy allocates its own state in its own dtypes, whatever the model's).
+BF16_STRATEGIES = set(TRAIT_REPRESENTATIVES) | {f"debug_{s}" for s in TRAIT_REPRESENTATIVES}
+DTYPE_CASES = [(*case, torch.float32) for case in CASES] + \
+              [(*case, torch.bfloat16) for case in CASES if case[0] in BF16_STRATEGIES]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("strategy", "storage", "allocation"), CASES)
+@pytest.mark.parametrize(("strategy", "storage", "allocation", "dtype"), DTYPE_CASES)
 def test_prefill_and_decode_keep_every_tensor_on_the_model_device(strategy, storage, allocation, dtype):
     model = make_tiny_model().to(device="meta", dtype=dtype)
     model.init_rope_tables()

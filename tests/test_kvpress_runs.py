@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -267,10 +268,25 @@ def test_longbench_rows_export_one_kvpress_directory_per_task(tiny_dir, tmp_path
         assert "answers" in pd.read_csv(tmp_path / "kv" / name / "predictions.csv")
 
 
+def hub_offline(monkeypatch, cache: Path) -> None:
+    """The hub offline and `cache` (empty: nothing to fall back on) the datasets cache, as the variables set
+    before the process starts make them. `datasets` and `huggingface_hub` read the variables once, at import:
+    where an earlier test of this worker imported them online, load_dataset would retry the unreachable hub
+    for ~25 s before failing."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setattr(datasets.config, name, True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+
+
 def test_a_hub_dataset_offline_fails_in_one_line(tiny_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))  # an empty cache: nothing to fall back on
+    hub_offline(monkeypatch, tmp_path / "hf")
     out = tmp_path / "out"
     fails(capsys, ["run", "--compression_ratio", "0.5", "--dataset", "simonjegou/ruler", "--dataset_config", "4096",
                    "--checkpoint_path", str(tiny_dir), "--cache_strategy", "l2", "--out_dir", str(out),

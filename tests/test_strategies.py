@@ -30,6 +30,7 @@ from tests.strategy_matrix import (
     STRATEGIES,
     TOKEN_CLASSES,
     TOTAL,
+    TRAIT_REPRESENTATIVES,
     attach,
     cache_args,
     held_positions,
@@ -141,14 +142,14 @@ def test_matrix_compiled_no_recompilation(strategy, storage, budget):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", TRAIT_REPRESENTATIVES)
 def test_whole_step_compiled_equals_eager(strategy):
     """`--compile_scope step` (the whole step as one graph: embedding, layer, head) keeps the eager step's
     positions at every step and its logits (float32, atol 1e-4), with one graph over the whole run. One layer:
     past the first, a strategy ranking near-equal scores (l2's key norms) may break a near tie differently
-    once the fused graph rounds a layer's output differently (seen with two layers). Every strategy; the
-    twins' compiled blocks are the compiled matrix's (what the step adds around a block, the embedding, the
-    layer loop and the head, is the same code for a twin as for its strategy)."""
+    once the fused graph rounds a layer's output differently (seen with two layers). One strategy per set of
+    traits: what the step adds around a block (the embedding, the layer loop, the head) is the same code for
+    every strategy of a set, whose blocks the compiled matrix compiles each."""
     model = make_tiny_model(n_layer=1)
     with torch.inference_mode():  # the tokens an inference loop feeds (prepare's are inference tensors too)
         ids = token_ids().clone()

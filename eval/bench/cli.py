@@ -14,11 +14,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 
 import cpu_bf16_kernels
 from atomic_files import atomic_write, write_json_atomic
 from checkpoint import add_compile_scope_argument, add_model_arguments, parse_dtype, positive_int, resolve_device
+from compiled_step import graphs_compiled
 from errors import CliParser, UserError
 from eval.bench.batched import (
     ENGINES,
@@ -212,7 +212,7 @@ def run_rows(args: argparse.Namespace, argv: list[str], strategies: list[str], d
     meta = run_meta(args, argv, device, bandwidth, total_weight_bytes, started) | {
         "read_bandwidth_after_gb_s": round(bandwidth_after / 1e9, 2),
         "processor": platform.processor() or platform.machine(),
-        "graphs_compiled": counters["stats"]["unique_graphs"], "compiled_rows": sum(j.compiled for j in plan),
+        "graphs_compiled": graphs_compiled(), "compiled_rows": sum(j.compiled for j in plan),
         "inductor_freezing": freezing, "compile_scope": args.compile_scope}
     write_outputs(out_dir, {"meta": meta, "targets": targets, "rows": rows}, table)
     partial.unlink()

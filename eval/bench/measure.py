@@ -11,13 +11,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
 
 from cache import cache_statistics
 from cache_setup import attach_caches
 from checkpoint import bundled_checkpoint_path, load_checkpoint
 from checkpoint_hf import hf_model_args
-from compiled_step import compile_decode_step
+from compiled_step import compile_decode_step, graphs_compiled
 from errors import UserError
 from eval.bench.plan import cache_args, recompile_check_shape
 from eval.bench.profile import profile_decode_steps
@@ -179,7 +178,7 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
             state["pos"] = torch.tensor([n], device=device)
         _decode_block(model, step, ref, 1, [])  # compiles the reference graph unless its row just did
         _decode_block(model, step, ours, 1, [])
-        graphs_before = counters["stats"]["unique_graphs"]
+        graphs_before = graphs_compiled()
         times: dict[int, list[float]] = {id(ours): [], id(ref): []}
         blocks = max(1, min(blocks, steps - 1))  # 1 + blocks × per_block ≤ steps: the full cache never overflows
         per_block = max(1, (steps - 1) // blocks)
@@ -188,7 +187,7 @@ def paired_overhead(model, tokenizer, ids: list[int], step, caches: list, slots:
                 _decode_block(model, step, state, per_block, times[id(state)])
     model.setup_caches(caches)
     return (statistics.median(times[id(ours)]), statistics.median(times[id(ref)]),
-            counters["stats"]["unique_graphs"] - graphs_before)
+            graphs_compiled() - graphs_before)
 
 
 # Blocks of decode steps in the paired bound measurement (paired_fraction_of_bound).
@@ -241,7 +240,7 @@ def bench_ours(model, tokenizer, ids: list[int], new: int, strategy: str, budget
         if reset:
             torch._dynamo.reset()
         step = compile_decode_step(scope=compile_scope)
-    graphs_before = counters["stats"]["unique_graphs"]
+    graphs_before = graphs_compiled()
     result = generate(model, ids, new, [], step)  # a compiled step is compiled and captured first (prepare)
     stats = cache_statistics(model.caches())
     kv = kv_bytes_read(model.caches())
@@ -291,7 +290,7 @@ def recompile_check(model, ids: list[int], new: int, step, slots: int, recompile
     if recompile_steps > 0:
         prompt, steps = recompile_check_shape(slots, len(ids) + new, recompile_steps)
         check_steps = generate(model, ids[:prompt], steps + 1, [], step).decode_steps
-    return check_steps, counters["stats"]["unique_graphs"] - graphs_before - step.graphs_per_set(model)
+    return check_steps, graphs_compiled() - graphs_before - step.graphs_per_set(model)
 
 
 def load_hf_model(source: dict, dtype: torch.dtype, device: str):
