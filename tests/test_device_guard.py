@@ -36,11 +36,11 @@ from tests.strategy_matrix import (
 # Every strategy on every storage with uniform budgets; the pooled caches of --budget_allocation adakv on theirs.
 CASES = [(s, st, "uniform") for s in ALL for st in sorted(STORAGES)] + \
         [(s, st, "adakv") for s in ADAKV for st in ADAKV_STORAGES]
-# In bfloat16 as well: the storages (their codes and scales) and one strategy per set of traits with its twin
-# (a strategy allocates its own state in its own dtypes, whatever the model's).
+# In bfloat16 as well: every strategy and twin on dense storage, and every storage (its codes and scales) for
+# one strategy per set of traits and its twin.
 BF16_STRATEGIES = set(TRAIT_REPRESENTATIVES) | {f"debug_{s}" for s in TRAIT_REPRESENTATIVES}
 DTYPE_CASES = [(*case, torch.float32) for case in CASES] + \
-              [(*case, torch.bfloat16) for case in CASES if case[0] in BF16_STRATEGIES]
+              [(*case, torch.bfloat16) for case in CASES if case[1] == "dense" or case[0] in BF16_STRATEGIES]
 
 
 @pytest.mark.parametrize(("strategy", "storage", "allocation", "dtype"), DTYPE_CASES)
