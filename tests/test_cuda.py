@@ -20,6 +20,7 @@ from tests.strategy_matrix import (
     ALL,
     ALLOCATIONS,
     CHUNKABLE,
+    COMPILED_TWINS,
     PROMPT,
     STORAGES,
     STRATEGIES,
@@ -79,8 +80,11 @@ def test_cuda_eager_keeps_what_the_cpu_keeps_on_every_axis(axis, strategy):
     assert cuda == kept_per_step(strategy, "dense", "cpu", flags=flags, context_length=context)
 
 
-# Compiled on CUDA: every strategy and debug_ twin on dense storage, every storage under heavy_hitter.
-COMPILED = [(s, "dense") for s in ALL] + [("heavy_hitter", s) for s in sorted(STORAGES) if s != "dense"]
+# Compiled on CUDA: every strategy on dense storage with the twins the CPU's compiled matrix compiles (one per
+# set of traits: a twin's wrapper is the same code around each strategy of a set), every storage under
+# heavy_hitter. Each case is a cold triton compile of seconds on a lent GPU's few minutes.
+COMPILED = [(s, "dense") for s in STRATEGIES + COMPILED_TWINS] + \
+           [("heavy_hitter", s) for s in sorted(STORAGES) if s != "dense"]
 
 
 @pytest.mark.parametrize(("strategy", "storage"), COMPILED)
