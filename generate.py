@@ -491,8 +491,8 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         for b in sorted(range(len(indices)), key=indices.__getitem__):  # within a batch, in the prompts' order
             i, result = indices[b], results[b]
             text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-            print(f"---- row {i} ----\n{text}")
             rows[i] = {**row_stats(len(batch[b]), result, model, b), "text": text, "tokens": result.tokens}
+            print(f"---- row {i} ----\n{text}\n{row_summary(rows[i])}")
             specs_of[i] = row_specs[b]
     stats = {
         "load_seconds": round(load_seconds, 3),
@@ -507,6 +507,8 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         "cache_bytes": batch_bytes,  # the largest batch's caches, every row together
         "compression_ratio": round(sum(r["compression_ratio"] for r in rows) / len(rows), 4),
     }
+    if all("attention_loss_mean" in r for r in rows):  # debug_ twins: the rows' means (each over its own steps)
+        stats["attention_loss_mean"] = round(sum(r["attention_loss_mean"] for r in rows) / len(rows), 5)
     print_stats_block(stats)
     if args.stats_json:
         config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
@@ -514,6 +516,15 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
                    "cache_spec": [[s.to_dict() for s in specs] for specs in specs_of]}
         write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
     return stats
+
+
+def row_summary(row: dict) -> str:
+    """One line under a batch row's text: its tokens, compression and (debug_ twins) attention loss."""
+    parts = [f"{row['prompt_tokens']} prompt + {row['generated_tokens']} new tokens",
+             f"compression {row['compression_ratio']}"]
+    if "attention_loss_mean" in row:
+        parts.append(f"attention loss {row['attention_loss_mean']}")
+    return f"({', '.join(parts)})"
 
 
 def print_stats_block(stats: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -94,7 +95,26 @@ def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys
         assert row["tokens"] == single["tokens"] and row["text"] == single["text"]
         for key in ("prompt_tokens", "compression_ratio", "tokens_held_per_head", "cache_budget_per_layer"):
             assert row[key] == single[key], key
-    assert "---- row 2 ----" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "---- row 2 ----" in out
+    assert f"({rows[2]['prompt_tokens']} prompt + {rows[2]['generated_tokens']} new tokens, compression " \
+           f"{rows[2]['compression_ratio']})" in out
+
+
+def test_batched_debug_rows_report_their_attention_loss(tiny_dir, capsys):
+    """A debug_ twin over several prompts: each row's line gives its own attention loss, and the batch's
+    statistics their mean over the rows (the row means of its per-row statistics, computed by hand)."""
+    import generate
+
+    stats = generate.main(["--prompt", "Hello there, how are you", "--prompt", "What is a KV cache?", "--batch_size",
+                           "2", "--checkpoint_path", str(tiny_dir), "--no-chat", "--max_new_tokens", "6",
+                           "--cache_strategy", "debug_heavy_hitter", "--max_cache_length", "0.5",
+                           "--global_tokens", "1", "--recent_window", "2"])
+    out = capsys.readouterr().out
+    losses = [float(x) for x in re.findall(r"attention loss ([0-9.e-]+)\)", out)]
+    assert len(losses) == 2 and any(x > 0 for x in losses)
+    assert stats["attention_loss_mean"] == pytest.approx(sum(losses) / 2, abs=1e-5)
+    assert re.search(r"^attention_loss_mean\s+[0-9.]+$", out, re.MULTILINE)
 
 
 def test_ignore_eos_decodes_every_token_past_the_eos(tmp_path):
