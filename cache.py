@@ -132,6 +132,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     needs_gates: ClassVar[bool] = False
     # Chooses the kept prompt tokens itself (its own `prefill`), so it pairs with no other prompt rule.
     profiles_prompt: ClassVar[bool] = False
+    # Changes held tokens' values while decoding (merging an evicted token into them, `before_write`), so a
+    # held slot's V is no longer its token's.
+    merges_values: ClassVar[bool] = False
     # Per-slot float32 state [B, n_kv, L] (zeros; L: the slots, a pool's under adakv) the base registers
     # under these names: the strategy fills it in after_prefill / after_insert.
     slot_buffers: ClassVar[tuple[str, ...]] = ()
@@ -272,6 +275,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         slot, evicting when the cache is full."""
         self.observe_token_values(v)
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
+        v = self.before_write(slot, input_pos, v)
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
         self.storage.write(head_slot[..., None], k, v)
@@ -356,6 +360,11 @@ class KVCache(ChunkedPrefill, nn.Module):
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         """Hook: initialise per-token state of the kept prompt tokens (slots 0..n-1)."""
+
+    def before_write(self, slot: Tensor, input_pos: Tensor, v: Tensor) -> Tensor:
+        """Hook: the slot [B, pos_heads] chosen for the incoming token, before it is overwritten (the token it
+        evicts still readable there); returns the value to store for the incoming token (`merges_values`)."""
+        return v
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         """Hook: initialise per-token state of the slot [B, pos_heads] that just received a token."""

@@ -111,6 +111,15 @@ class Storage(nn.Module):
         B, H, n = k.shape[:3]
         self.write(torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n), k, v, queries)
 
+    def add_to_values(self, slots: Tensor, delta: Tensor) -> None:
+        """The values of `slots` [B, H, m] (distinct, but for entries whose delta is zero) += delta [B, H, m, D]:
+        read, added to and written back (re-quantized where the storage quantizes values)."""
+        index = slots[..., None].expand(*slots.shape, delta.shape[-1])
+        self.write_values(slots, self.values().gather(2, index) + delta)
+
+    def write_values(self, slots: Tensor, v: Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot rewrite held values")
+
     def dense_equivalent(self, held: Tensor) -> Tensor:
         """The dense tokens the held slots [B, H, L] are worth, [B, H] (float64): a held token costs
         bits/16 of a dense one, one kept whole (a KIVI residual token) a whole one. Scales, zero points
@@ -163,6 +172,9 @@ class DenseStorage(Storage):
         _scatter_rows(self.k_cache, slots, k)
         _scatter_rows(self.v_cache, slots, v)
 
+    def write_values(self, slots: Tensor, v: Tensor) -> None:
+        _scatter_rows(self.v_cache, slots, v)
+
     def write_prefix(self, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
         # A slice copy: the scatter over an index costs a 1k-token prompt's prefill ~1% on the CPU.
         n = k.shape[2]
@@ -198,8 +210,14 @@ class PerTokenQuantizedStorage(Storage):
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
         for name, x in (("k", k), ("v", v)):
-            for suffix, src in zip(("codes", "scale", "zero"), quantize(x, self.bits), strict=True):
-                _scatter_rows(getattr(self, f"{name}_{suffix}"), slots, src)
+            self._write_rows(name, slots, x)
+
+    def write_values(self, slots: Tensor, v: Tensor) -> None:
+        self._write_rows("v", slots, v)
+
+    def _write_rows(self, name: str, slots: Tensor, x: Tensor) -> None:
+        for suffix, src in zip(("codes", "scale", "zero"), quantize(x, self.bits), strict=True):
+            _scatter_rows(getattr(self, f"{name}_{suffix}"), slots, src)
 
     def keys(self) -> Tensor:
         return dequantize(self.k_codes, self.k_scale, self.k_zero, self.bits, self.dtype)
@@ -373,6 +391,24 @@ class ResidualQuantizedStorage(Storage):
         _scatter_rows(self.slot_res, slot, entry)
         self.res_fill.add_(1)
 
+    def add_to_values(self, slots: Tensor, delta: Tensor) -> None:
+        # Every slot's codes are rewritten from its values + delta (for a slot in the residual: stale codes, which
+        # a flush overwrites); a slot in the residual gains delta there (an accumulating put: the entries of
+        # slots outside it add zero to entry 0).
+        index = slots[..., None].expand(*slots.shape, delta.shape[-1])
+        v = self.values().gather(2, index) + delta
+        entry = self.slot_res.gather(2, slots)  # [B, H, m], -1 outside the residual
+        B, H, m = slots.shape
+        rows = torch.arange(B, device=slots.device).view(B, 1, 1).expand(B, H, m)
+        heads = torch.arange(H, device=slots.device).view(1, H, 1).expand(B, H, m)
+        in_residual = (entry >= 0)[..., None]
+        self.v_res.index_put_((rows, heads, entry.clamp(min=0).long()),
+                              torch.where(in_residual, delta, 0).to(self.v_res.dtype), accumulate=True)
+        codes, scale, zero = quantize_value_groups(v, self.value_group, self.bits)
+        _scatter_rows(self.v_codes, slots, pack_codes(codes, self.bits))
+        _scatter_rows(self.v_scale, slots, scale)
+        _scatter_rows(self.v_zero, slots, zero)
+
     # ---- reading ---------------------------------------------------------------------------------------
 
     def _with_residual(self, dequantized: Tensor, residual: Tensor) -> Tensor:
@@ -529,6 +565,9 @@ class ChannelPrunedKeyStorage(Storage):
 
     def values(self) -> Tensor:
         return self.v_cache
+
+    def write_values(self, slots: Tensor, v: Tensor) -> None:
+        _scatter_rows(self.v_cache, slots, v)
 
     def full_precision_slots(self) -> Tensor:
         B, H, L, _ = self.k_kept.shape

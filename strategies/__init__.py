@@ -13,6 +13,7 @@ import cache
 from cache import KVCache
 from errors import UserError
 from strategies import (
+    cam,
     capkv,
     chunkkv,
     compactor,
@@ -41,7 +42,7 @@ from strategies.debug import debug_strategy
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv, curdkv, capkv)
+                   simlayerkv, curdkv, capkv, cam)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

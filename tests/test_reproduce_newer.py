@@ -1,4 +1,4 @@
-"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, capkv, simlayerkv): what
+"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, capkv, simlayerkv, cam): what
 their arms run and what their claims compare (no model is loaded)."""
 
 from __future__ import annotations
@@ -89,3 +89,14 @@ def test_simlayerkv_is_compared_with_streamingllm_at_its_measured_compression() 
     assert ours["simlayer_threshold"] == 0.9 and theirs["cache_strategy"] == ["recent_global"]
     assert ours["global_tokens"] == theirs["global_tokens"] == 4 and ours["recent_window"] == 32
     assert {key for key in ours if ours[key] != theirs[key]} == {"cache_strategy", "max_cache_length"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_cam_merging_is_compared_with_the_same_evictions_dropping_the_values(profile) -> None:
+    exp = EXPERIMENTS["cam"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("merging", "dropping")]
+    assert exp.task == "fidelity" and exp.metric == "kl_mean" and not exp.higher_is_better
+    merging, dropping = parsed("cam", "merging", profile), parsed("cam", "dropping", profile)
+    assert merging["cache_strategy"] == dropping["cache_strategy"] == ["cam"]
+    assert merging["cam_no_merge"] is False and dropping["cam_no_merge"] is True
+    assert {key for key in merging if merging[key] != dropping[key]} == {"cam_no_merge"}

@@ -94,7 +94,8 @@ def check_invariants(caches: list[KVCache], p: int, ref_k, ref_v, storage: str) 
                 slots = mask[h].nonzero().flatten()
                 kv = min(h, keys.shape[1] - 1)  # a pooled cache (budget_allocation.py) holds every head in one pool
                 torch.testing.assert_close(keys[0, kv, slots], ref_k[h, pos[h, slots]], atol=atol, rtol=0)
-                torch.testing.assert_close(values[0, kv, slots], ref_v[h, pos[h, slots]], atol=atol, rtol=0)
+                if not c.merges_values:  # a merging cache's values are checked against its oracle (test_cam)
+                    torch.testing.assert_close(values[0, kv, slots], ref_v[h, pos[h, slots]], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize(("storage", "budget"), STORAGE_BUDGETS)

@@ -477,3 +477,25 @@ register(Experiment(
            "per window, from the last prompt query's attention (--simlayer_last 1).",
            "recent_global reads no --recent_window: all it holds beyond the 4 sinks is its window."),
 ))
+
+
+register(Experiment(
+    name="cam",
+    paper="CaM, Cache Merging (ICML 2024)",
+    claim="Merging an evicted token's value into the values of the tokens that follow it, instead of dropping it, "
+          "keeps the next-token distribution closer to the full cache at the same budget and the same evictions.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # H2O's experiment's budget and split: the arms evict the same tokens (eviction reads only the attention
+    # each token received) and differ in what happens to the evicted value.
+    common=("--cache_strategy", "cam", "--max_cache_length", "0.2", "--global_tokens", "4", "--recent_window", "0.5"),
+    arms=(Arm("merging", ()),
+          Arm("dropping", ("--cam_no_merge",))),
+    comparisons=(Comparison("merging", "dropping"),),
+    varies=frozenset({"cam_no_merge"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper pairs its merge with existing eviction rules; here both arms evict by cam's own rule (the "
+           "lowest cumulative attention averaged over the heads) and the control drops the value (--cam_no_merge), "
+           "so the comparison isolates the merge.",
+           "As kvpress's CAMPress step by step (merge window 32, the press's default), but merged when the next "
+           "token comes in, before the step's attention (strategies/cam.py)."),
+))
