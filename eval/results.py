@@ -102,8 +102,24 @@ def strategy_label(args: argparse.Namespace) -> str:
     if getattr(args, "budget_allocation", "uniform") != "uniform":  # a line of its own in tables and plots
         label += f" {args.budget_allocation}"
     label = label if len(names) == 1 else f"{label} ({args.cache_strategy_pattern})"
+    label += "".join(f" {part}" for part in changed_settings(args))
     # Re-rotated positions change the numbers: their own line in tables and plots (getattr: older configs).
     return f"{label} rerotated" if getattr(args, "rerotate_positions", False) else label
+
+
+def changed_settings(args: argparse.Namespace) -> list[str]:
+    """The settings of the run's strategies and prompt rules that differ from their declared defaults
+    (`cam_merge_window=4`, a switch's name when set): a strategy run with other settings is another line in
+    tables and plots, never pooled with its default runs as if it were a seed of them."""
+    names = [*args.cache_strategy, *getattr(args, "prompt_compression_strategy", [])]
+    names = [n.removeprefix("debug_") for n in names]
+    classes = [CACHE_STRATEGIES[n] for n in names if n in CACHE_STRATEGIES]  # not `auto`
+    parts = []
+    for setting in dict.fromkeys(s for cls in classes for s in cls.settings):
+        value = getattr(args, setting.name, setting.default)
+        if value != setting.default:
+            parts.append(setting.name if value is True else f"{setting.name}={value}")
+    return parts
 
 
 def budget_value(args: argparse.Namespace) -> float | str:

@@ -288,3 +288,18 @@ def test_every_strategy_file_is_in_the_identity():
     hashed = set(results.compute_sources())
     for cls in CACHE_STRATEGIES.values():
         assert Path(sys.modules[cls.__module__].__file__).resolve() in hashed, cls.__module__
+
+
+def test_a_run_with_other_settings_is_another_line_in_tables_and_plots():
+    """A strategy run with a non-default setting of its own or of its prompt rule is labelled with it, so the
+    results table and the summary (eval.plot groups runs by label and budget, pooling seeds) never pool it with the
+    default runs; a default run, typed or not, keeps the bare name."""
+    def label(*argv: str) -> str:
+        return results.strategy_label(cli.parse_args(["--tasks", "fidelity", *argv]))
+
+    assert label("--cache_strategy", "cam") == label("--cache_strategy", "cam", "--cam_merge_window", "32") == "cam"
+    assert label("--cache_strategy", "cam", "--cam_no_merge") == "cam cam_no_merge"
+    assert label("--cache_strategy", "debug_heavy_hitter", "--snapkv_window", "4") == \
+        "debug_heavy_hitter snapkv_window=4"
+    assert label("--cache_strategy", "l2", "--prompt_compression_strategy", "heavy_hitter", "--snapkv_window", "8") == \
+        "l2 snapkv_window=8"

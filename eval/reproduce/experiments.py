@@ -48,7 +48,7 @@ class Comparison:
 @dataclass(frozen=True)
 class Experiment:
     name: str
-    paper: str  # "Name (Authors, arXiv id)"
+    paper: str  # "Name (Authors, arXiv id)", or the venue and year of a paper without an arXiv id
     claim: str  # one sentence
     task: str
     metric: str  # a per-item metric of the task (items.jsonl), compared on the same items
