@@ -1,10 +1,10 @@
 """`cam`: CaM (Cache Merging, ICML 2024): an evicted token's value is merged into the tokens that follow it rather
 than dropped, as kvpress's CAMPress does it step by step (`compression_interval` 1).
 
-Eviction: the held token with the lowest cumulative attention A (the attention it has received from every
-query since it entered, the prompt's included, its KV group's query heads averaged), averaged over the KV heads:
-one token for all heads, as the press averages its scorer over the heads. The scorer is a choice here (the press
-takes any): H2O's sum.
+Eviction: the held token with the lowest average attention received since it entered (H2O's score: the sum A
+over every query that saw it, the prompt's included, its KV group's query heads averaged, over the number of
+those queries), averaged over the KV heads: one token for all heads, as the press averages its scorer over the
+heads. The scorer is a choice here (the press takes any): heavy_hitter's decode rule.
 
 Merge, per KV head: the evicted token's window is the `cam_merge_window` held tokens right after it in
 position order (the incoming token included when fewer follow it); with probability min(1, D_e / mean D of
@@ -13,7 +13,8 @@ running sum, reset at each prefill: a prompt token's D does not count the prompt
 is a hashed uniform of (seed, layer, position, head), so a run is reproducible eager, compiled and in a batch.
 Where the press merges after the step's attention (its D includes that step's), this tool evicts, and so
 merges, when the token comes in, before the step's attention, as every strategy here evicts. The prompt is
-compressed by A over its own causal attention, without merging (the press merges while decoding only).
+compressed by the same average over its own causal attention, without merging (the press merges while decoding
+only).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def merge_probability(evicted: Tensor, window_mean: Tensor) -> Tensor:
 
 @register_strategy
 class CamCache(ScoredOnce, KVCache):
-    """CaM: evict the lowest cumulative attention (averaged over heads) and merge its value, per head with
+    """CaM: evict the lowest average attention received (H2O's, averaged over heads) and merge its value, per head with
     probability min(1, D_e / mean D of its window; D: since decoding began), into the `cam_merge_window` tokens
     after it."""
 
@@ -49,9 +50,10 @@ class CamCache(ScoredOnce, KVCache):
     )
     needs_attention = True
     merges_values = True
-    # Per KV head: the attention each held token has received since it entered (the prompt's queries included:
-    # the eviction score), and since decoding began (the press's running sum, which its merge reads).
-    slot_buffers = ("attn_sum", "decode_attn")
+    # Per KV head: the attention each held token has received since it entered (the prompt's queries included)
+    # and from how many queries (the eviction score is their ratio), and since decoding began (the press's
+    # running sum, which its merge reads).
+    slot_buffers = ("attn_sum", "attn_steps", "decode_attn")
     row_shared_buffers = ("seed",)
     # A chunked prefill's held tokens' sums from the earlier chunks (carry_over), added to the chunk's.
     carried_attn_sum: Tensor | None = None
@@ -72,25 +74,29 @@ class CamCache(ScoredOnce, KVCache):
         self.seed.fill_(random_seed(self))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.attn_sum.mean(dim=1, keepdim=True)
+        return (self.attn_sum / self.attn_steps.clamp(min=1)).mean(dim=1, keepdim=True)
 
     @classmethod
     def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """A over the prompt's causal attention (a re-prefill: the held tokens' carried sums plus what the
-        chunk's queries give), averaged over the heads."""
+        """H2O's average over the prompt's causal attention (a re-prefill: the held tokens' carried sums plus what
+        the chunk's queries give, over every query at or after each token), averaged over the heads."""
         held = cache.scored_held_tokens(k)
         received = prompt_attention_received(q, k, first_query=held)
         carried = cache.carried_attn_sum if isinstance(cache, CamCache) else None
         if held and carried is not None:
             received[:, :, :held] += carried
-        return received.mean(dim=1, keepdim=True), {"received": received}
+        steps = (cache.scored_length(k) - cache.scored_positions(k)).float().expand_as(received)
+        scores = (received / steps.clamp(min=1)).mean(dim=1, keepdim=True)
+        return scores, {"received": received, "steps": steps}
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         if not self.evicts_after_prompt:
             return
         _, stats = self.scored_prompt(k, q)
-        received, n = stats["received"], keep.shape[-1]
-        self.attn_sum[:, :, :n] = received.gather(2, keep.expand(*received.shape[:2], n))
+        n = keep.shape[-1]
+        index = keep.expand(*stats["received"].shape[:2], n)
+        self.attn_sum[:, :, :n] = stats["received"].gather(2, index)
+        self.attn_steps[:, :, :n] = stats["steps"].gather(2, index)
 
     def carry_over(self, n: int) -> object:
         return self.attn_sum[:, :, :n].clone()
@@ -102,12 +108,13 @@ class CamCache(ScoredOnce, KVCache):
         if self.evicts_after_prompt:
             attn = grouped_mean(probs)
             self.attn_sum += attn
+            self.attn_steps += self.mask[:, :, 0].float()
             self.decode_attn += attn
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         index = slot[..., None].expand(-1, self.n_kv_heads, 1)
-        scatter_slots(self.attn_sum, 2, index, 0.0)
-        scatter_slots(self.decode_attn, 2, index, 0.0)
+        for state in (self.attn_sum, self.attn_steps, self.decode_attn):
+            scatter_slots(state, 2, index, 0.0)
 
     def before_write(self, slot: Tensor, input_pos: Tensor, v: Tensor) -> Tensor:
         """Merge the token leaving `slot` [B, 1] (rows whose cache is full) into its window; the incoming token's

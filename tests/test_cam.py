@@ -1,8 +1,8 @@
 """Naive CaM: a whole run re-played here from the definition with plain loops over layer 0 (float64; the
 layer-0 keys, values and queries of a full-cache run, which depend on the token ids only): the cumulative
-attention A of every held token per KV head (the prompt's queries included), the eviction of the lowest A
-averaged over heads, and each head's merge of the evicted value into its window with probability
-min(1, D_e / mean D of the window), D the attention received since decoding began. Compared at
+attention A of every held token per KV head (the prompt's queries included), the eviction of the lowest average
+A / (queries that saw it) over heads (H2O's score), and each head's merge of the evicted value into its window
+with probability min(1, D_e / mean D of the window), D the attention received since decoding began. Compared at
 every step with what the cache holds: the positions, and the values of every held slot (within 1e-5), which
 merging changes (budget 16 of a 24-token prompt + 16 new tokens, 2 sinks, a 4-token recent window)."""
 
@@ -47,7 +47,12 @@ def naive_cam(model, ids, window: int) -> tuple[list[tuple[set[int], list[dict[i
     n_kv = ref_k.shape[0]
     attn = naive_prompt_attention(q, ref_k)
     protected = set(range(GLOBAL)) | set(range(PROMPT - RECENT, PROMPT))
-    others = sorted(set(range(PROMPT)) - protected, key=lambda x: -sum(attn[h][x] for h in range(n_kv)))
+    steps = {x: PROMPT - x for x in range(PROMPT)}  # the queries that saw each token
+
+    def average(x: int) -> float:
+        return sum(attn[h][x] for h in range(n_kv)) / max(steps[x], 1)
+
+    others = sorted(set(range(PROMPT)) - protected, key=lambda x: -average(x))
     held = protected | set(others[: BUDGET - len(protected)])
     values = [{x: ref_v[h, x].double() for x in range(TOTAL)} for h in range(n_kv)]
     decoded = [dict.fromkeys(held, 0.0) for _ in range(n_kv)]  # D: the attention received since decoding began
@@ -55,7 +60,7 @@ def naive_cam(model, ids, window: int) -> tuple[list[tuple[set[int], list[dict[i
     for p in range(PROMPT, TOTAL):
         if len(held) == BUDGET:
             candidates = [x for x in held if GLOBAL <= x <= p - RECENT]
-            evicted = min(candidates, key=lambda x: sum(attn[h][x] for h in range(n_kv)))
+            evicted = min(candidates, key=average)
             held.remove(evicted)
             for h in range(n_kv):
                 after = sorted(x for x in held if x > evicted)[:window]
@@ -68,8 +73,11 @@ def naive_cam(model, ids, window: int) -> tuple[list[tuple[set[int], list[dict[i
                     for x in targets:
                         values[h][x] = values[h][x] + values[h][evicted] / len(targets)
         held.add(p)
+        steps[p] = 0
         for h in range(n_kv):
             attn[h][p] = decoded[h][p] = 0.0
+        for x in held:
+            steps[x] += 1
         for pos, a in naive_probs(q[:, p].double(), ref_k.double(), sorted(held), n_kv).items():
             for h in range(n_kv):
                 attn[h][pos] += float(a[h])
@@ -171,7 +179,7 @@ def test_every_storage_adds_to_held_values(storage):
 def naive_chunked_cam(model, ids, chunk: int) -> list[set[int]]:
     """--prefill_chunk: the held tokens after each chunk. Each chunk's queries add their attention (over the held
     tokens and the chunk up to themselves) to A, which accumulates over the chunks; past the budget the sinks,
-    the last RECENT tokens and the best others by A averaged over heads stay."""
+    the last RECENT tokens and the best others by A / (the queries that saw them), summed over heads, stay."""
     ref_k, _ = reference_kv(model, ids)
     q = layer0_queries(model, ids)
     n_kv = ref_k.shape[0]
@@ -184,7 +192,12 @@ def naive_chunked_cam(model, ids, chunk: int) -> list[set[int]]:
                     attn[h][pos] = attn[h].get(pos, 0.0) + float(a[h])
         if len(cand) > BUDGET:
             protected = set(cand[:GLOBAL]) | set(cand[-RECENT:])
-            others = sorted(set(cand) - protected, key=lambda x: -sum(attn[h][x] for h in range(n_kv)))
+            end = cand[-1] + 1  # every query from a token on saw it
+
+            def average(x: int, end: int = end) -> float:
+                return sum(attn[h][x] for h in range(n_kv)) / (end - x)
+
+            others = sorted(set(cand) - protected, key=lambda x: -average(x))
             cand = sorted(protected | set(others[: BUDGET - len(protected)]))
         held = cand
         history.append(set(held))
