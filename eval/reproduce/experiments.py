@@ -494,7 +494,8 @@ register(Experiment(
     varies=frozenset({"cam_no_merge"}),
     profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
     notes=("The paper pairs its merge with existing eviction rules; here both arms evict by cam's own rule (the "
-           "lowest cumulative attention averaged over the heads) and the control drops the value (--cam_no_merge), "
+           "lowest average attention received, H2O's score, averaged over the heads) and the control drops the value "
+           "(--cam_no_merge), "
            "so the comparison isolates the merge.",
            "As kvpress's CAMPress step by step (merge window 32, the press's default), but merged when the next "
            "token comes in, before the step's attention (strategies/cam.py)."),
