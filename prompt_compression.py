@@ -323,6 +323,26 @@ def largest(scores: Tensor, k: int) -> Tensor:
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+class LayerSeed:
+    """Mixed in (before `KVCache`) by a strategy that draws hashed random numbers: the layer's seed (`--seed`,
+    `random_seed`) as a buffer rather than a Python int, so the layers share one compiled graph; set when the
+    cache is configured and at every reset (which zeroes buffers)."""
+
+    row_shared_buffers = ("seed",)  # the same for every row
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("seed", torch.zeros((), dtype=torch.long, device=self.pos.device))
+
+    def configure(self, **settings: object) -> None:
+        super().configure(**settings)
+        self.seed.fill_(random_seed(self))
+
+    def reset(self) -> None:
+        super().reset()
+        self.seed.fill_(random_seed(self))
+
+
 class ScoredOnce:
     """Mixed in by a strategy whose prompt rule computes statistics its `after_prefill` needs too (compactor's
     whitening map, capkv's capacity matrix): `scoring(cache, k, q)` -> (scores, statistics). What the rule

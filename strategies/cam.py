@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, grouped_mean, register_strategy, row_positions
 from kv_storage import scatter_slots
-from prompt_compression import ScoredOnce, hashed_scores, prompt_attention_received, random_seed
+from prompt_compression import LayerSeed, ScoredOnce, hashed_scores, prompt_attention_received
 
 
 def merge_probability(evicted: Tensor, window_mean: Tensor) -> Tensor:
@@ -34,7 +34,7 @@ def merge_probability(evicted: Tensor, window_mean: Tensor) -> Tensor:
 
 
 @register_strategy
-class CamCache(ScoredOnce, KVCache):
+class CamCache(LayerSeed, ScoredOnce, KVCache):
     """CaM: evict the lowest average attention received (H2O's, averaged over heads) and merge its value, per head with
     probability min(1, D_e / mean D of its window; D: since decoding began), into the `cam_merge_window` tokens
     after it."""
@@ -54,7 +54,6 @@ class CamCache(ScoredOnce, KVCache):
     # and from how many queries (the eviction score is their ratio), and since decoding began (the press's
     # running sum, which its merge reads).
     slot_buffers = ("attn_sum", "attn_steps", "decode_attn")
-    row_shared_buffers = ("seed",)
     # A chunked prefill's held tokens' sums from the earlier chunks (carry_over), added to the chunk's.
     carried_attn_sum: Tensor | None = None
 
@@ -63,15 +62,6 @@ class CamCache(ScoredOnce, KVCache):
         # The window and the incoming token: the most a window can hold.
         self.window = min(int(self.setting(self.MERGE_WINDOW)), self.max_cache_length + 1)
         self.merging = not bool(self.setting(self.NO_MERGE))
-        self.register_buffer("seed", torch.zeros((), dtype=torch.long, device=self.pos.device))
-
-    def configure(self, **settings: object) -> None:
-        super().configure(**settings)
-        self.seed.fill_(random_seed(self))
-
-    def reset(self) -> None:
-        super().reset()
-        self.seed.fill_(random_seed(self))
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return (self.attn_sum / self.attn_steps.clamp(min=1)).mean(dim=1, keepdim=True)
