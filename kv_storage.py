@@ -111,11 +111,11 @@ class Storage(nn.Module):
         B, H, n = k.shape[:3]
         self.write(torch.arange(n, device=k.device).view(1, 1, n).expand(B, H, n), k, v, queries)
 
-    def add_to_values(self, slots: Tensor, delta: Tensor) -> None:
+    def add_to_values(self, slots: Tensor, delta: Tensor, values: Tensor | None = None) -> None:
         """The values of `slots` [B, H, m] (distinct, but for entries whose delta is zero) += delta [B, H, m, D]:
-        read, added to and written back (re-quantized where the storage quantizes values)."""
-        index = slots[..., None].expand(*slots.shape, delta.shape[-1])
-        self.write_values(slots, self.values().gather(2, index) + delta)
+        read, added to and written back (re-quantized where the storage quantizes values). `values`: this
+        storage's `values()` when the caller has just read them (not read again)."""
+        self.write_values(slots, _gather_rows(self.values() if values is None else values, slots) + delta)
 
     def write_values(self, slots: Tensor, v: Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rewrite held values")
@@ -145,6 +145,11 @@ def scatter_slots(buf: Tensor, dim: int, index: Tensor, src: Tensor | float | bo
         [-1 if e == d else 1 for e in dims]) for d in dims)
     value = src.to(buf.dtype) if isinstance(src, Tensor) else torch.tensor(src, dtype=buf.dtype, device=buf.device)
     buf.index_put_(indices, value)
+
+
+def _gather_rows(buf: Tensor, slots: Tensor) -> Tensor:
+    """buf[b, h, slots[b, h, i]] along dim 2: [B, H, m, D] rows of buf [B, H, L, D]."""
+    return buf.gather(2, slots[..., None].expand(*slots.shape, buf.shape[-1]))
 
 
 def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
@@ -391,12 +396,11 @@ class ResidualQuantizedStorage(Storage):
         _scatter_rows(self.slot_res, slot, entry)
         self.res_fill.add_(1)
 
-    def add_to_values(self, slots: Tensor, delta: Tensor) -> None:
+    def add_to_values(self, slots: Tensor, delta: Tensor, values: Tensor | None = None) -> None:
         # Every slot's codes are rewritten from its values + delta (for a slot in the residual: stale codes, which
         # a flush overwrites); a slot in the residual gains delta there (an accumulating put: the entries of
         # slots outside it add zero to entry 0).
-        index = slots[..., None].expand(*slots.shape, delta.shape[-1])
-        v = self.values().gather(2, index) + delta
+        v = _gather_rows(self.values() if values is None else values, slots) + delta
         entry = self.slot_res.gather(2, slots)  # [B, H, m], -1 outside the residual
         B, H, m = slots.shape
         rows = torch.arange(B, device=slots.device).view(B, 1, 1).expand(B, H, m)

@@ -323,6 +323,20 @@ def largest(scores: Tensor, k: int) -> Tensor:
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def attention_since_entry(cache, k: Tensor, q: Tensor, carried: Tensor | None,
+                          count_above_uniform: bool = False) -> tuple[Tensor, Tensor]:
+    """H2O's statistics over a prompt, [B, n_kv, T] each: the attention each key received from every query at or
+    after it (prompt_attention_received), and how many those queries are. In a chunked prefill's re-prefill the
+    held tokens' sums from the earlier chunks (`carried`, see cache_chunking's carry_over) are added to what the
+    chunk's queries give them, rather than re-scored by the held tokens' own queries over what survived."""
+    held = cache.scored_held_tokens(k)
+    received = prompt_attention_received(q, k, count_above_uniform=count_above_uniform, first_query=held)
+    if held and carried is not None:
+        received[:, :, :held] += carried
+    steps = (cache.scored_length(k) - cache.scored_positions(k)).float().expand_as(received)
+    return received, steps
+
+
 class LayerSeed:
     """Mixed in (before `KVCache`) by a strategy that draws hashed random numbers: the layer's seed (`--seed`,
     `random_seed`) as a buffer rather than a Python int, so the layers share one compiled graph; set when the

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, grouped_mean, register_strategy, row_positions
 from kv_storage import scatter_slots
-from prompt_compression import LayerSeed, ScoredOnce, hashed_scores, prompt_attention_received
+from prompt_compression import LayerSeed, ScoredOnce, attention_since_entry, hashed_scores
 
 
 def merge_probability(evicted: Tensor, window_mean: Tensor) -> Tensor:
@@ -70,12 +70,8 @@ class CamCache(LayerSeed, ScoredOnce, KVCache):
     def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """H2O's average over the prompt's causal attention (a re-prefill: the held tokens' carried sums plus what
         the chunk's queries give, over every query at or after each token), averaged over the heads."""
-        held = cache.scored_held_tokens(k)
-        received = prompt_attention_received(q, k, first_query=held)
-        carried = cache.carried_attn_sum if isinstance(cache, CamCache) else None
-        if held and carried is not None:
-            received[:, :, :held] += carried
-        steps = (cache.scored_length(k) - cache.scored_positions(k)).float().expand_as(received)
+        carried = cache.carried_attn_sum if isinstance(cache, CamCache) else None  # another cache's are not A's
+        received, steps = attention_since_entry(cache, k, q, carried)
         scores = (received / steps.clamp(min=1)).mean(dim=1, keepdim=True)
         return scores, {"received": received, "steps": steps}
 
@@ -128,12 +124,13 @@ class CamCache(LayerSeed, ScoredOnce, KVCache):
         draw = hashed_scores(evicted_pos, heads, self.seed) / 2.0**32  # [B, H, 1], uniform in [0, 1)
         full = (self.filled >= self.row_budget)[..., None]  # [B, 1, 1]: the slot holds a token to evict
         merged = (draw < p) & full
-        evicted_v = self.storage.values().gather(2, evicted_slot[..., None].expand(B, H, 1, D))
+        values = self.storage.values()  # read once (on quantized storage, a dequantization of every slot)
+        evicted_v = values.gather(2, evicted_slot[..., None].expand(B, H, 1, D))
         share = evicted_v * (merged / size)[..., None]  # [B, H, 1, D]
         held_target = in_window & (targets < self.max_cache_length)
         # Entries that are not a held target point at the evicted slot with nothing to add (the incoming token
         # overwrites it next).
         self.storage.add_to_values(torch.where(held_target, targets, evicted_slot),
-                                   share * held_target[..., None])
+                                   share * held_target[..., None], values)
         gets_share = (in_window & (targets == self.max_cache_length)).any(-1, keepdim=True)  # [B, H, 1]
         return v + share.to(v.dtype) * gets_share[..., None]

@@ -10,8 +10,8 @@ from kv_storage import scatter_slots
 from prompt_compression import (
     SNAPKV_POOLINGS,
     above_uniform,
+    attention_since_entry,
     prompt_attention,
-    prompt_attention_received,
     snapkv_votes,
 )
 
@@ -111,13 +111,8 @@ class HeavyHitterCache(KVCache):
         # than what the held tokens' own queries give it over the held tokens (recomputing would re-score them
         # with attention restricted to what survived). The history window (W > 1) is the latest W queries' and
         # is recomputed: exact when the chunk has at least W tokens.
-        held = self.scored_held_tokens(k)
-        received = prompt_attention_received(q, k, count_above_uniform=self.thresholding, first_query=held)
-        if held:
-            received[:, :, :held] += self.carried_attn_sum
+        received, steps = attention_since_entry(self, k, q, self.carried_attn_sum, self.thresholding)
         T, n = k.shape[2], keep.shape[-1]
-        # queries that saw the key: those at or after its position (every earlier chunk's, then the chunk's)
-        steps = (self.scored_length(k) - self.scored_positions(k)).float().expand_as(received)
         self.attn_sum[:, :, :n] = received.gather(2, keep)
         self.attn_steps[:, :, :n] = steps.gather(2, keep)
         if self.window > 1:

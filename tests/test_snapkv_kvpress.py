@@ -194,7 +194,7 @@ def test_kvpress_protocol_skips_h2o_statistics_and_decides_the_same(tiny_dir, mo
     computes it (the statistics seeded and updated as before). Under the decode protocol it still runs. The
     slots after the prompt are taken in order, unscored (never_full), where the other run scores every step."""
     calls, scored = [], []
-    received = heavy_hitter_module.prompt_attention_received
+    received = heavy_hitter_module.attention_since_entry  # H2O's seed: a pass over the prompt's attention
     token_scores = HeavyHitterCache.token_scores
 
     def counted(*a, **kw):
@@ -205,7 +205,7 @@ def test_kvpress_protocol_skips_h2o_statistics_and_decides_the_same(tiny_dir, mo
         scored.append(1)
         return token_scores(self, input_pos)
 
-    monkeypatch.setattr(heavy_hitter_module, "prompt_attention_received", counted)
+    monkeypatch.setattr(heavy_hitter_module, "attention_since_entry", counted)
     monkeypatch.setattr(HeavyHitterCache, "token_scores", counted_scores)
 
     def run(protocol: str) -> list:
