@@ -27,9 +27,10 @@ from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from ignored_flags import check_typed_flags
 from model import Transformer
+from padded_prefill import padded_groups, prefill_padded
 from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
-from strategies.kvzip import supply_reconstruction_scores
+from strategies.kvzip import rule_users, supply_reconstruction_scores
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -91,17 +92,38 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Te
 
 
 def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None = None,
-                 first_row: int = 0) -> Tensor:
-    """Prefill row b of the caches with prompts[b] [T_b] in its row context (Transformer.cache_row): rows of
-    any lengths, no padding. Tokens past a row's prefill length (--feed_long_prompts) are fed there one at
-    a time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
-    `first_row`: the row of prompts[0] (a part of the batch). Logits of each row's last position, [B, vocab]."""
-    rows = []
-    for b, prompt in enumerate(prompts, start=first_row):
-        with model.cache_row(b):
-            n = None if prefill_lengths is None else prefill_lengths[b - first_row]
-            rows.append(prefill(model, prompt.view(1, -1), n))
-    return torch.cat(rows)
+                 rows: list[int] | None = None) -> Tensor:
+    """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i): rows of any lengths, each storing and
+    compressing only its own tokens at its own budget. Where the prefill can be shared, consecutive prompts go
+    through one forward pass right-padded (padded_prefill.py); otherwise each is prefilled in its row context
+    (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
+    time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
+    Logits of each row's last position, [len(prompts), vocab]."""
+    rows = list(range(len(prompts))) if rows is None else rows
+    if not shares_prefill(model, prompts, prefill_lengths):
+        return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i])
+                          for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
+    logits = []
+    for group in padded_groups([len(p) for p in prompts]):
+        if len(group) == 1:
+            logits.append(prefill_row(model, rows[group[0]], prompts[group[0]], None))
+        else:
+            logits.append(prefill_padded(model, prompts[group.start:group.stop], rows[group.start:group.stop]))
+    return torch.cat(logits)
+
+
+def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None) -> bool:
+    """Whether the rows' prompts may go through one padded forward pass: each is prefilled whole, in one piece,
+    by the model's forward alone. Not with --prefill_chunk (a row's chunks re-prefill its own held tokens), a
+    prompt cut for --feed_long_prompts, or KVzip's rule (its reconstruction pass runs per prompt first)."""
+    whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
+    return len(prompts) > 1 and whole and not prefill_chunk_of(model) and not rule_users(model.caches())
+
+
+def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None) -> Tensor:
+    """Row b's prompt [T] prefilled alone in its row context (see prefill); its last logits [1, vocab]."""
+    with model.cache_row(b):
+        return prefill(model, prompt.view(1, -1), prefill_length)
 
 
 def sample_rows(logits: Tensor, temperature: float, top_k: int | None,
@@ -224,8 +246,8 @@ def generate_batch(
     `max_new_tokens`. Row b's tokens are what `generate` gives for prompts[b] alone (greedy, or sampled
     with the same seed), on caches set up per row (cache_setup.setup_row_caches). A row that stopped keeps
     being decoded with the others (its tokens are dropped; its cache sees them), so its cache statistics are
-    taken at the check where it stopped (every step on the CPU: exactly its batch-1 statistics). Per row: its
-    own prefill time; the batch's decode time and steps."""
+    taken at the check where it stopped (every step on the CPU: exactly its batch-1 statistics). Per row: the
+    batch's prefill time (the rows share forward passes), decode time and steps."""
     from tqdm import tqdm
 
     device = model.tok_embeddings.weight.device
@@ -238,7 +260,7 @@ def generate_batch(
     check_every = 1 if device.type == "cpu" else EOS_CHECK_INTERVAL
     model.reset_caches()
     with torch.inference_mode():
-        token, prefill_seconds = prefill_each_row(model, prompts, prefill_lengths, temperature, top_k, generators)
+        token, prefill_seconds = prefill_batch(model, prompts, prefill_lengths, temperature, top_k, generators)
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         out[:, :1] = token
         done = torch.isin(token[:, 0], eos)
@@ -262,7 +284,7 @@ def generate_batch(
         bar.close()
         _synchronize(device)
         decode_seconds = time.perf_counter() - t1
-    return [row_result(row, eos_ids, prefill_seconds[b], decode_seconds, n - 1, compile_seconds, snapshots[b])
+    return [row_result(row, eos_ids, prefill_seconds, decode_seconds, n - 1, compile_seconds, snapshots[b])
             for b, row in enumerate(out[:, :n].tolist())]
 
 
@@ -285,19 +307,17 @@ def row_result(row: list[int], eos_ids: list[int], prefill_seconds: float, decod
                             cache_stats)
 
 
-def prefill_each_row(model: Transformer, prompts: list[list[int]], prefill_lengths: list[int] | None,
-                     temperature: float, top_k: int | None, generators: list | None) -> tuple[Tensor, list[float]]:
-    """Each prompt prefilled in its own row, one after another (each row's prefill time is its own): the
-    first sampled token of every row [B, 1] and the prefill seconds per row."""
+def prefill_batch(model: Transformer, prompts: list[list[int]], prefill_lengths: list[int] | None,
+                  temperature: float, top_k: int | None, generators: list | None) -> tuple[Tensor, float]:
+    """Every row's prompt prefilled (prefill_rows: in shared forward passes where it can): the first sampled
+    token of every row [B, 1] and the prefill's seconds, after which every row has its first token."""
     device = model.tok_embeddings.weight.device
-    prefill_seconds, first = [], []
-    for b, ids in enumerate(prompts):
-        started = time.perf_counter()
-        logits = prefill_rows_one(model, b, ids, None if prefill_lengths is None else prefill_lengths[b])
-        first.append(sample_rows(logits, temperature, top_k, generators and generators[b : b + 1]))
-        _synchronize(device)
-        prefill_seconds.append(time.perf_counter() - started)
-    return torch.cat(first), prefill_seconds
+    started = time.perf_counter()
+    logits = prefill_rows(model, [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompts],
+                          prefill_lengths)
+    first = sample_rows(logits, temperature, top_k, generators)
+    _synchronize(device)
+    return first, time.perf_counter() - started
 
 
 def take_snapshots(model: Transformer, done: Tensor, snapshots: list[dict | None]) -> None:
@@ -317,12 +337,6 @@ def row_cache_statistics(model: Transformer, row: int | None) -> dict:
     if curve:
         stats["attention_loss_cumulative_by_step"] = curve
     return stats
-
-
-def prefill_rows_one(model: Transformer, b: int, ids: list[int], prefill_length: int | None) -> Tensor:
-    """Row b's prompt prefilled in its row context (see prefill_rows); its last logits [1, vocab]."""
-    prompt = torch.tensor(ids, dtype=torch.long, device=model.tok_embeddings.weight.device)
-    return prefill_rows(model, [prompt], None if prefill_length is None else [prefill_length], first_row=b)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------
@@ -447,13 +461,15 @@ def main(argv: list[str] | None = None) -> dict:
     return stats
 
 
-def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, row: int | None) -> dict:
-    """A generation's statistics; `row`: its row of a batch, whose caches are read in its row context."""
+def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, row: int | None,
+              prefilled_tokens: int | None = None) -> dict:
+    """A generation's statistics; `row`: its row of a batch, whose caches are read in its row context, and
+    `prefilled_tokens` the batch's prompt tokens, which its prefill time covers."""
     stats = {
         "prompt_tokens": prompt_tokens,
         "generated_tokens": len(result.tokens),
         "prefill_seconds": round(result.prefill_seconds, 4),
-        "prefill_tokens_per_second": round(prompt_tokens / result.prefill_seconds, 2),
+        "prefill_tokens_per_second": round((prefilled_tokens or prompt_tokens) / result.prefill_seconds, 2),
         "decode_tokens_per_second": round(result.decode_steps / result.decode_seconds, 2)
         if result.decode_steps else None,
         "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
@@ -473,7 +489,7 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
     batches = [order[first : first + args.batch_size] for first in range(0, len(order), args.batch_size)]
     rows, specs_of = [None] * len(prompts), [None] * len(prompts)
-    decode_seconds, decoded, compile_seconds, batch_bytes = 0.0, 0, 0.0, 0
+    decode_seconds, decoded, compile_seconds, batch_bytes, prefill_seconds = 0.0, 0, 0.0, 0, 0.0
     for k, indices in enumerate(batches):
         batch = [prompts[i] for i in indices]
         row_specs = attach_row_caches(model, args, [len(ids) for ids in batch], args.max_new_tokens, tokenizer,
@@ -485,13 +501,15 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         results = generate_batch(model, batch, args.max_new_tokens, eos_ids, step, args.temperature, args.top_k,
                                  args.seed, progress=sys.stderr.isatty(), prefill_lengths=lengths)
         decode_seconds += results[0].decode_seconds
+        prefill_seconds += results[0].prefill_seconds
         decoded += sum(len(r.tokens) - 1 for r in results)
         compile_seconds += results[0].compile_seconds
         batch_bytes = max(batch_bytes, sum(c.nbytes() for c in model.caches()))
         for b in sorted(range(len(indices)), key=indices.__getitem__):  # within a batch, in the prompts' order
             i, result = indices[b], results[b]
             text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-            rows[i] = {**row_stats(len(batch[b]), result, model, b), "text": text, "tokens": result.tokens}
+            rows[i] = {**row_stats(len(batch[b]), result, model, b, sum(map(len, batch))), "text": text,
+                       "tokens": result.tokens}
             print(f"---- row {i} ----\n{text}\n{row_summary(rows[i])}")
             specs_of[i] = row_specs[b]
     stats = {
@@ -501,6 +519,8 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         "rows": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "generated_tokens": sum(r["generated_tokens"] for r in rows),
+        # Prompt tokens over the batches' prefill time: rows of a batch share forward passes (padded_prefill.py).
+        "prefill_tokens_per_second": round(sum(map(len, prompts)) / prefill_seconds, 2),
         # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
         "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,
         "compile_seconds": round(compile_seconds, 2) if args.compile else None,

@@ -17,7 +17,9 @@ Two entry points share one forward:
   cache keeps what fits its budget (it may compress the prompt);
 - decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache;
   the rows may be at different positions (input_pos [B]), each rotated by its own.
-Rows of different lengths are prefilled one at a time in their row context (`cache_row`), no padding.
+Rows of different lengths are prefilled together right-padded (padded_prefill.py: causal attention keeps
+the padding out of the rows' own tokens, and each cache takes each row's prompt in its row context), or one
+at a time in their row context (`cache_row`) where a prefill cannot be shared.
 
 With re-rotation (`--rerotate_positions`, rerotation.py) the caches store keys before RoPE, and after the
 prompt RoPE is applied at ranks within each head's cache instead of at positions in the text.
@@ -39,6 +41,7 @@ from cache import KVCache
 from cache_chunking import Rerotation
 from chunk_attention import chunk_attention
 from errors import UserError
+from padded_prefill import PaddedRows, store_rows
 from rerotation import query_ranks, slot_ranks
 from rope import apply_rope, rope_tables, rotate_by_rank
 
@@ -251,7 +254,7 @@ class Attention(nn.Module):
                 v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
-                chunk: bool = False) -> Tensor:
+                chunk: bool = False, rows: PaddedRows | None = None) -> Tensor:
         B, T, _ = x.shape
         if chunk:  # a chunk of a chunked prefill: cos/sin are the whole tables (held keys may need them)
             return self.forward_chunk(x, cos, sin, input_pos)
@@ -269,9 +272,10 @@ class Attention(nn.Module):
         if self.q_rescale != 1.0:
             q = q * self.q_rescale
 
-        if cache is not None and cache.needs_gates:
+        log_gates = self.gate(x) if cache is not None and cache.needs_gates else None
+        if log_gates is not None and rows is None:
             # Each token's gate goes to the cache before its K/V (prefill or insert) so they stay together.
-            cache.observe_gates(self.gate(x))
+            cache.observe_gates(log_gates)
         if cache is None and self.soft_gating is not None:
             y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
         elif append and cache is not None:
@@ -283,7 +287,9 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            if cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
+            if rows is not None:  # padded rows: each row's own tokens, in its row context
+                store_rows(cache, rows, input_pos, k, v, q, k_plain if rerotate else None, log_gates)
+            elif cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
                 cache.prefill(input_pos, k, v, q, **({"k_store": k_plain} if rerotate else {}))
         else:
             y = self.attend_decode(q, k, v, input_pos, cos, sin, by_rank)
@@ -412,11 +418,12 @@ class TransformerBlock(nn.Module):
         self.sandwich = args.sandwich_norms
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
-                chunk: bool = False) -> Tensor:
+                chunk: bool = False, rows: PaddedRows | None = None) -> Tensor:
+        attended = self.attention(self.attention_norm(x), cos, sin, input_pos, append, chunk, rows)
         if self.sandwich:
-            h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, input_pos, append, chunk))
+            h = x + self.post_attention_norm(attended)
             return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, append, chunk)
+        h = x + attended
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -552,7 +559,8 @@ class Transformer(nn.Module):
         return cos, sin, tuple(tables[2:]) or (cos, sin)
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
-                run_block: Callable[..., Tensor] | None = None, append: bool = False, chunk: bool = False) -> Tensor:
+                run_block: Callable[..., Tensor] | None = None, append: bool = False, chunk: bool = False,
+                rows: PaddedRows | None = None) -> Tensor:
         """idx: [B, T] token ids; input_pos: [T] absolute positions shared by the rows (a device tensor), or
         at a decode step (T = 1) [B], each row at its own position.
 
@@ -563,10 +571,14 @@ class Transformer(nn.Module):
         tokens follow what the caches already hold (KVCache.append) instead of being a prompt. With caches that
         re-rotate positions, input_pos may exceed the context after the prompt (RoPE then sees ranks only).
         `chunk`: the T > 1 tokens are a chunk of a prompt fed in pieces (generate.prefill, --prefill_chunk).
+        `rows`: a prefill of right-padded prompts of different lengths (padded_prefill.py); `last_logits_only`
+        then takes each row's last prompt token.
         """
         caches = self.caches()
+        if rows is not None:
+            self.cache_epoch += 1  # the rows' contexts are entered layer by layer (see cache_row)
         for cache in caches:
-            if cache.needs_token_ids:  # e.g. FastGen's special-token and punctuation policies
+            if cache.needs_token_ids and rows is None:  # e.g. FastGen's special-token and punctuation policies
                 cache.observe_tokens(idx)
         # Re-rotating caches after the prompt: the layers index the tables by rank (rotate_by_rank), and
         # input_pos, which may lie past the context then, indexes nothing.
@@ -579,10 +591,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             rope = local if layer.attention.sliding_window else (cos, sin)
             if run_block is None:
-                x = layer(x, *rope, input_pos, append, chunk)
+                x = layer(x, *rope, input_pos, append, chunk, rows)
             else:
                 x = run_block(layer, x, *rope, input_pos)
-        if last_logits_only:
+        if last_logits_only and rows is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(rows.lengths, device=x.device) - 1, None]
+        elif last_logits_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x)).float()
         if self.args.final_logit_softcap:

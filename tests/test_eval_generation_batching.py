@@ -1,4 +1,4 @@
-"""Generation tasks at --batch_size > 1 (harness.greedy_answers): every item's records (answer tokens, text,
+"""Generation tasks at --batch_size > 1 (rows.greedy_answers): every item's records (answer tokens, text,
 scores, kept positions, cache statistics) and the task's metrics equal a batch-1 run of the same items, for
 every registered strategy and its debug_ twin, under both protocols; rows of different prompt lengths that
 stop at different times. The reference is the batch-1 run (one item at a time on batch-1 caches)."""

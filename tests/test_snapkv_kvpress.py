@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import strategies.heavy_hitter as heavy_hitter_module
-from eval import cli, harness
+from eval import cli, harness, rows
 from eval.harness import Runtime
 from eval.tasks import get_task
 from eval.tasks.base import Example, continuation_ids, encode_example
@@ -220,7 +220,8 @@ def test_kvpress_protocol_skips_h2o_statistics_and_decides_the_same(tiny_dir, mo
     skipped = run("kvpress")
     assert not calls and not scored
     with monkeypatch.context() as m:
-        m.setattr(harness, "configure_prompt_budget", _old_configure)
+        m.setattr(harness, "configure_prompt_budget", _old_configure)  # batch 1
+        m.setattr(rows, "configure_prompt_budget", _old_configure)  # rows of a batch
         computed = run("kvpress")
     assert calls and scored
     for a, b in zip(skipped, computed, strict=True):

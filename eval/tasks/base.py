@@ -27,10 +27,10 @@ from eval.harness import (
     attach_caches,
     average_stats,
     cache_specs,
-    greedy_answers,
     prefill_length,
     prefill_limit,
 )
+from eval.rows import greedy_answers
 from tokenizer import Tokenizer
 
 
@@ -275,7 +275,7 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
     """Every job's answer, in the jobs' order. One set of caches for all of them (budgets resolved for the
     longest prompt; under the kvpress protocol room for the largest context budget + question + answer):
     static shapes, so a compiled decode step is compiled once. With --batch_size B > 1 they have B rows and
-    the jobs go through them longest prompt first (batching.longest_first, harness.greedy_answers); a row's
+    the jobs go through them longest prompt first (batching.longest_first, rows.greedy_answers); a row's
     answer and statistics are what it gets alone (batch 1)."""
     rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
     attach_caches(rt, specs, capacity, rows)

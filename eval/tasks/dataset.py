@@ -26,11 +26,11 @@ from eval.harness import (
     cache_specs,
     measure_caches,
     option_logliks,
-    option_logliks_rows,
     prefill_length,
     prefill_limit,
 )
 from eval.metrics import exact_match, rouge_l, substring_match
+from eval.rows import option_logliks_rows
 from eval.tasks.base import (
     Example,
     GenerationTask,
@@ -182,7 +182,7 @@ class MultipleChoice(Task):
     def score_options(self, rt: Runtime, specs: list, jobs: list[AnswerJob], options: list[list[list[int]]],
                       capacity: int) -> tuple[Timings, list[tuple[list[float], dict, list]]]:
         """Per job, in order: its options' log-likelihoods, statistics and kept positions. One set of caches for
-        all; with --batch_size B > 1, of B rows, the jobs longest prompt first (harness.option_logliks_rows)."""
+        all; with --batch_size B > 1, of B rows, the jobs longest prompt first (rows.option_logliks_rows)."""
         timings = Timings()
         rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
         attach_caches(rt, specs, capacity, rows)

@@ -1,0 +1,105 @@
+"""Rows prefilled together, right-padded (padded_prefill.py). Every registered strategy's rows equal each row
+alone through tests/test_batching.py, whose batches go through this path; here: that they do (one forward
+pass), how rows are grouped, and rows in later groups and beside one-token prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import padded_prefill
+from cache_setup import attach_caches, attach_row_caches
+from generate import prefill, prefill_rows
+from model import Transformer
+from padded_prefill import padded_groups
+from tests.strategy_matrix import BUDGETS, TOKEN_CLASSES, VOCAB, cache_args
+from tests.test_batching import LENGTHS, NEW, assert_rows_match, held, sequences, tiny_model
+from tests.test_eval_generation_batching import assert_same_records, qa_file, qa_run
+
+ATOL = 1e-4  # float32 logits: a padded batch's products round differently from one row's
+
+
+def test_groups_follow_the_token_limit_and_keep_one_token_prompts_alone(monkeypatch):
+    monkeypatch.setattr(padded_prefill, "PREFILL_BATCH_TOKENS", 100)
+    assert padded_groups([40, 30, 20]) == [range(0, 2), range(2, 3)]  # 3 x 40 > 100; 2 x 40 fits
+    assert padded_groups([30, 30, 30, 10]) == [range(0, 3), range(3, 4)]  # 4 x 30 > 100
+    assert padded_groups([101, 5, 4]) == [range(0, 1), range(1, 3)]  # past the limit alone
+    assert padded_groups([9, 1, 7, 6, 1]) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
+    assert padded_groups([1, 1]) == [range(0, 1), range(1, 2)]
+    assert padded_groups([]) == []
+
+
+def forward_calls(monkeypatch) -> list[tuple[int, ...] | None]:
+    """The row lengths of every forward pass from now on (None: not padded rows)."""
+    calls: list[tuple[int, ...] | None] = []
+    original = Transformer.forward
+
+    def counted(self, idx, input_pos, *args, **kwargs):
+        rows = kwargs.get("rows")
+        calls.append(None if rows is None else rows.lengths)
+        return original(self, idx, input_pos, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("flags", "passes"), [((), [LENGTHS]), (("--prefill_chunk", "30"), [None] * 3)])
+def test_rows_share_one_forward_pass_unless_chunked(monkeypatch, flags, passes):
+    """The whole batch in one pass; --prefill_chunk prefills row by row (each re-prefills its own held tokens)."""
+    model = tiny_model()
+    attach_row_caches(model, cache_args("heavy_hitter", BUDGETS["fraction"], "dense", *flags), list(LENGTHS), NEW,
+                      classes=TOKEN_CLASSES)
+    calls = forward_calls(monkeypatch)
+    with torch.inference_mode():
+        model.reset_caches()
+        prefill_rows(model, [s[:n] for s, n in zip(sequences(), LENGTHS, strict=True)])
+    assert calls == passes
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "hybrid", "debug_gated", "l2"])
+def test_rows_in_later_groups_decode_as_alone(monkeypatch, strategy):
+    """A limit of 40 tokens splits (24, 19, 13) into (24) and (19, 13): the second group's rows are cache rows
+    1 and 2 of a forward pass over two rows."""
+    monkeypatch.setattr(padded_prefill, "PREFILL_BATCH_TOKENS", 40)
+    calls = forward_calls(monkeypatch)
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"]))
+    assert calls[:2] == [None, LENGTHS[1:]]
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "debug_hybrid"])
+def test_a_one_token_prompt_beside_padded_rows(strategy):
+    """Prompts of 24, 1 and 13 tokens: the one-token row is prefilled alone (a decode step into an empty
+    cache), the others together; each holds and predicts what it does alone."""
+    model = tiny_model()
+    args = cache_args(strategy, BUDGETS["absolute"])  # 16 slots: a fraction of the short row is below the protected
+    lengths = [24, 1, 13]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randperm(VOCAB, generator=g)[:n] for n in lengths]
+    attach_row_caches(model, args, lengths, NEW, classes=TOKEN_CLASSES)
+    with torch.inference_mode():
+        model.reset_caches()
+        together = prefill_rows(model, prompts)
+        kept = []
+        for b in range(len(lengths)):
+            with model.cache_row(b):
+                kept.append([held(c) for c in model.caches()])
+    for b, prompt in enumerate(prompts):
+        attach_caches(model, args, len(prompt), NEW, classes=TOKEN_CLASSES)
+        with torch.inference_mode():
+            model.reset_caches()
+            alone = prefill(model, prompt[None])
+        torch.testing.assert_close(together[b: b + 1], alone, atol=ATOL, rtol=ATOL, msg=f"row {b}")
+        assert kept[b] == [held(c) for c in model.caches()], f"row {b}"
+
+
+def test_eval_items_that_start_together_prefill_together(tiny_dir, tmp_path, monkeypatch):
+    """qa at --batch_size 2, 4 items answering --max_new_tokens each (no EOS): both rows start together and
+    stop at the same step, so each pair of items is prefilled in one padded pass; records equal batch 1's."""
+    path = qa_file(tmp_path, 4)
+    flags = ("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--query_aware")
+    alone = qa_run(tiny_dir, path, 1, *flags, eos=[])
+    calls = forward_calls(monkeypatch)
+    together = qa_run(tiny_dir, path, 2, *flags, eos=[])
+    prompts = sorted((p["prefill_tokens"] for p in alone.predictions), reverse=True)
+    assert [c for c in calls if c is not None] == [tuple(prompts[:2]), tuple(prompts[2:])]
+    assert_same_records(alone, together)
