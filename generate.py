@@ -27,7 +27,7 @@ from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from ignored_flags import check_typed_flags
 from model import Transformer
-from padded_prefill import padded_groups, prefill_padded
+from packed_prefill import packed_groups, prefill_packed
 from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
 from strategies.kvzip import rule_users, supply_reconstruction_scores
@@ -95,7 +95,7 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
                  rows: list[int] | None = None) -> Tensor:
     """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i): rows of any lengths, each storing and
     compressing only its own tokens at its own budget. Where the prefill can be shared, consecutive prompts go
-    through one forward pass right-padded (padded_prefill.py); otherwise each is prefilled in its row context
+    through one forward pass packed (packed_prefill.py); otherwise each is prefilled in its row context
     (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
     time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
     Logits of each row's last position, [len(prompts), vocab]."""
@@ -104,11 +104,11 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
         return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i])
                           for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
     logits = []
-    for group in padded_groups([len(p) for p in prompts]):
+    for group in packed_groups([len(p) for p in prompts]):
         if len(group) == 1:
             logits.append(prefill_row(model, rows[group[0]], prompts[group[0]], None))
         else:
-            logits.append(prefill_padded(model, prompts[group.start:group.stop], rows[group.start:group.stop]))
+            logits.append(prefill_packed(model, prompts[group.start:group.stop], rows[group.start:group.stop]))
     return torch.cat(logits)
 
 
@@ -519,7 +519,7 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         "rows": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "generated_tokens": sum(r["generated_tokens"] for r in rows),
-        # Prompt tokens over the batches' prefill time: rows of a batch share forward passes (padded_prefill.py).
+        # Prompt tokens over the batches' prefill time: rows of a batch share forward passes (packed_prefill.py).
         "prefill_tokens_per_second": round(sum(map(len, prompts)) / prefill_seconds, 2),
         # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
         "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,

@@ -17,9 +17,9 @@ Two entry points share one forward:
   cache keeps what fits its budget (it may compress the prompt);
 - decode (T == 1): the cache picks a slot, stores the new key/value, and attention runs over the cache;
   the rows may be at different positions (input_pos [B]), each rotated by its own.
-Rows of different lengths are prefilled together right-padded (padded_prefill.py: causal attention keeps
-the padding out of the rows' own tokens, and each cache takes each row's prompt in its row context), or one
-at a time in their row context (`cache_row`) where a prefill cannot be shared.
+Rows of different lengths are prefilled together packed into one sequence (packed_prefill.py: attention and
+the caches row by row over each row's span), or one at a time in their row context (`cache_row`) where a
+prefill cannot be shared.
 
 With re-rotation (`--rerotate_positions`, rerotation.py) the caches store keys before RoPE, and after the
 prompt RoPE is applied at ranks within each head's cache instead of at positions in the text.
@@ -41,7 +41,7 @@ from cache import KVCache
 from cache_chunking import Rerotation
 from chunk_attention import chunk_attention
 from errors import UserError
-from padded_prefill import PaddedRows, store_rows
+from packed_prefill import PackedRows, store_row
 from rerotation import query_ranks, slot_ranks
 from rope import apply_rope, rope_tables, rotate_by_rank
 
@@ -142,6 +142,17 @@ def sliding_causal_mask(T: int, window: int, device: torch.device) -> Tensor:
     t = torch.arange(T, device=device)
     age = t[:, None] - t[None, :]
     return (age >= 0) & (age < window)
+
+
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Causal attention of a prompt over itself (q [B, n_head, T, D], k, v [B, n_kv, T, D]), within the last
+    `window` tokens where the layer has a sliding window that binds (0: none): the fused kernel, no
+    probabilities."""
+    T = q.shape[2]
+    if window and T > window:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_causal_mask(T, window, q.device),
+                                              enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -254,7 +265,7 @@ class Attention(nn.Module):
                 v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
-                chunk: bool = False, rows: PaddedRows | None = None) -> Tensor:
+                chunk: bool = False, rows: PackedRows | None = None) -> Tensor:
         B, T, _ = x.shape
         if chunk:  # a chunk of a chunked prefill: cos/sin are the whole tables (held keys may need them)
             return self.forward_chunk(x, cos, sin, input_pos)
@@ -280,20 +291,27 @@ class Attention(nn.Module):
             y, self.retained = soft_gated_attention(q, k, v, self.gate(x), *self.soft_gating)
         elif append and cache is not None:
             y = self.attend_appended(q, k, v, input_pos, cos, sin, by_rank)
+        elif rows is not None:
+            y = self.attend_packed_rows(rows, input_pos, q, k, v, k_plain if rerotate else None, log_gates)
         elif T > 1 or cache is None:
-            # Prefill: causal attention over the prompt itself (the fused kernel; no probabilities).
-            if self.sliding_window and T > self.sliding_window:
-                window = sliding_causal_mask(T, self.sliding_window, x.device)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            if rows is not None:  # padded rows: each row's own tokens, in its row context
-                store_rows(cache, rows, input_pos, k, v, q, k_plain if rerotate else None, log_gates)
-            elif cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
+            # Prefill: causal attention over the prompt itself.
+            y = prompt_attention(q, k, v, self.sliding_window)
+            if cache is not None:  # k_store only when re-rotating: prefill(input_pos, k, v, q) stays the contract
                 cache.prefill(input_pos, k, v, q, **({"k_store": k_plain} if rerotate else {}))
         else:
             y = self.attend_decode(q, k, v, input_pos, cos, sin, by_rank)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend_packed_rows(self, rows: PackedRows, input_pos: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                           k_store: Tensor | None, log_gates: Tensor | None) -> Tensor:
+        """A prefill of packed prompts (packed_prefill.py; q, k, v [1, heads, sum of lengths, D]): each row's
+        causal attention over its own span, and its tokens into the cache in its row context."""
+        out = []
+        for i, span in enumerate(rows.spans()):
+            out.append(prompt_attention(q[:, :, span], k[:, :, span], v[:, :, span], self.sliding_window))
+            if self.kv_cache is not None:
+                store_row(self.kv_cache, rows, i, input_pos, k, v, q, k_store, log_gates)
+        return torch.cat(out, dim=2)
 
     def attend_appended(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, cos: Tensor, sin: Tensor,
                         by_rank: bool) -> Tensor:
@@ -374,9 +392,7 @@ class Attention(nn.Module):
         if self.q_rescale != 1.0:
             q = q * self.q_rescale
         if first:  # a prefill
-            window = self.sliding_window and T > self.sliding_window
-            mask = sliding_causal_mask(T, self.sliding_window, x.device) if window else None
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not window, enable_gqa=True)
+            y = prompt_attention(q, k, v, self.sliding_window)
         else:
             held, held_v = cache.keys(), cache.values()
             if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
@@ -418,7 +434,7 @@ class TransformerBlock(nn.Module):
         self.sandwich = args.sandwich_norms
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, append: bool = False,
-                chunk: bool = False, rows: PaddedRows | None = None) -> Tensor:
+                chunk: bool = False, rows: PackedRows | None = None) -> Tensor:
         attended = self.attention(self.attention_norm(x), cos, sin, input_pos, append, chunk, rows)
         if self.sandwich:
             h = x + self.post_attention_norm(attended)
@@ -560,7 +576,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
                 run_block: Callable[..., Tensor] | None = None, append: bool = False, chunk: bool = False,
-                rows: PaddedRows | None = None) -> Tensor:
+                rows: PackedRows | None = None) -> Tensor:
         """idx: [B, T] token ids; input_pos: [T] absolute positions shared by the rows (a device tensor), or
         at a decode step (T = 1) [B], each row at its own position.
 
@@ -571,8 +587,9 @@ class Transformer(nn.Module):
         tokens follow what the caches already hold (KVCache.append) instead of being a prompt. With caches that
         re-rotate positions, input_pos may exceed the context after the prompt (RoPE then sees ranks only).
         `chunk`: the T > 1 tokens are a chunk of a prompt fed in pieces (generate.prefill, --prefill_chunk).
-        `rows`: a prefill of right-padded prompts of different lengths (padded_prefill.py); `last_logits_only`
-        then takes each row's last prompt token.
+        `rows`: a prefill of prompts of different lengths packed into idx [1, T] (packed_prefill.py), input_pos
+        each token's position in its own prompt; `last_logits_only` then gives each prompt's last token's
+        logits, [rows, 1, vocab].
         """
         caches = self.caches()
         if rows is not None:
@@ -595,7 +612,7 @@ class Transformer(nn.Module):
             else:
                 x = run_block(layer, x, *rope, input_pos)
         if last_logits_only and rows is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), torch.tensor(rows.lengths, device=x.device) - 1, None]
+            x = x[0, [span.stop - 1 for span in rows.spans()], None]
         elif last_logits_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x)).float()

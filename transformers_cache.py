@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from cache import KVCache, cache_statistics
 from chunk_attention import chunk_attention
 from errors import UserError
-from model import ModelArgs, attend_slots, follows_window, grouped_attention, sliding_causal_mask
+from model import ModelArgs, attend_slots, follows_window, grouped_attention, prompt_attention
 from strategies.debug import attention_loss_curve
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
@@ -106,11 +106,7 @@ class EvictionLayer(CacheLayerMixin):
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """One row's prompt: causal SDPA (the sliding window where the layer has one), then the cache stores it."""
         T = q.shape[2]
-        if self.sliding_window and T > self.sliding_window:
-            window = sliding_causal_mask(T, self.sliding_window, q.device)
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=True)
-        else:
-            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = prompt_attention(q, k, v, self.sliding_window)
         if self.chunking:  # the first chunk: a prefill that keeps the queries the next chunk's re-prefill needs
             self.cache.prefill_chunk_tokens(torch.arange(T, device=q.device), k, v, q)
         else:

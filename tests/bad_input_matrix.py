@@ -34,6 +34,7 @@ import train_gates
 from benchmarks import (
     adakv_allocation,
     adapter_batching,
+    batched_prefill,
     gated_fidelity,
     kvpress_scores,
     kvpress_side_by_side,
@@ -101,6 +102,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                lambda w: ["--out", str(w / "scores.json")], (kvpress_scores,)),
     EntryPoint("python -m benchmarks.adapter_batching", adapter_batching.main, adapter_batching.build_parser,
                lambda w: ["--out", str(w / "adapter_batching.json")], (adapter_batching,)),
+    EntryPoint("python -m benchmarks.batched_prefill", batched_prefill.main, batched_prefill.build_parser,
+               lambda w: ["--out", str(w / "batched_prefill.json")], (batched_prefill,)),
     EntryPoint("python -m benchmarks.prefill_memory", prefill_memory.main, prefill_memory.build_parser,
                lambda w: ["--out", str(w / "prefill_memory.json")], (prefill_memory,)),
     EntryPoint("python -m benchmarks.received_attention", received_attention.main, received_attention.build_parser,

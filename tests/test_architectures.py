@@ -14,9 +14,10 @@ import argparse
 import pytest
 import torch
 
-from cache_setup import attach_caches, cache_config
+from cache_setup import attach_caches, attach_row_caches, cache_config
 from cache_spec import build_caches, resolve_cache_spec
 from checkpoint import load_checkpoint
+from generate import prefill, prefill_rows
 from model_policies import apply_model_layer_policies
 from tests.arch_helpers import VOCAB, WINDOW, arch_configs, save_tiny_model
 
@@ -150,3 +151,35 @@ def test_compiled_decode_matches_eager_without_recompiling(arch, tmp_path):
         torch._dynamo.reset()
     torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
     assert graphs == len(kinds)
+
+
+def test_packed_rows_prefill_as_each_row_alone(arch_dir):
+    """Prompts of 24, 17 and 9 tokens packed into one prefill (packed_prefill.py): RoPE at each token's own
+    position (Gemma 3's local tables too), each row's sliding window, each row's cache. Each row's logits and
+    kept positions equal its prefill alone (float32; the packed products round differently)."""
+    _, directory, _ = arch_dir
+    model, _ = load_checkpoint(directory, "cpu", torch.float32)
+    lengths, new = [24, 17, 9], 8
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
+    flags = cache_config(["--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--global_tokens", "1",
+                          "--recent_window", "2"])
+
+    def kept() -> list:  # per layer and head, the positions held (a row of a batch has its slots and more)
+        return [[sorted(p for p in head if p >= 0) for head in c.pos[0].tolist()] for c in model.caches()]
+
+    attach_row_caches(model, flags, lengths, new)
+    with torch.inference_mode():
+        model.reset_caches()
+        together = prefill_rows(model, prompts)
+        rows_kept = []
+        for b in range(len(lengths)):
+            with model.cache_row(b):
+                rows_kept.append(kept())
+    for b, prompt in enumerate(prompts):
+        attach_caches(model, flags, len(prompt), new)
+        with torch.inference_mode():
+            model.reset_caches()
+            alone = prefill(model, prompt[None])
+        torch.testing.assert_close(together[b : b + 1], alone, atol=1e-4, rtol=1e-4, msg=f"row {b}")
+        assert rows_kept[b] == kept(), f"row {b}"

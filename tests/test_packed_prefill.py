@@ -1,36 +1,37 @@
-"""Rows prefilled together, right-padded (padded_prefill.py). Every registered strategy's rows equal each row
-alone through tests/test_batching.py, whose batches go through this path; here: that they do (one forward
-pass), how rows are grouped, and rows in later groups and beside one-token prompts."""
+"""Rows prefilled together, packed into one sequence (packed_prefill.py). Every registered strategy's rows equal
+each row alone through tests/test_batching.py, whose batches go through this path; here: that they do (one
+forward pass), how rows are grouped, rows in later groups and beside one-token prompts, and eval's rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import padded_prefill
+import packed_prefill
 from cache_setup import attach_caches, attach_row_caches
 from generate import prefill, prefill_rows
 from model import Transformer
-from padded_prefill import padded_groups
+from packed_prefill import packed_groups
 from tests.strategy_matrix import BUDGETS, TOKEN_CLASSES, VOCAB, cache_args
 from tests.test_batching import LENGTHS, NEW, assert_rows_match, held, sequences, tiny_model
 from tests.test_eval_generation_batching import assert_same_records, qa_file, qa_run
 
-ATOL = 1e-4  # float32 logits: a padded batch's products round differently from one row's
+ATOL = 1e-4  # float32 logits: a packed batch's products round differently from one row's
 
 
 def test_groups_follow_the_token_limit_and_keep_one_token_prompts_alone(monkeypatch):
-    monkeypatch.setattr(padded_prefill, "PREFILL_BATCH_TOKENS", 100)
-    assert padded_groups([40, 30, 20]) == [range(0, 2), range(2, 3)]  # 3 x 40 > 100; 2 x 40 fits
-    assert padded_groups([30, 30, 30, 10]) == [range(0, 3), range(3, 4)]  # 4 x 30 > 100
-    assert padded_groups([101, 5, 4]) == [range(0, 1), range(1, 3)]  # past the limit alone
-    assert padded_groups([9, 1, 7, 6, 1]) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
-    assert padded_groups([1, 1]) == [range(0, 1), range(1, 2)]
-    assert padded_groups([]) == []
+    monkeypatch.setattr(packed_prefill, "PREFILL_BATCH_TOKENS", 100)
+    assert packed_groups([40, 30, 20, 11]) == [range(0, 3), range(3, 4)]  # 90 tokens fit, 101 not
+    assert packed_groups([40, 30, 20, 10]) == [range(0, 4)]  # 100: the limit itself fits
+    assert packed_groups([50, 50, 1, 30]) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert packed_groups([101, 5, 4]) == [range(0, 1), range(1, 3)]  # past the limit alone
+    assert packed_groups([9, 1, 7, 6, 1]) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
+    assert packed_groups([1, 1]) == [range(0, 1), range(1, 2)]
+    assert packed_groups([]) == []
 
 
 def forward_calls(monkeypatch) -> list[tuple[int, ...] | None]:
-    """The row lengths of every forward pass from now on (None: not padded rows)."""
+    """The row lengths of every forward pass from now on (None: not packed rows)."""
     calls: list[tuple[int, ...] | None] = []
     original = Transformer.forward
 
@@ -58,21 +59,21 @@ def test_rows_share_one_forward_pass_unless_chunked(monkeypatch, flags, passes):
 
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "hybrid", "debug_gated", "l2"])
 def test_rows_in_later_groups_decode_as_alone(monkeypatch, strategy):
-    """A limit of 40 tokens splits (24, 19, 13) into (24) and (19, 13): the second group's rows are cache rows
+    """A limit of 32 tokens splits (24, 19, 13) into (24) and (19, 13): the second group's rows are cache rows
     1 and 2 of a forward pass over two rows."""
-    monkeypatch.setattr(padded_prefill, "PREFILL_BATCH_TOKENS", 40)
+    monkeypatch.setattr(packed_prefill, "PREFILL_BATCH_TOKENS", 32)
     calls = forward_calls(monkeypatch)
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"]))
     assert calls[:2] == [None, LENGTHS[1:]]
 
 
 @pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "debug_hybrid"])
-def test_a_one_token_prompt_beside_padded_rows(strategy):
-    """Prompts of 24, 1 and 13 tokens: the one-token row is prefilled alone (a decode step into an empty
+def test_a_one_token_prompt_beside_packed_rows(strategy):
+    """Prompts of 24, 13 and 1 tokens: the one-token row is prefilled alone (a decode step into an empty
     cache), the others together; each holds and predicts what it does alone."""
     model = tiny_model()
     args = cache_args(strategy, BUDGETS["absolute"])  # 16 slots: a fraction of the short row is below the protected
-    lengths = [24, 1, 13]
+    lengths = [24, 13, 1]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randperm(VOCAB, generator=g)[:n] for n in lengths]
     attach_row_caches(model, args, lengths, NEW, classes=TOKEN_CLASSES)
@@ -94,7 +95,7 @@ def test_a_one_token_prompt_beside_padded_rows(strategy):
 
 def test_eval_items_that_start_together_prefill_together(tiny_dir, tmp_path, monkeypatch):
     """qa at --batch_size 2, 4 items answering --max_new_tokens each (no EOS): both rows start together and
-    stop at the same step, so each pair of items is prefilled in one padded pass; records equal batch 1's."""
+    stop at the same step, so each pair of items is prefilled in one packed pass; records equal batch 1's."""
     path = qa_file(tmp_path, 4)
     flags = ("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--query_aware")
     alone = qa_run(tiny_dir, path, 1, *flags, eos=[])
@@ -103,3 +104,18 @@ def test_eval_items_that_start_together_prefill_together(tiny_dir, tmp_path, mon
     prompts = sorted((p["prefill_tokens"] for p in alone.predictions), reverse=True)
     assert [c for c in calls if c is not None] == [tuple(prompts[:2]), tuple(prompts[2:])]
     assert_same_records(alone, together)
+
+
+def test_the_batched_prefill_benchmark_reports_rows_equal_alone(tiny_dir, tmp_path):
+    """benchmarks.batched_prefill end to end on the tiny model: its report's fields, and every round's packed
+    rows within float rounding of the rows prefilled one by one, with the same kept positions."""
+    from benchmarks import batched_prefill
+
+    out = tmp_path / "batched_prefill.json"
+    report = batched_prefill.main(["--checkpoint_path", str(tiny_dir), "--prompts", "3", "--min_tokens", "40",
+                                   "--step_tokens", "6", "--max_new_tokens", "4", "--max_cache_length", "0.5",
+                                   "--rounds", "2", "--out", str(out)])
+    assert report["prompt_tokens"] == [52, 46, 40] and len(report["rounds"]) == 2
+    assert all(r["same_kept_positions"] and r["max_logit_difference"] < ATOL for r in report["rounds"])
+    assert report["batched_tok_s"] > 0 and report["row_by_row_tok_s"] > 0
+    assert out.exists()

@@ -1,0 +1,120 @@
+"""Prefill speed of prompts of different lengths as one batch (packed into one sequence, packed_prefill.py)
+against the same prompts one row at a time, on this tool's model and caches.
+
+The bundled model (or `--checkpoint_path`) prefills `--prompts` pydoc passages of `--min_tokens`,
+`--min_tokens` + `--step_tokens`, ... tokens into caches of one row per prompt (each with the budget its
+own length gives): once through generate.prefill_rows (rows together where they can share a forward pass),
+once row by row in each row's context (what generate.py and eval did before). The two alternate for
+`--rounds` rounds, the order rotating every round, in one process. Reported: prompt tokens per second of
+each (median round), the batch's speed-up, and how far each row's last logits and kept positions are from
+its row-by-row prefill (the same within float rounding: a batch's products round differently). Numbers are
+reported, never asserted.
+
+    OMP_NUM_THREADS=2 python -m benchmarks.batched_prefill --prompts 8 --min_tokens 128 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from atomic_files import check_writable, write_json_atomic
+from cache_setup import attach_row_caches, cache_config
+from checkpoint import add_checkpoint_argument, load_checkpoint, parse_dtype
+from errors import CliParser, UserError, run_cli
+from flag_types import count, real
+from generate import prefill_row, prefill_rows
+from model import Transformer
+from tokenizer import Tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog="python -m benchmarks.batched_prefill", description=__doc__.split("\n")[0],
+                       allow_abbrev=False)
+    add_checkpoint_argument(parser)
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--cache_strategy", default="heavy_hitter")
+    parser.add_argument("--max_cache_length", type=real(0, 1, low_open=True), default=0.25,
+                        help="each row's budget, a fraction of its prompt + --max_new_tokens")
+    parser.add_argument("--max_new_tokens", type=count(), default=32, help="the tokens each row's budget plans for")
+    parser.add_argument("--prompts", type=count(), default=8, help="rows of the batch")
+    parser.add_argument("--min_tokens", type=count(2), default=128, help="the shortest prompt")
+    parser.add_argument("--step_tokens", type=count(0), default=16, help="how much longer each next prompt is")
+    parser.add_argument("--rounds", type=count(), default=3, help="batched and row-by-row runs, alternating")
+    parser.add_argument("--out", default=None, help="JSON report")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def prompts_of(tokenizer: Tokenizer, n: int, shortest: int, step: int) -> list[torch.Tensor]:
+    """n pydoc passages of shortest, shortest + step, ... tokens, longest first (as generate.py orders a batch)."""
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer.encode(text)
+    stride = shortest + step * n
+    return [torch.tensor(ids[i * stride : i * stride + shortest + step * i]) for i in reversed(range(n))]
+
+
+def prefilled(model: Transformer, prompts: list[torch.Tensor], together: bool) -> tuple[float, torch.Tensor, list]:
+    """Seconds, last logits [rows, vocab] and each row's held positions per layer, after one prefill of every
+    row (caches reset first)."""
+    with torch.inference_mode():
+        model.reset_caches()
+        t0 = time.perf_counter()
+        if together:
+            logits = prefill_rows(model, prompts)
+        else:
+            logits = torch.cat([prefill_row(model, b, p, None) for b, p in enumerate(prompts)])
+        seconds = time.perf_counter() - t0
+    kept = [[c.pos[b].tolist() for c in model.caches()] for b in range(len(prompts))]
+    return seconds, logits.float(), kept
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.out:
+        check_writable(args.out, args.overwrite, "--out")
+    dtype = parse_dtype(args.dtype)
+    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", dtype)
+    prompts = prompts_of(tokenizer, args.prompts, args.min_tokens, args.step_tokens)
+    longest = args.min_tokens + args.step_tokens * (args.prompts - 1)
+    if len(prompts[0]) < longest or longest + args.max_new_tokens > model.args.context_length:
+        raise UserError(f"prompts up to {longest} tokens + {args.max_new_tokens} new do not fit the model's context "
+                        f"of {model.args.context_length} (or the pydoc text): fewer or shorter prompts")
+    flags = cache_config(["--cache_strategy", args.cache_strategy, "--max_cache_length", str(args.max_cache_length)])
+    attach_row_caches(model, flags, [len(p) for p in prompts], args.max_new_tokens, tokenizer, quiet=True)
+    prefilled(model, prompts[:1] * len(prompts), together=True)  # warm-up, not counted
+    rounds = []
+    for r in range(args.rounds):
+        order = [True, False] if r % 2 == 0 else [False, True]
+        runs = {together: prefilled(model, prompts, together) for together in order}
+        (batched_s, batched, batched_kept), (rows_s, alone, alone_kept) = runs[True], runs[False]
+        rounds.append({"batched_s": batched_s, "row_by_row_s": rows_s,
+                       "max_logit_difference": float((batched - alone).abs().max()),
+                       "same_kept_positions": batched_kept == alone_kept})
+        print(f"round {r}: batched {batched_s:.3f} s, row by row {rows_s:.3f} s, logits within "
+              f"{rounds[-1]['max_logit_difference']:.2g}, same kept positions {rounds[-1]['same_kept_positions']}",
+              flush=True)
+    tokens = sum(len(p) for p in prompts)
+    report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length, "dtype": args.dtype,
+              "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+              "threads": torch.get_num_threads(),
+              "batched_tok_s": tokens / statistics.median(r["batched_s"] for r in rounds),
+              "row_by_row_tok_s": tokens / statistics.median(r["row_by_row_s"] for r in rounds),
+              "median_speedup": statistics.median(r["row_by_row_s"] / r["batched_s"] for r in rounds),
+              "rounds": rounds}
+    print(f"{args.cache_strategy} at {args.max_cache_length}, {args.dtype}, {len(prompts)} prompts of "
+          f"{min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens: batched "
+          f"{report['batched_tok_s']:.0f} tok/s, row by row {report['row_by_row_tok_s']:.0f} tok/s, median speed-up "
+          f"{report['median_speedup']:.2f}x")
+    if args.out:
+        write_json_atomic(args.out, report, overwrite=args.overwrite)
+    return report
+
+
+if __name__ == "__main__":
+    run_cli(main)

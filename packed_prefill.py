@@ -1,0 +1,76 @@
+"""Prompts of different lengths prefilled together: packed into one sequence, one forward pass for all of
+them, attention and the caches row by row (the "varlen" layout of packed training and serving).
+
+Every token-wise part of a layer (norms, projections, RoPE at each token's own position, the MLP) runs once
+over the packed tokens, with no padding to waste work on; attention runs over each row's own span, causal, as
+the row alone would (Attention.attend_packed_rows); and each layer's cache takes each row's tokens in its row
+context (KVCache.row), after that row's token ids and gates, so a row stores, scores and compresses exactly
+what it does alone, at its own budget. Only the products' rounding differs from a row alone (their row count
+does). The logits taken are each row's last token's.
+
+Rows are grouped so a group holds at most PREFILL_BATCH_TOKENS tokens: a prompt that long already keeps a
+device busy, and packing more would only raise the prefill's activation peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+# The most tokens one packed forward pass takes; a longer prompt goes alone.
+PREFILL_BATCH_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Prompts packed one after another: prompt i is ids[0, spans[i]], prefilled into cache row cache_rows[i]."""
+
+    lengths: tuple[int, ...]
+    ids: Tensor  # [1, sum(lengths)]
+    cache_rows: tuple[int, ...]
+
+    def spans(self) -> list[slice]:
+        ends = torch.tensor(self.lengths).cumsum(0).tolist()
+        return [slice(end - n, end) for n, end in zip(self.lengths, ends, strict=True)]
+
+
+def store_row(cache: nn.Module, rows: PackedRows, i: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor,
+              k_store: Tensor | None, log_gates: Tensor | None) -> None:
+    """KVCache.prefill of row i's tokens (its span of k, v [1, n_kv, T, D], q [1, n_head, T, D], log_gates
+    [1, n_kv, T]) in its row context, after what the cache observes before a prompt (its token ids, its gates):
+    a cache keeps the latest prompt's ids and gates, so each row's go in just before its prefill."""
+    span = rows.spans()[i]
+    with cache.row(rows.cache_rows[i]):
+        if cache.needs_token_ids:
+            cache.observe_tokens(rows.ids[:, span])
+        if log_gates is not None:
+            cache.observe_gates(log_gates[..., span])
+        stored = {} if k_store is None else {"k_store": k_store[:, :, span]}
+        cache.prefill(input_pos[span], k[:, :, span], v[:, :, span], q[:, :, span], **stored)
+
+
+def packed_groups(lengths: list[int]) -> list[range]:
+    """Consecutive rows grouped for one forward pass each, a group growing while it holds at most
+    PREFILL_BATCH_TOKENS tokens. A one-token prompt goes alone: its prefill is a decode step, which packing
+    would turn into a one-token prompt compression."""
+    groups: list[range] = []
+    start = 0
+    for i, n in enumerate(lengths):
+        joins = n > 1 and lengths[start] > 1 and sum(lengths[start:i + 1]) <= PREFILL_BATCH_TOKENS
+        if i > start and not joins:
+            groups.append(range(start, i))
+            start = i
+    if lengths:
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
+def prefill_packed(model: nn.Module, prompts: list[Tensor], cache_rows: list[int]) -> Tensor:
+    """prompts [T_i] (each at least 2 tokens) prefilled in one forward pass, prompt i into cache row
+    cache_rows[i]: the logits of each prompt's last token, [rows, vocab]."""
+    ids = torch.cat(prompts)[None]
+    positions = torch.cat([torch.arange(len(p), device=ids.device) for p in prompts])
+    rows = PackedRows(tuple(len(p) for p in prompts), ids, tuple(cache_rows))
+    return model(ids, positions, last_logits_only=True, rows=rows)[:, -1]
