@@ -20,7 +20,7 @@ decode step never recompiles:
   different sequences: at decode `input_pos` is [1] (shared) or [B] (one position per row), and each row
   has its own budget (`row_budget` [B], `set_row_budgets`) within the L slots, which are the largest row's.
   `row(b)` is the row context: inside it the cache is row b alone, a batch-1 cache (prompts of different
-  lengths are prefilled row by row in it, with no padding).
+  lengths are stored in it row by row, with no padding, even when packed into one forward pass).
 
 A strategy is a small subclass with one scoring rule, used twice: `token_scores` scores the tokens the
 cache holds (the lowest unprotected one is evicted at each decode step) and `prompt_scores` scores the

@@ -241,7 +241,7 @@ def generate_batch(
     progress: bool = False,
     prefill_lengths: list[int] | None = None,
 ) -> list[GenerationResult]:
-    """One row per prompt, of any lengths: each prompt prefilled in its row context (prefill_rows), then
+    """One row per prompt, of any lengths: the prompts prefilled into their rows (prefill_rows: packed), then
     every row decoded in one step per token, at its own position, until every row has its EOS or
     `max_new_tokens`. Row b's tokens are what `generate` gives for prompts[b] alone (greedy, or sampled
     with the same seed), on caches set up per row (cache_setup.setup_row_caches). A row that stopped keeps

@@ -1,7 +1,8 @@
 """Prefill speed of prompts of different lengths as one batch (packed into one sequence, packed_prefill.py)
 against the same prompts one row at a time, on this tool's model and caches.
 
-The bundled model (or `--checkpoint_path`) prefills `--prompts` pydoc passages of `--min_tokens`,
+The bundled model (or `--checkpoint_path`, or `--random_weights` with a real model's shapes, built on
+`--device`) prefills `--prompts` pydoc passages (random token ids without a tokenizer) of `--min_tokens`,
 `--min_tokens` + `--step_tokens`, ... tokens into caches of one row per prompt (each with the budget its
 own length gives): once through generate.prefill_rows (rows together where they can share a forward pass),
 once row by row in each row's context (what generate.py and eval did before). The two alternate for
@@ -11,6 +12,7 @@ its row-by-row prefill (the same within float rounding: a batch's products round
 reported, never asserted.
 
     OMP_NUM_THREADS=2 python -m benchmarks.batched_prefill --prompts 8 --min_tokens 128 --dtype bfloat16
+    python -m benchmarks.batched_prefill --device cuda --random_weights llama-3.1-8b --dtype bfloat16 --prompts 16
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch
 
 from atomic_files import check_writable, write_json_atomic
 from cache_setup import attach_row_caches, cache_config
-from checkpoint import add_checkpoint_argument, load_checkpoint, parse_dtype
+from checkpoint import add_checkpoint_argument, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
+from eval.bench.measure import RANDOM_SHAPES, check_model_source, load_model
 from flag_types import count, real
 from generate import prefill_row, prefill_rows
 from model import Transformer
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="python -m benchmarks.batched_prefill", description=__doc__.split("\n")[0],
                        allow_abbrev=False)
     add_checkpoint_argument(parser)
+    parser.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,
+                        help="random weights with this model's shapes, built on the device (no tokenizer)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--cache_strategy", default="heavy_hitter")
     parser.add_argument("--max_cache_length", type=real(0, 1, low_open=True), default=0.25,
@@ -49,14 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def prompts_of(tokenizer: Tokenizer, n: int, shortest: int, step: int) -> list[torch.Tensor]:
-    """n pydoc passages of shortest, shortest + step, ... tokens, longest first (as generate.py orders a batch)."""
-    import pydoc_data.topics
-
-    text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    ids = tokenizer.encode(text)
+def prompts_of(tokenizer: Tokenizer | None, n: int, shortest: int, step: int, vocab: int,
+               device: str) -> list[torch.Tensor]:
+    """n pydoc passages (seeded random ids without a tokenizer) of shortest, shortest + step, ... tokens, longest
+    first (as generate.py orders a batch)."""
     stride = shortest + step * n
-    return [torch.tensor(ids[i * stride : i * stride + shortest + step * i]) for i in reversed(range(n))]
+    if tokenizer is None:
+        ids = torch.randint(vocab, (stride * n,), generator=torch.Generator().manual_seed(0)).tolist()
+    else:
+        import pydoc_data.topics
+
+        ids = tokenizer.encode(" ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)))
+    return [torch.tensor(ids[i * stride : i * stride + shortest + step * i], device=device)
+            for i in reversed(range(n))]
 
 
 def prefilled(model: Transformer, prompts: list[torch.Tensor], together: bool) -> tuple[float, torch.Tensor, list]:
@@ -69,6 +80,8 @@ def prefilled(model: Transformer, prompts: list[torch.Tensor], together: bool) -
             logits = prefill_rows(model, prompts)
         else:
             logits = torch.cat([prefill_row(model, b, p, None) for b, p in enumerate(prompts)])
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
         seconds = time.perf_counter() - t0
     kept = [[c.pos[b].tolist() for c in model.caches()] for b in range(len(prompts))]
     return seconds, logits.float(), kept
@@ -78,9 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.out:
         check_writable(args.out, args.overwrite, "--out")
-    dtype = parse_dtype(args.dtype)
-    model, tokenizer = load_checkpoint(args.checkpoint_path, "cpu", dtype)
-    prompts = prompts_of(tokenizer, args.prompts, args.min_tokens, args.step_tokens)
+    check_model_source(args)
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    model, tokenizer = load_model(argparse.Namespace(**vars(args), allow_non_finite_weights=False), device, dtype)
+    prompts = prompts_of(tokenizer, args.prompts, args.min_tokens, args.step_tokens, model.args.vocab_size, device)
     longest = args.min_tokens + args.step_tokens * (args.prompts - 1)
     if len(prompts[0]) < longest or longest + args.max_new_tokens > model.args.context_length:
         raise UserError(f"prompts up to {longest} tokens + {args.max_new_tokens} new do not fit the model's context "
@@ -101,13 +116,14 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
     tokens = sum(len(p) for p in prompts)
     report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length, "dtype": args.dtype,
+              "device": device, "model": args.random_weights or args.checkpoint_path or "bundled",
               "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
               "threads": torch.get_num_threads(),
               "batched_tok_s": tokens / statistics.median(r["batched_s"] for r in rounds),
               "row_by_row_tok_s": tokens / statistics.median(r["row_by_row_s"] for r in rounds),
               "median_speedup": statistics.median(r["row_by_row_s"] / r["batched_s"] for r in rounds),
               "rounds": rounds}
-    print(f"{args.cache_strategy} at {args.max_cache_length}, {args.dtype}, {len(prompts)} prompts of "
+    print(f"{args.cache_strategy} at {args.max_cache_length}, {args.dtype} on {device}, {len(prompts)} prompts of "
           f"{min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens: batched "
           f"{report['batched_tok_s']:.0f} tok/s, row by row {report['row_by_row_tok_s']:.0f} tok/s, median speed-up "
           f"{report['median_speedup']:.2f}x")

@@ -5,6 +5,8 @@
 #      batched step's graph, no recompilation over 256 steps, logits parity with transformers, a left-padded
 #      batch through transformers' generate and the adapter's cache against the CPU (never run on a GPU yet);
 #   1b. H2O's received attention (heavy_hitter's prefill) at the 8B heads: the blocks against the fused passes;
+#   1c. prompts of different lengths prefilled packed into one forward pass against row by row (8B shapes,
+#      16 prompts of 64-544 tokens, heavy_hitter at 0.25): prefill tokens/s, kept positions and logits equal;
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: ours eager and compiled, the full
 #      cache at 4k and 32k and recent_global at 10% at 32k, then the strategies whose prefill needs the
 #      prompt's attention or whose step was the slowest (heavy_hitter, hybrid, duo_attention, qfilters,
@@ -21,7 +23,7 @@
 #   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
 #      peak CUDA memory and prefill tokens/s, and the 32k rows' kernel time by kind (torch.profiler, one more
 #      prefill each: where the chunked prefill's time goes, unprofiled so far).
-# The timeouts sum to 590 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
+# The timeouts sum to 650 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
 # prefill's last row, heavy_hitter at 128k, still running when a 110 s limit cut it in the follow-up); the
 # received-attention part (after the tests) came later, estimated at 20-30 s, unmeasured.
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
@@ -92,6 +94,22 @@ start=$(date +%s)
   echo "## benchmarks.received_attention, Llama-3.1-8B's heads, bf16, ms per layer ($(( $(date +%s) - start )) s)"
   echo
   cat "$OUT_DIR/received_attention.txt"
+} >> "$REPORT"
+
+# Prompts of different lengths prefilled packed into one forward pass against row by row (heavy_hitter at 0.25).
+start=$(date +%s)
+timeout 60 $PY -m benchmarks.batched_prefill --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+  --prompts 16 --min_tokens 64 --step_tokens 32 --rounds 3 --out "$OUT_DIR/batched_prefill.json" --overwrite \
+  > "$OUT_DIR/batched_prefill.txt" 2>&1
+packed_rc=$?
+{
+  echo
+  echo "## benchmarks.batched_prefill, llama-3.1-8b shapes, bf16, 16 prompts of 64-544 tokens (exit $packed_rc, \
+$(( $(date +%s) - start )) s)"
+  echo
+  echo '```'
+  tail -5 "$OUT_DIR/batched_prefill.txt"
+  echo '```'
 } >> "$REPORT"
 
 start=$(date +%s)

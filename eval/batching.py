@@ -3,9 +3,10 @@ full cache's logits from one causal forward pass (the fidelity reference).
 
 Every row evicts on its own ([B, ...] buffers, docs/DESIGN.md §4). The fidelity windows of a run share
 positions (one length); the items of a generation task each sit in a row at their own position
-(rows.greedy_answers, prefilled in the row context). A row's statistics are read in its row context
-(Transformer.cache_row), where its caches are a batch-1 cache. tests/test_eval_batching.py and
-tests/test_eval_generation_batching.py check that a row in a batch keeps and records what it does alone.
+(rows.greedy_answers: prefilled together where they start together, each row's cache fed its own tokens). A
+row's statistics are read in its row context (Transformer.cache_row), where its caches are a batch-1 cache.
+tests/test_eval_batching.py and tests/test_eval_generation_batching.py check that a row in a batch keeps and
+records what it does alone.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def teacher_forced(model, seq: torch.Tensor, prompt: int, step, prefill_length: 
 
 
 def teacher_forced_batch(model, seqs: list[torch.Tensor], step, prefill_lengths=None, device: str = "cpu"):
-    """The same for every row at once: prompts prefilled row by row, then one step for all rows per token
-    (logits on the CPU)."""
+    """The same for every row at once: prompts prefilled together (packed into one forward pass where they
+    can be, packed_prefill.py), then one step for all rows per token (logits on the CPU)."""
     seqs = [s.to(device) for s in seqs]
     lengths = torch.tensor(LENGTHS, device=device)
     with torch.inference_mode():

@@ -81,3 +81,17 @@ def test_the_received_attention_commands_run_on_the_cpu(index, tmp_path):
     assert [r["prompt_tokens"] for r in report["rows"]] == [n // 64 for n in args.lengths]
     assert all(r["max_relative_difference"] < 1e-2 for r in report["rows"])  # bfloat16 blocks against fused
     assert (tmp_path / "r.json").exists()
+
+
+def test_the_batched_prefill_command_parses():
+    """The script's packed-prefill command parses with the benchmark's own parser, on CUDA, and its prompts
+    fit one packed pass (16 prompts of 64 to 544 tokens: 4864 of the 8192 a pass takes)."""
+    from benchmarks.batched_prefill import build_parser
+    from packed_prefill import PREFILL_BATCH_TOKENS, packed_groups
+
+    line = next(w for w in SCRIPT.replace("\\\n", " ").splitlines() if "-m benchmarks.batched_prefill" in w)
+    words = shlex.split(line.split("-m benchmarks.batched_prefill", 1)[1].split(">", 1)[0])
+    args = build_parser().parse_args([re.sub(r"\$\{?\w+\}?", "out", w) for w in words])
+    assert args.device == "cuda" and args.random_weights == "llama-3.1-8b"
+    lengths = [args.min_tokens + args.step_tokens * i for i in range(args.prompts)]
+    assert sum(lengths) <= PREFILL_BATCH_TOKENS and packed_groups(lengths) == [range(args.prompts)]
