@@ -92,37 +92,45 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Te
 
 
 def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None = None,
-                 rows: list[int] | None = None) -> Tensor:
+                 rows: list[int] | None = None, prompt_budgets: list[int | None] | None = None) -> Tensor:
     """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i): rows of any lengths, each storing and
     compressing only its own tokens at its own budget. Where the prefill can be shared, consecutive prompts go
     through one forward pass packed (packed_prefill.py); otherwise each is prefilled in its row context
     (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
     time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
-    Logits of each row's last position, [len(prompts), vocab]."""
+    `prompt_budgets`: what each row's prompt is compressed to (KVCache.prompt_budget, the kvpress protocol's
+    per-item budget; None: its budget). Logits of each row's last position, [len(prompts), vocab]."""
     rows = list(range(len(prompts))) if rows is None else rows
+    budgets = prompt_budgets or [None] * len(prompts)
     if not shares_prefill(model, prompts, prefill_lengths):
-        return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i])
-                          for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
+        return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i],
+                                      budgets[i]) for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
     logits = []
     for group in packed_groups([len(p) for p in prompts]):
         if len(group) == 1:
-            logits.append(prefill_row(model, rows[group[0]], prompts[group[0]], None))
+            logits.append(prefill_row(model, rows[group[0]], prompts[group[0]], None, budgets[group[0]]))
         else:
-            logits.append(prefill_packed(model, prompts[group.start:group.stop], rows[group.start:group.stop]))
+            logits.append(prefill_packed(model, prompts[group.start:group.stop], rows[group.start:group.stop],
+                                         budgets[group.start:group.stop]))
     return torch.cat(logits)
 
 
 def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None) -> bool:
-    """Whether the rows' prompts may go through one padded forward pass: each is prefilled whole, in one piece,
+    """Whether the rows' prompts may go through one packed forward pass: each is prefilled whole, in one piece,
     by the model's forward alone. Not with --prefill_chunk (a row's chunks re-prefill its own held tokens), a
     prompt cut for --feed_long_prompts, or KVzip's rule (its reconstruction pass runs per prompt first)."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
     return len(prompts) > 1 and whole and not prefill_chunk_of(model) and not rule_users(model.caches())
 
 
-def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None) -> Tensor:
-    """Row b's prompt [T] prefilled alone in its row context (see prefill); its last logits [1, vocab]."""
+def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None,
+                prompt_budget: int | None = None) -> Tensor:
+    """Row b's prompt [T] prefilled alone in its row context (see prefill), compressed to `prompt_budget` when
+    given; its last logits [1, vocab]."""
     with model.cache_row(b):
+        if prompt_budget is not None:
+            for cache in model.caches():
+                cache.configure(prompt_budget=prompt_budget)
         return prefill(model, prompt.view(1, -1), prefill_length)
 
 

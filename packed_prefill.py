@@ -25,11 +25,13 @@ PREFILL_BATCH_TOKENS = 8192
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Prompts packed one after another: prompt i is ids[0, spans[i]], prefilled into cache row cache_rows[i]."""
+    """Prompts packed one after another: prompt i is ids[0, spans[i]], prefilled into cache row cache_rows[i],
+    compressed to prompt_budgets[i] where that is not None (KVCache.prompt_budget, set in the row's turn)."""
 
     lengths: tuple[int, ...]
     ids: Tensor  # [1, sum(lengths)]
     cache_rows: tuple[int, ...]
+    prompt_budgets: tuple[int | None, ...] = ()
 
     def spans(self) -> list[slice]:
         ends = torch.tensor(self.lengths).cumsum(0).tolist()
@@ -43,6 +45,8 @@ def store_row(cache: nn.Module, rows: PackedRows, i: int, input_pos: Tensor, k: 
     a cache keeps the latest prompt's ids and gates, so each row's go in just before its prefill."""
     span = rows.spans()[i]
     with cache.row(rows.cache_rows[i]):
+        if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
+            cache.configure(prompt_budget=rows.prompt_budgets[i])
         if cache.needs_token_ids:
             cache.observe_tokens(rows.ids[:, span])
         if log_gates is not None:
@@ -67,10 +71,11 @@ def packed_groups(lengths: list[int]) -> list[range]:
     return groups
 
 
-def prefill_packed(model: nn.Module, prompts: list[Tensor], cache_rows: list[int]) -> Tensor:
+def prefill_packed(model: nn.Module, prompts: list[Tensor], cache_rows: list[int],
+                   prompt_budgets: list[int | None] | None = None) -> Tensor:
     """prompts [T_i] (each at least 2 tokens) prefilled in one forward pass, prompt i into cache row
-    cache_rows[i]: the logits of each prompt's last token, [rows, vocab]."""
+    cache_rows[i] (compressed to prompt_budgets[i] where given): each prompt's last token's logits, [rows, vocab]."""
     ids = torch.cat(prompts)[None]
     positions = torch.cat([torch.arange(len(p), device=ids.device) for p in prompts])
-    rows = PackedRows(tuple(len(p) for p in prompts), ids, tuple(cache_rows))
+    rows = PackedRows(tuple(len(p) for p in prompts), ids, tuple(cache_rows), tuple(prompt_budgets or ()))
     return model(ids, positions, last_logits_only=True, rows=rows)[:, -1]

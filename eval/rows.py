@@ -195,19 +195,20 @@ def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[l
 def _start_rows(rt: Runtime, taken: list[tuple[int, int]], jobs: list[AnswerJob], timings: Timings, chunk: bool,
                 kind: type[_Row]) -> list[tuple[_Row, Tensor]]:
     """Rows b reset and given jobs[i], for (b, i) in `taken`: their prompts prefilled together where they can
-    share forward passes (generate.prefill_rows), else each as _start_row does. Per row: the row, at the
-    position it is fed next, and the logits [vocab] after what is in. Under the kvpress protocol each row is
-    started alone: its prompt budget is a setting of the caches (configure), not of a row."""
+    share forward passes (generate.prefill_rows, each compressed to its job's prompt budget), then with `chunk`
+    the rest of each prompt appended in its row as one chunk where every cache has room (as run_prompt). Per
+    row: the row, at the position it is fed next, and the logits [vocab] after what is in."""
+    if not taken:
+        return []
     model, device = rt.model, rt.device
-    if len(taken) <= 1 or chunk or any(jobs[i].prompt_budget is not None for _, i in taken):
-        return [(row, logits[0]) for row, logits in (_start_row(rt, b, jobs[i], i, timings, chunk, kind)
-                                                     for b, i in taken)]
-    for b, _ in taken:
+    for b, i in taken:
         with model.cache_row(b):
             model.reset_caches()
+            configure_prompt_budget(model.caches(), jobs[i].prompt_budget)  # and evicts_after_prompt
     t0 = time.perf_counter()
     prompts = [torch.tensor(jobs[i].ids[:jobs[i].n_prefill], device=device) for _, i in taken]
-    logits = prefill_rows(model, prompts, rows=[b for b, _ in taken])
+    logits = prefill_rows(model, prompts, rows=[b for b, _ in taken],
+                          prompt_budgets=[jobs[i].prompt_budget for _, i in taken])
     sync(device)
     timings.prefill_tokens += sum(len(p) for p in prompts)
     timings.prefill_seconds += time.perf_counter() - t0
@@ -215,40 +216,31 @@ def _start_rows(rt: Runtime, taken: list[tuple[int, int]], jobs: list[AnswerJob]
     for (b, i), row_logits in zip(taken, logits, strict=True):
         job = jobs[i]
         row = kind(job, i, job.n_prefill, kept=kept_positions(model.caches(), b))
+        if chunk:
+            row_logits = _append_rest(rt, b, row, timings, row_logits)
         if row.pos < len(job.ids):
             row.token = job.ids[row.pos]
         started.append((row, row_logits))
     return started
 
 
-def _start_row(rt: Runtime, b: int, job: AnswerJob, index: int, timings: Timings, chunk: bool,
-               kind: type[_Row]) -> tuple[_Row, Tensor]:
-    """Reset row b and prefill the job's prompt there (the rest as one chunk when `chunk` and every cache
-    has room, as run_prompt): the row, at the position it is fed next, and the logits [1, vocab] after
-    what is in."""
-    model, device, ids = rt.model, rt.device, job.ids
+def _append_rest(rt: Runtime, b: int, row: _Row, timings: Timings, logits: Tensor) -> Tensor:
+    """The rest of row b's prompt (the kvpress question) appended in its row context as one chunk, when every
+    cache has room for it (KVCache.append); the logits [vocab] after what is in."""
+    model, device, ids = rt.model, rt.device, row.job.ids
+    rest = len(ids) - row.pos
     with model.cache_row(b):
-        model.reset_caches()
-        configure_prompt_budget(model.caches(), job.prompt_budget)
+        if rest <= 0 or any(c.room() < rest for c in model.caches()):
+            return logits
         t0 = time.perf_counter()
-        logits = prefill(model, torch.tensor([ids[:job.n_prefill]], device=device))
+        positions = torch.arange(row.pos, len(ids), device=device)
+        logits = model(torch.tensor([ids[row.pos:]], device=device), positions, last_logits_only=True,
+                       append=True)[0, -1]
         sync(device)
-        timings.prefill_tokens += job.n_prefill
-        timings.prefill_seconds += time.perf_counter() - t0
-        row = kind(job, index, job.n_prefill, kept=kept_positions(model.caches()))
-        rest = len(ids) - job.n_prefill
-        if chunk and rest > 0 and all(c.room() >= rest for c in model.caches()):
-            t0 = time.perf_counter()
-            positions = torch.arange(job.n_prefill, len(ids), device=device)
-            logits = model(torch.tensor([ids[job.n_prefill:]], device=device), positions, last_logits_only=True,
-                           append=True)[:, -1]
-            sync(device)
-            timings.prefill_tokens += rest
-            timings.prefill_seconds += time.perf_counter() - t0
-            row.pos = len(ids)
-    if row.pos < len(ids):
-        row.token = ids[row.pos]
-    return row, logits
+    timings.prefill_tokens += rest
+    timings.prefill_seconds += time.perf_counter() - t0
+    row.pos = len(ids)
+    return logits
 
 
 def _step_rows(rt: Runtime, slots: list[_Row], active: list[int], timings: Timings) -> Tensor:

@@ -93,16 +93,19 @@ def test_a_one_token_prompt_beside_packed_rows(strategy):
         assert kept[b] == [held(c) for c in model.caches()], f"row {b}"
 
 
-def test_eval_items_that_start_together_prefill_together(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("protocol", [["--query_aware"], ["--protocol", "kvpress"]], ids=["decode", "kvpress"])
+def test_eval_items_that_start_together_prefill_together(tiny_dir, tmp_path, monkeypatch, protocol):
     """qa at --batch_size 2, 4 items answering --max_new_tokens each (no EOS): both rows start together and
-    stop at the same step, so each pair of items is prefilled in one packed pass; records equal batch 1's."""
+    stop at the same step, so each pair of items is prefilled in one packed pass (under kvpress each row at
+    its own prompt budget, its question appended after); records equal batch 1's."""
     path = qa_file(tmp_path, 4)
-    flags = ("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--query_aware")
+    flags = ("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", *protocol)
     alone = qa_run(tiny_dir, path, 1, *flags, eos=[])
     calls = forward_calls(monkeypatch)
     together = qa_run(tiny_dir, path, 2, *flags, eos=[])
-    prompts = sorted((p["prefill_tokens"] for p in alone.predictions), reverse=True)
-    assert [c for c in calls if c is not None] == [tuple(prompts[:2]), tuple(prompts[2:])]
+    by_length = sorted(alone.predictions, key=lambda p: -p["prompt_tokens"])  # the order rows take items
+    prefilled = [p["prefill_tokens"] for p in by_length]
+    assert [c for c in calls if c is not None] == [tuple(prefilled[:2]), tuple(prefilled[2:])]
     assert_same_records(alone, together)
 
 
