@@ -528,7 +528,7 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "generated_tokens": sum(r["generated_tokens"] for r in rows),
         # Prompt tokens over the batches' prefill time: rows of a batch share forward passes (packed_prefill.py).
-        "prefill_tokens_per_second": round(sum(map(len, prompts)) / prefill_seconds, 2),
+        "prefill_tokens_per_second": round(sum(map(len, prompts)) / prefill_seconds, 2) if prefill_seconds else None,
         # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
         "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,
         "compile_seconds": round(compile_seconds, 2) if args.compile else None,

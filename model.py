@@ -307,7 +307,7 @@ class Attention(nn.Module):
         """A prefill of packed prompts (packed_prefill.py; q, k, v [1, heads, sum of lengths, D]): each row's
         causal attention over its own span, and its tokens into the cache in its row context."""
         out = []
-        for i, span in enumerate(rows.spans()):
+        for i, span in enumerate(rows.spans):
             out.append(prompt_attention(q[:, :, span], k[:, :, span], v[:, :, span], self.sliding_window))
             if self.kv_cache is not None:
                 store_row(self.kv_cache, rows, i, input_pos, k, v, q, k_store, log_gates)
@@ -612,7 +612,7 @@ class Transformer(nn.Module):
             else:
                 x = run_block(layer, x, *rope, input_pos)
         if last_logits_only and rows is not None:
-            x = x[0, [span.stop - 1 for span in rows.spans()], None]
+            x = x[0, [span.stop - 1 for span in rows.spans], None]
         elif last_logits_only:
             x = x[:, -1:]
         logits = self.output(self.norm(x)).float()

@@ -15,6 +15,7 @@ device busy, and packing more would only raise the prefill's activation peak.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +34,8 @@ class PackedRows:
     cache_rows: tuple[int, ...]
     prompt_budgets: tuple[int | None, ...] = ()
 
-    def spans(self) -> list[slice]:
+    @cached_property
+    def spans(self) -> list[slice]:  # read by every layer: computed once
         ends = torch.tensor(self.lengths).cumsum(0).tolist()
         return [slice(end - n, end) for n, end in zip(self.lengths, ends, strict=True)]
 
@@ -43,7 +45,7 @@ def store_row(cache: nn.Module, rows: PackedRows, i: int, input_pos: Tensor, k: 
     """KVCache.prefill of row i's tokens (its span of k, v [1, n_kv, T, D], q [1, n_head, T, D], log_gates
     [1, n_kv, T]) in its row context, after what the cache observes before a prompt (its token ids, its gates):
     a cache keeps the latest prompt's ids and gates, so each row's go in just before its prefill."""
-    span = rows.spans()[i]
+    span = rows.spans[i]
     with cache.row(rows.cache_rows[i]):
         if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
             cache.configure(prompt_budget=rows.prompt_budgets[i])
