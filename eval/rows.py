@@ -47,16 +47,16 @@ class _AnswerRow(_Row):
 
 
 def _run_rows(rt: Runtime, jobs: list[AnswerJob], timings: Timings, kind: type[_Row], chunk: bool,
-              begin: Callable[[int, _Row, Tensor], None], advance: Callable[[int, _Row, Tensor], None],
+              begin: Callable[[int, _Row, Tensor], None], advance: Callable[[int, _Row, Tensor, int], None],
               done: Callable[[int], None] | None) -> list:
     """The row loop of greedy_answers and option_logliks_rows, on caches of B rows. Each row holds one item
     at a time: rows free at the same time take the next items and prefill them together (_start_rows), and
     `begin(b, row, logits)` takes each one's logits [vocab] after what went in; every row is then fed its
-    `token` in one decode step, each at its own position, and `advance(b, row, logits)` takes that row's
-    logits [vocab]. When an item is done (its `result` set, with its statistics taken before anything else
-    reaches its cache) its row takes the next item; with none left it idles on a one-token placeholder
-    (positions stay small), no longer counted. When one item is left it decodes alone in its row context.
-    Results in the jobs' order."""
+    `token` in one decode step, each at its own position, and `advance(b, row, logits, top)` takes that row's
+    logits [vocab] and their argmax (the rows' argmaxes read in one host sync a step, not one a row). When an
+    item is done (its `result` set, with its statistics taken before anything else reaches its cache) its row
+    takes the next item; with none left it idles on a one-token placeholder (positions stay small), no longer
+    counted. When one item is left it decodes alone in its row context. Results in the jobs' order."""
     model = rt.model
     results: list = [None] * len(jobs)
     upcoming = iter(range(len(jobs)))
@@ -87,9 +87,10 @@ def _run_rows(rt: Runtime, jobs: list[AnswerJob], timings: Timings, kind: type[_
     fill(list(range(len(slots))))
     while active := [b for b, row in enumerate(slots) if row.job is not None and row.result is None]:
         logits = _step_rows(rt, slots, active, timings)
+        top = logits.argmax(dim=-1).tolist()
         stopped = []
         for b in active:
-            advance(b, slots[b], logits[b])
+            advance(b, slots[b], logits[b], top[b])
             if slots[b].result is not None:
                 finish(slots[b])
                 stopped.append(b)
@@ -116,12 +117,12 @@ def greedy_answers(rt: Runtime, jobs: list[AnswerJob], max_new_tokens: int, timi
         if row.pos == len(row.job.ids):
             next_token(b, row, int(logits.argmax()))
 
-    def advance(b: int, row: _AnswerRow, logits: Tensor) -> None:
+    def advance(b: int, row: _AnswerRow, logits: Tensor, top: int) -> None:
         row.pos += 1
         if row.pos < len(row.job.ids):
             row.token = row.job.ids[row.pos]
         else:
-            next_token(b, row, int(logits.argmax()))
+            next_token(b, row, top)
 
     return _run_rows(rt, jobs, timings, _AnswerRow, chunk, begin, advance, done)
 
@@ -177,7 +178,7 @@ def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[l
         if row.pos == len(row.job.ids):
             prompt_done(b, row, logits)
 
-    def advance(b: int, row: _OptionsRow, logits: Tensor) -> None:
+    def advance(b: int, row: _OptionsRow, logits: Tensor, top: int) -> None:
         if row.prompt_logits is None:
             row.pos += 1
             if row.pos < len(row.job.ids):
