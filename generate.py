@@ -99,7 +99,8 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
     (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
     time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
     `prompt_budgets`: what each row's prompt is compressed to (KVCache.prompt_budget, the kvpress protocol's
-    per-item budget; None: its budget). Logits of each row's last position, [len(prompts), vocab]."""
+    per-item budget), set in the row's turn; None leaves the caches' setting as it is. Logits of each row's
+    last position, [len(prompts), vocab]."""
     rows = list(range(len(prompts))) if rows is None else rows
     budgets = prompt_budgets or [None] * len(prompts)
     if not shares_prefill(model, prompts, prefill_lengths):

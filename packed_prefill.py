@@ -27,7 +27,8 @@ PREFILL_BATCH_TOKENS = 8192
 @dataclass(frozen=True)
 class PackedRows:
     """Prompts packed one after another: prompt i is ids[0, spans[i]], prefilled into cache row cache_rows[i],
-    compressed to prompt_budgets[i] where that is not None (KVCache.prompt_budget, set in the row's turn)."""
+    compressed to prompt_budgets[i] where that is not None (KVCache.prompt_budget, set in the row's turn; None
+    leaves the caches' setting as it is)."""
 
     lengths: tuple[int, ...]
     ids: Tensor  # [1, sum(lengths)]
