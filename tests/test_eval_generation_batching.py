@@ -39,9 +39,11 @@ def qa_file(tmp_path, n: int = 5):
     return path
 
 
-def qa_run(tiny_dir, path, batch_size: int, *flags: str, eos: list[int] | None = None):
+def qa_run(tiny_dir, path, batch_size: int, *flags: str, eos: list[int] | None = None, step=None):
     rt = tiny_runtime(tiny_dir, "--tasks", "qa", "--dataset", str(path), "--prompt_column", "q", "--context_column",
                       "doc", "--answer_column", "a", "--max_new_tokens", "4", "--batch_size", str(batch_size), *flags)
+    if step is not None:  # a compiled step (the eval CLI's --compile)
+        rt.step = step
     attach_random_gates(rt.model, seed=0)  # the gated strategy's gates (unused by every other cache)
     if eos is not None:
         rt.tokenizer.eos_ids = eos
@@ -125,6 +127,25 @@ def test_rows_that_stop_at_different_steps_keep_batch_1_records(tiny_dir, tmp_pa
     alone = qa_run(tiny_dir, path, 1, *extra, eos=eos)
     assert len({len(item["output_ids"]) for item in alone.items}) >= 3
     assert_same_records(alone, qa_run(tiny_dir, path, batch_size, *extra, eos=eos))
+
+
+@pytest.mark.slow
+def test_compiled_rows_keep_batch_1_records_to_the_last_item(tiny_dir, tmp_path, monkeypatch):
+    """Under a compiled step every step is one step of all rows, the last item's too (idle rows decode
+    placeholders), never the eager row alone: records equal the eager batch-1 run's."""
+    from compiled_step import compile_decode_step
+    from eval import rows
+
+    path = qa_file(tmp_path, n=6)
+    extra = ["--cache_strategy", "heavy_hitter", *CACHE_FLAGS]
+    free = qa_run(tiny_dir, path, 1, *extra, eos=[])
+    eos = eos_between([item["output_ids"] for item in free.items])
+    alone = qa_run(tiny_dir, path, 1, *extra, eos=eos)
+    eager_rows = []
+    monkeypatch.setattr(rows, "decode_one_token", lambda *a: eager_rows.append(1))
+    torch._dynamo.reset()
+    assert_same_records(alone, qa_run(tiny_dir, path, 3, *extra, eos=eos, step=compile_decode_step()))
+    assert not eager_rows
 
 
 def test_a_stopped_row_counts_only_its_own_tokens(tiny_dir, tmp_path):
