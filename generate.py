@@ -30,7 +30,7 @@ from model import Transformer
 from packed_prefill import packed_groups, prefill_packed
 from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
-from strategies.kvzip import rule_users, supply_reconstruction_scores
+from strategies.kvzip import reconstruction_scores_by_row, rule_users, supply_reconstruction_scores
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -106,22 +106,24 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
     if not shares_prefill(model, prompts, prefill_lengths):
         return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i],
                                       budgets[i]) for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
-    logits = []
+    logits, kvzip = [], bool(rule_users(model.caches()))
     for group in packed_groups([len(p) for p in prompts]):
         if len(group) == 1:
             logits.append(prefill_row(model, rows[group[0]], prompts[group[0]], None, budgets[group[0]]))
         else:
-            logits.append(prefill_packed(model, prompts[group.start:group.stop], rows[group.start:group.stop],
-                                         budgets[group.start:group.stop]))
+            part, cache_rows = prompts[group.start:group.stop], rows[group.start:group.stop]
+            # KVzip's reconstruction pass runs for each prompt alone first; its scores go in with its row.
+            scores = reconstruction_scores_by_row(model, part, cache_rows) if kvzip else None
+            logits.append(prefill_packed(model, part, cache_rows, budgets[group.start:group.stop], scores))
     return torch.cat(logits)
 
 
 def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None) -> bool:
-    """Whether the rows' prompts may go through one packed forward pass: each is prefilled whole, in one piece,
-    by the model's forward alone. Not with --prefill_chunk (a row's chunks re-prefill its own held tokens), a
-    prompt cut for --feed_long_prompts, or KVzip's rule (its reconstruction pass runs per prompt first)."""
+    """Whether the rows' prompts may go through one packed forward pass: each is prefilled whole, in one piece.
+    Not with --prefill_chunk (a row's chunks re-prefill its own held tokens) or a prompt cut for
+    --feed_long_prompts."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
-    return len(prompts) > 1 and whole and not prefill_chunk_of(model) and not rule_users(model.caches())
+    return len(prompts) > 1 and whole and not prefill_chunk_of(model)
 
 
 def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None,

@@ -171,6 +171,19 @@ def supply_reconstruction_scores(model, prompt: Tensor) -> None:
         cache.reconstruction_scores = scores[layer]
 
 
+def reconstruction_scores_by_row(model, prompts: list[Tensor], cache_rows: list[int]) -> list[list[tuple]]:
+    """supply_reconstruction_scores for each prompt [T_i] in its cache row's context, taken back off the caches:
+    per row, (cache, its scores or None) for every cache using the rule. A packed prefill (packed_prefill.py)
+    puts each row's back in that row's turn, since a cache holds one prompt's scores at a time."""
+    users = rule_users([layer.attention.kv_cache for layer in model.layers])
+    by_row = []
+    for b, prompt in zip(cache_rows, prompts, strict=True):
+        with model.cache_row(b):
+            supply_reconstruction_scores(model, prompt[None])
+        by_row.append([(cache, cache.__dict__.pop("reconstruction_scores", None)) for _, cache in users])
+    return by_row
+
+
 # ---- the strategy -----------------------------------------------------------------------------------------
 
 

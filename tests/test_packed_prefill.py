@@ -44,16 +44,23 @@ def forward_calls(monkeypatch) -> list[tuple[int, ...] | None]:
     return calls
 
 
-@pytest.mark.parametrize(("flags", "passes"), [((), [LENGTHS]), (("--prefill_chunk", "30"), [None] * 3)])
-def test_rows_share_one_forward_pass_unless_chunked(monkeypatch, flags, passes):
+@pytest.mark.parametrize(("strategy", "flags", "passes"), [
+    ("heavy_hitter", (), [LENGTHS]),
+    ("heavy_hitter", ("--prefill_chunk", "30"), [None] * 3),
+    ("kvzip", (), [LENGTHS]),  # after each prompt's reconstruction passes, alone (not packed rows)
+])
+def test_rows_share_one_forward_pass_unless_chunked(monkeypatch, strategy, flags, passes):
     """The whole batch in one pass; --prefill_chunk prefills row by row (each re-prefills its own held tokens)."""
     model = tiny_model()
-    attach_row_caches(model, cache_args("heavy_hitter", BUDGETS["fraction"], "dense", *flags), list(LENGTHS), NEW,
+    attach_row_caches(model, cache_args(strategy, BUDGETS["fraction"], "dense", *flags), list(LENGTHS), NEW,
                       classes=TOKEN_CLASSES)
     calls = forward_calls(monkeypatch)
     with torch.inference_mode():
         model.reset_caches()
         prefill_rows(model, [s[:n] for s, n in zip(sequences(), LENGTHS, strict=True)])
+    if strategy == "kvzip":
+        assert None in calls and calls[-1] == LENGTHS
+        calls = [c for c in calls if c is not None]
     assert calls == passes
 
 
