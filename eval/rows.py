@@ -1,8 +1,8 @@
 """Items decoded in rows (--batch_size B > 1 for generation and multiple-choice tasks): each item holds a row of
 the caches, at its own positions, and is replaced by the next item as soon as it stops (greedy_answers,
 option_logliks_rows). Rows that take their items at the same time prefill them together (generate.prefill_rows:
-right-padded in one forward pass where the prefill can be shared), and every row records what a batch-1 run
-of its item records (tests/test_eval_generation_batching.py).
+packed into one forward pass where the prefill can be shared), and every row records what a batch-1 run of
+its item records (tests/test_eval_generation_batching.py).
 """
 
 from __future__ import annotations
