@@ -46,6 +46,8 @@ def read_prompt(prompt: str) -> str:
     """The prompt text: the content of `prompt` when it names an existing file (any extension, read as
     UTF-8), else `prompt` itself. A single word ending in .txt that is not a file is a missing file,
     while text that merely mentions one ("summarize notes.txt") is a prompt."""
+    if not prompt.strip():  # before it is a path: Path("") is the working directory
+        raise UserError("the prompt is empty")
     path = Path(prompt)
     kind = _kind(path)
     if kind == "directory":
@@ -59,13 +61,13 @@ def read_prompt(prompt: str) -> str:
         return text
     if prompt.endswith(".txt") and not any(c.isspace() for c in prompt):
         raise UserError(f"prompt file not found: {prompt}")
-    if not prompt.strip():
-        raise UserError("the prompt is empty")
     return prompt
 
 
 def read_prompts_file(name: str) -> list[str]:
     """The prompts of a --prompts_file: its lines, or the "prompt" of each row of a .jsonl."""
+    if not name.strip():
+        raise UserError("--prompts_file: the path is empty")
     path = Path(name)
     kind = _kind(path)
     if kind is None:

@@ -44,7 +44,9 @@ def test_read_prompt_keeps_its_rules(tmp_path):
     assert read_prompt("summarize notes.txt") == "summarize notes.txt"
     assert read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
     assert read_prompt("a\0b") == "a\0b"
-    for bad, message in [(str(tmp_path / "missing.txt"), "not found"), ("  ", "empty"), (str(tmp_path), "directory"),
+    # "" is the working directory as a path: still the empty prompt.
+    for bad, message in [(str(tmp_path / "missing.txt"), "not found"), ("  ", "^the prompt is empty$"),
+                         ("", "^the prompt is empty$"), (str(tmp_path), "directory"),
                          (write(tmp_path / "b.txt", b"\xff"), "not UTF-8")]:
         with pytest.raises(UserError, match=message):
             read_prompt(bad)
@@ -90,6 +92,8 @@ def test_missing_and_directory_prompts_files(tmp_path):
         read_prompts_file(str(tmp_path / "nope.txt"))
     with pytest.raises(UserError, match="is a directory"):
         read_prompts_file(str(tmp_path))
+    with pytest.raises(UserError, match="^--prompts_file: the path is empty$"):  # not the working directory
+        read_prompts_file("")
 
 
 def test_prompt_flags_combine_in_order(tmp_path):
