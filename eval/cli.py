@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{'run' if metrics is not None else state}: {label}", file=sys.stderr)
             metrics = execute(task, config, path)
         done.append(metrics)
-        print(f"{label}: {headline(task, metrics)} compression_ratio={metrics.get('compression_ratio')} "
+        ratio = metrics.get("compression_ratio")
+        print(f"{label}: {headline(task, metrics)} compression_ratio={'n/a' if ratio is None else f'{ratio:.4g}'} "
               f"-> {path}")
     table = results.write_results_table(out_dir)
     print(f"results table: {table}")

@@ -154,6 +154,8 @@ def is_finished(path: Path) -> bool:
 def check_out_dir(path: str | Path) -> Path:
     """Create the output directory and prove it is writable, before any model is loaded."""
     path = Path(path)
+    if path.exists() and not path.is_dir():  # mkdir's "File exists" would not say what is wrong
+        raise UserError(f"--out_dir {path} is not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe"):

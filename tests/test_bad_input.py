@@ -211,7 +211,7 @@ CASES: dict[str, tuple[Callable, Callable[[Workspace], list[str]], str, bool]] =
     "eval preset query_aware": (EVAL, lambda w: w.eval_flags(*preset(w, "query_aware: true\n")),
                                 "unknown cache flag 'query_aware'", True),
     "eval out_dir is a file": (EVAL, lambda w: w.eval_flags("--out_dir", str(Path(w.stats))),
-                               "cannot write to --out_dir", True),
+                               "is not a directory", True),
     "eval binary text file": (EVAL, lambda w: w.eval_flags("--text_file", w.file("t.txt", BINARY)),
                               "not UTF-8", False),
     "eval binary haystack": (EVAL, lambda w: ["--checkpoint_path", str(w.tiny), "--tasks", "niah_single",

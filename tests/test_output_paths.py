@@ -146,3 +146,18 @@ def test_a_tiny_temperature_samples_the_argmax_instead_of_nan():
     logits = torch.tensor([[1.0, 3.0, 2.0, -1e4]])
     token = sample(logits, 1e-40, None, torch.Generator().manual_seed(0))
     assert token.item() == 1
+
+
+@pytest.mark.parametrize("entry", ["eval", "eval.bench", "eval.sweep"])
+def test_an_out_dir_that_is_a_file_is_named_so_before_any_work(tmp_path, entry):
+    """mkdir's own error ("File exists") would not say what is wrong; the file is left as it was."""
+    from eval.bench.cli import main as bench
+    from eval.cli import main as evaluate
+    from eval.sweep import main as sweep
+
+    blocker = tmp_path / "results"
+    blocker.write_text("a file")
+    main, flags = {"eval": (evaluate, ["--tasks", "fidelity"]), "eval.bench": (bench, ["--quick"]),
+                   "eval.sweep": (sweep, ["--strategies", "l2", "--budgets", "0.5", "--tasks", "fidelity"])}[entry]
+    assert refused(lambda: main([*flags, "--out_dir", str(blocker)])) == f"--out_dir {blocker} is not a directory"
+    assert blocker.read_text() == "a file"

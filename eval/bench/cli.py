@@ -48,6 +48,7 @@ from eval.bench.report import (
     summarize_targets,
 )
 from eval.data import pydoc_corpus
+from eval.results import check_out_dir
 from flag_types import POSITIVE, count, explicit_dests, refuse_unused
 from strategies import CACHE_STRATEGIES
 from weight_arena import transparent_huge_pages
@@ -192,7 +193,7 @@ def run_rows(args: argparse.Namespace, argv: list[str], strategies: list[str], d
         model, tokenizer = load_model(args, device, dtype)
         model_args, total_weight_bytes = model.args, weight_bytes(model)
     plan = build_plan(args, strategies, model_args.n_layer, model_args.context_length)
-    make_out_dir(out_dir)
+    check_out_dir(out_dir)
     freezing = args.inductor_freezing or torch._inductor.config.freezing
     with torch._inductor.config.patch(freezing=freezing):  # scoped too: later compiles in the process keep theirs
         bandwidth = measure_read_bandwidth(device)
@@ -239,15 +240,10 @@ def check_values(args: argparse.Namespace) -> list[str]:
 
 
 def refuse_existing_report(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out_dir {out_dir} is not a directory")
     if (out_dir / "bench.json").exists() and not overwrite:
         raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
-
-
-def make_out_dir(out_dir: Path) -> None:
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror}") from None
 
 
 def corpus_token_ids(tokenizer, vocab_size: int, length: int) -> list[int]:
@@ -355,7 +351,7 @@ def run_batched(args: argparse.Namespace, argv: list[str] | None, strategies: li
               f"{job.cache_bytes / 1e9:.4g} GB, context {job.context}, new {job.new_tokens}", flush=True)
     if args.dry_run:
         return []
-    make_out_dir(out_dir)
+    check_out_dir(out_dir)
     bandwidth = measure_read_bandwidth(device)
     print(f"read bandwidth: {bandwidth / 1e9:.2f} GB/s", flush=True)
     if model is None:
