@@ -11,16 +11,19 @@ import json
 import time
 
 import torch
+from tqdm import tqdm
 
-from atomic_files import write_json_atomic
+from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics
 from cache_setup import attach_caches, cache_config
 from cache_spec import LayerCacheSpec
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from compiled_step import compile_decode_step
+from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
+from flag_types import POSITIVE, count
 from generate import decode_one_token, generate
-from strategies import CACHE_STRATEGIES
+from strategies import CACHE_STRATEGIES, get_strategy
 from strategies.debug import attention_loss_curve
 
 
@@ -50,37 +53,53 @@ def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled:
             "attention_loss_curve": attention_loss_curve(model.caches()) or None}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.1])
+def build_parser() -> argparse.ArgumentParser:
+    p = CliParser(prog="python -m benchmarks.strategy_report", description=__doc__.split("\n")[0],
+                  allow_abbrev=False)
+    p.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.5, 0.25, 0.1],
+                   help="fractions of prompt + new tokens (<= 1) or token counts (> 1)")
     p.add_argument("--strategies", nargs="+", default=[s for s in CACHE_STRATEGIES if s != "full"])
-    p.add_argument("--prompt_tokens", type=int, default=1024)
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--prompt_tokens", type=count(2), default=1024)
+    p.add_argument("--max_new_tokens", type=count(2), default=128)
     p.add_argument("--no_compile", action="store_true")
     p.add_argument("--out", default="results/strategy_report.json")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     add_model_arguments(p, compile_flag=False, batch_flag=False)
     p.set_defaults(dtype="float32")  # on a GPU too: the report compares numbers, not a deployment
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = build_parser().parse_args(argv)
+    for strategy in a.strategies:  # every name checked before anything loads
+        get_strategy(strategy)
+        if strategy.startswith("debug_"):
+            raise UserError(f"--strategies {strategy}: name the strategy; its debug_ twin runs for the attention loss")
+    check_writable(a.out, a.overwrite, "--out")
     device = resolve_device(a.device)
     model, tokenizer = load_checkpoint(a.checkpoint_path, device, parse_dtype(a.dtype, device),
                                        allow_non_finite=a.allow_non_finite_weights)
     ids = pydoc_prompt(tokenizer, a.prompt_tokens)
-    rows = []
+    if len(ids) + a.max_new_tokens > model.args.context_length:
+        raise UserError(f"--prompt_tokens {len(ids)} + --max_new_tokens {a.max_new_tokens} exceed the model's context "
+                        f"of {model.args.context_length}")
     t0 = time.time()
     compiled = not a.no_compile
-    rows.append(run(model, tokenizer, ids, "full", 1.0, a.max_new_tokens, compiled))
-    print(json.dumps(rows[-1]), flush=True)
-    for strategy in a.strategies:
-        for budget in a.budgets:
-            speed = run(model, tokenizer, ids, strategy, budget, a.max_new_tokens, compiled)
+    runs = [("full", 1.0)] + [(s, b) for s in a.strategies for b in a.budgets]
+    rows = []
+    for strategy, budget in tqdm(runs, desc="strategy_report", unit="run"):
+        row = run(model, tokenizer, ids, strategy, budget, a.max_new_tokens, compiled)
+        if strategy != "full":
             debug = run(model, tokenizer, ids, f"debug_{strategy}", budget, a.max_new_tokens, False)
-            speed["attention_loss_mean"] = debug["attention_loss_mean"]
-            speed["attention_loss_curve"] = debug["attention_loss_curve"]
-            rows.append(speed)
-            print(json.dumps(speed), flush=True)
-    write_json_atomic(a.out, {"rows": rows, "seconds": round(time.time() - t0, 1), "dtype": a.dtype,
-                              "prompt_tokens": len(ids), "max_new_tokens": a.max_new_tokens}, overwrite=True)
+            row["attention_loss_mean"] = debug["attention_loss_mean"]
+            row["attention_loss_curve"] = debug["attention_loss_curve"]
+        rows.append(row)
+        tqdm.write(json.dumps(row))
+    report = {"rows": rows, "seconds": round(time.time() - t0, 1), "dtype": a.dtype, "prompt_tokens": len(ids),
+              "max_new_tokens": a.max_new_tokens}
+    write_json_atomic(a.out, report, overwrite=a.overwrite)
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from errors import UserError, run_cli
+from errors import CliParser, UserError, run_cli
 from eval import results
 from eval.uncertainty import Interval, bootstrap_mean, paired_difference
 
@@ -113,8 +113,8 @@ NOT_DIFFERENCES = {"out_dir", "overwrite", "baseline", "tasks", "print_cache_spe
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m eval.compare",
+    p = CliParser(
+        prog="python -m eval.compare", allow_abbrev=False,
         description="Two finished runs of python -m eval on the same items (e.g. one shot vs --prefill_chunk, "
                     "two strategies at one budget): each metric's mean over the items both scored, with its 95%% "
                     "bootstrap interval, and the paired difference run - reference with its interval. Writes "

@@ -41,6 +41,7 @@ from benchmarks import (
     prefill_memory,
     quantized_attention,
     received_attention,
+    strategy_report,
     streaming_past_context,
 )
 from cache import finite_float
@@ -108,6 +109,8 @@ ENTRY_POINTS: dict[str, EntryPoint] = {e.command: e for e in [
                lambda w: ["--out", str(w / "prefill_memory.json")], (prefill_memory,)),
     EntryPoint("python -m benchmarks.received_attention", received_attention.main, received_attention.build_parser,
                lambda w: ["--out", str(w / "received.json")], (received_attention,)),
+    EntryPoint("python -m benchmarks.strategy_report", strategy_report.main, strategy_report.build_parser,
+               lambda w: ["--strategies", "l2", "--out", str(w / "report.json")], (strategy_report,)),
     EntryPoint("python -m benchmarks.quantized_attention", quantized_attention.main,
                quantized_attention.build_parser, lambda w: ["--out", str(w / "quantized.json")],
                (quantized_attention,)),
