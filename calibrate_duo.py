@@ -38,7 +38,7 @@ from train_gates import start_calibration
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="calibrate_duo.py", description=__doc__.split("\n")[0])
+    p = CliParser(prog="calibrate_duo.py", description=__doc__)
     add_checkpoint_argument(p)
     p.add_argument("--out", default=None, help="output file (default: duo/<checkpoint name>.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")

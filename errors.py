@@ -17,7 +17,13 @@ class UserError(Exception):
 
 
 class CliParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (argparse's default prints the usage block too)."""
+    """argparse that reports a bad flag in one line (argparse's default prints the usage block too). A
+    `description` is cut to its first paragraph: the entry points pass their module's docstring."""
+
+    def __init__(self, *args, description: str | None = None, **kwargs) -> None:
+        if description:
+            description = " ".join(description.strip().split("\n\n")[0].split())
+        super().__init__(*args, description=description, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UserError(message)

@@ -354,7 +354,7 @@ def row_cache_statistics(model: Transformer, row: int | None) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="generate.py", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="generate.py", description=__doc__)
     parser.add_argument("--prompt", action="append",
                         help="the prompt text, or the path of an existing text file; repeat it for several prompts, "
                              "decoded --batch_size at a time")

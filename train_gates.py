@@ -78,7 +78,7 @@ def model_name(checkpoint_path: str | None) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="train_gates.py", description=__doc__.split("\n")[0])
+    p = CliParser(prog="train_gates.py", description=__doc__)
     add_checkpoint_argument(p)
     p.add_argument("--out", default=None, help="output file (default: gates/<checkpoint name>.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")

@@ -53,7 +53,7 @@ def measure(model, tokenizer, ids: list[int], strategy: str, budget: float, allo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.adakv_allocation", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.adakv_allocation", description=__doc__,
                        allow_abbrev=False)
     parser.add_argument("--strategy", default="heavy_hitter", help="a head-specific strategy (adakv pools its heads)")
     parser.add_argument("--budget", type=POSITIVE, default=0.25, help="a fraction of the sequence (≤ 1) or tokens")

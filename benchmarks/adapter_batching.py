@@ -27,7 +27,7 @@ from flag_types import count, real
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.adapter_batching", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.adapter_batching", description=__doc__,
                        allow_abbrev=False)
     parser.add_argument("--cache_strategy", default="heavy_hitter")
     parser.add_argument("--max_cache_length", type=real(0, 1, low_open=True), default=0.25,

@@ -35,7 +35,7 @@ from tokenizer import Tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.batched_prefill", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.batched_prefill", description=__doc__,
                        allow_abbrev=False)
     add_checkpoint_argument(parser)
     parser.add_argument("--random_weights", choices=sorted(RANDOM_SHAPES), default=None,

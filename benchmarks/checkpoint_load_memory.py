@@ -119,7 +119,7 @@ def measure(directory: Path, dtype_name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = CliParser(prog="python -m benchmarks.checkpoint_load_memory", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="python -m benchmarks.checkpoint_load_memory", description=__doc__)
     parser.add_argument("--size", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")

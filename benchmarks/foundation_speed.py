@@ -25,7 +25,7 @@ def corpus_ids(tokenizer, n: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    CliParser(prog="python -m benchmarks.foundation_speed", description=__doc__.split("\n")[0]).parse_args(argv)
+    CliParser(prog="python -m benchmarks.foundation_speed", description=__doc__).parse_args(argv)
     steps = 32
     for dtype in (torch.float32, torch.bfloat16):
         t = time.perf_counter()

@@ -31,7 +31,7 @@ from train_gates import pydoc_split
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="gated_fidelity.py", description=__doc__.split("\n")[0])
+    p = CliParser(prog="gated_fidelity.py", description=__doc__)
     p.add_argument("--strategies", nargs="+", default=["gated", "heavy_hitter", "l2", "recent_global"])
     p.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.1, 0.25],
                    help="fractions of the window (≤ 1) or tokens (> 1)")

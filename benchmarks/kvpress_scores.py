@@ -38,7 +38,7 @@ PRESSES = {"cur": ("curdkv", "cur_press", "CURPress", True), "knorm": ("l2", "kn
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.kvpress_scores", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.kvpress_scores", description=__doc__,
                        allow_abbrev=False)
     parser.add_argument("--press", choices=sorted(PRESSES), default="cur")
     parser.add_argument("--tokens", type=count(SINKS + 2), default=1024, help="prompt tokens (pydoc text)")

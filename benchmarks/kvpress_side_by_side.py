@@ -41,7 +41,7 @@ PRESSES = {"none": None, "snapkv": "snapkv_kvpress"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.kvpress_side_by_side", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.kvpress_side_by_side", description=__doc__,
                        allow_abbrev=False)
     parser.add_argument("--press", choices=sorted(PRESSES), default="snapkv")
     parser.add_argument("--compression_ratio", type=real(0, 1, high_open=True), default=0.5,

@@ -266,7 +266,7 @@ def targets(rows: list[dict], budget: int) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="python -m benchmarks.prefill_memory", description=__doc__.split("\n")[0])
+    p = CliParser(prog="python -m benchmarks.prefill_memory", description=__doc__)
     p.add_argument("--strategies", nargs="+", default=["heavy_hitter", "recent_global"])
     p.add_argument("--budget", type=count(), default=256, help="cache slots per layer (tokens)")
     p.add_argument("--chunk", type=count(), default=256, help="--prefill_chunk of the chunked rows")

@@ -29,7 +29,7 @@ WAYS = ("codes", "rebuilt", "dense")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.quantized_attention", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.quantized_attention", description=__doc__,
                        allow_abbrev=False)
     parser.add_argument("--slots", nargs="+", type=count(), default=[1024], help="cache slots per head")
     parser.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=4)

@@ -29,7 +29,7 @@ PATHS = ("blocks", "fused")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m benchmarks.received_attention", description=__doc__.split("\n")[0],
+    parser = CliParser(prog="python -m benchmarks.received_attention", description=__doc__,
                        allow_abbrev=False)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")

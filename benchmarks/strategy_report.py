@@ -54,7 +54,7 @@ def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="python -m benchmarks.strategy_report", description=__doc__.split("\n")[0],
+    p = CliParser(prog="python -m benchmarks.strategy_report", description=__doc__,
                   allow_abbrev=False)
     p.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.5, 0.25, 0.1],
                    help="fractions of prompt + new tokens (<= 1) or token counts (> 1)")

@@ -35,7 +35,7 @@ from ignored_flags import check_compile_scope_read
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="streaming_past_context.py", description=__doc__.split("\n")[0])
+    p = CliParser(prog="streaming_past_context.py", description=__doc__)
     p.add_argument("--tokens", type=count(3), default=None, help="tokens teacher-forced (default: 2× the context)")
     p.add_argument("--text_offset", type=count(0), default=0, help="first token of the pydoc text used")
     p.add_argument("--budget", type=count(2), default=1024, help="recent_global budget in tokens (≤ the context)")

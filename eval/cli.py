@@ -85,7 +85,7 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m eval", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = CliParser(prog="python -m eval", description=__doc__, allow_abbrev=False)
     parser.add_argument("--tasks", nargs="+", default=["fidelity"], help=f"any of: {', '.join(TASKS)}")
     parser.add_argument("--out_dir", default="results", help="where run directories and results.csv go")
     parser.add_argument("--overwrite", action="store_true", help="re-run finished runs")

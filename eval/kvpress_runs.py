@@ -68,7 +68,10 @@ def run_name(dataset: str, data_dir: str | None, model: str, press: str, ratio: 
 
 def run_parser() -> argparse.ArgumentParser:
     """The run subcommand's own flags (the rest are python -m eval's)."""
-    parser = CliParser(prog="python -m eval.kvpress_runs run", allow_abbrev=False)
+    parser = CliParser(prog="python -m eval.kvpress_runs run", allow_abbrev=False,
+                       description="python -m eval under the kvpress protocol at kvpress's --compression_ratio "
+                                   "(the fraction of each context removed: --max_cache_length 1 - ratio here); "
+                                   "every other flag goes to python -m eval.")
     parser.add_argument("--compression_ratio", type=real(0, 1, high_open=True), required=True,
                         help="kvpress's: the fraction of each context removed, in [0, 1)")
     return parser
@@ -362,7 +365,7 @@ def leaderboard_markdown(frame: pd.DataFrame) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m eval.kvpress_runs", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = CliParser(prog="python -m eval.kvpress_runs", description=__doc__, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
     ex = commands.add_parser("export", help="a finished kvpress_dataset run as kvpress's directory")
     ex.add_argument("run_dirs", nargs="+", type=Path)

@@ -32,7 +32,7 @@ from flag_types import count
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m eval.plot", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = CliParser(prog="python -m eval.plot", description=__doc__, allow_abbrev=False)
     parser.add_argument("--out_dir", default="results", help="the results directory of eval / eval.sweep")
     parser.add_argument("--plots_dir", default=None, help="where figures go (default: <out_dir>/plots)")
     parser.add_argument("--smooth", type=count(), default=32, help="moving-average window of KL vs position")

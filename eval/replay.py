@@ -82,7 +82,7 @@ def same_kept(a: list, b: list) -> bool:
 
 
 def build_parser() -> CliParser:
-    parser = CliParser(prog="python -m eval.replay", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = CliParser(prog="python -m eval.replay", description=__doc__, allow_abbrev=False)
     parser.add_argument("run_dir", help="a finished run directory (with items.jsonl)")
     parser.add_argument("--item", type=count(0), default=0, help="the item's index")
     return parser

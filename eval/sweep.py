@@ -45,7 +45,7 @@ CONFIRM_ABOVE = 200
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m eval.sweep", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = CliParser(prog="python -m eval.sweep", description=__doc__, allow_abbrev=False)
     parser.add_argument("--grid", default=None, help="YAML file with the grid (flags typed here win)")
     parser.add_argument("--strategies", nargs="+", default=["full"])
     parser.add_argument("--budgets", nargs="+", type=POSITIVE, default=[0.5, 0.25, 0.1],

@@ -119,6 +119,14 @@ def test_every_command_line_script_is_in_the_matrix():
     assert missing == set(), f"add these to tests/bad_input_matrix.py ENTRY_POINTS: {sorted(missing)}"
 
 
+@pytest.mark.parametrize("command", ENTRY_POINTS)
+def test_help_describes_the_command_in_whole_sentences(command):
+    """--help opens with the module's first paragraph whole: its first line alone used to stop mid-sentence
+    ("... at a fixed budget: one shot vs")."""
+    description = ENTRY_POINTS[command].parser().description
+    assert description and "\n" not in description and description.rstrip().endswith((".", ")")), description
+
+
 def test_the_command_line_refuses_in_one_line(tmp_path):
     """The real command (not main): the argparse refusal is one line and exit 2, before torch loads a model."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

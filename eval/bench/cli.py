@@ -20,6 +20,7 @@ from atomic_files import atomic_write, write_json_atomic
 from checkpoint import add_compile_scope_argument, add_model_arguments, parse_dtype, positive_int, resolve_device
 from compiled_step import graphs_compiled
 from errors import CliParser, UserError
+from eval import bench as bench_package
 from eval.bench.batched import (
     ENGINES,
     batch_plan,
@@ -71,7 +72,7 @@ def add_batch_arguments(p: CliParser) -> None:
 
 
 def build_parser() -> CliParser:
-    p = CliParser(prog="python -m eval.bench", description=__doc__.split("\n")[0])
+    p = CliParser(prog="python -m eval.bench", description=bench_package.__doc__)  # what the bench does
     p.add_argument("--contexts", nargs="*", type=positive_int, default=[512, 2048, 4096, 8192],
                    help="HF, eager and compiled full-cache rows (a context is cut to the model's context "
                         "length minus --new_tokens)")

@@ -33,7 +33,7 @@ DEFAULT_RUNS = DEFAULT_ROOT / "runs"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="python -m eval.reproduce", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = CliParser(prog="python -m eval.reproduce", description=__doc__, allow_abbrev=False)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"experiments, or all: {', '.join(EXPERIMENTS)}")
     parser.add_argument("--list", action="store_true", help="list the experiments and their claims")
     parser.add_argument("--profile", choices=PROFILES, default="quick",
