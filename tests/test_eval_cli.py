@@ -98,6 +98,19 @@ def test_bad_input_is_a_user_error(tiny_dir, tmp_path, case):
         cli.main(fidelity_flags(tiny_dir, tmp_path) + flags)
 
 
+@pytest.mark.parametrize("task, message", [("qa", "qa needs --dataset, --prompt_column, --answer_column"),
+                                           ("multiple_choice", "multiple_choice needs --dataset, --prompt_column, "
+                                                               "--answer_column, --choices_column"),
+                                           ("qa_1", "qa_1 needs --dataset: a local file with question, answers "
+                                                    "and context"),
+                                           ("math", "math needs --dataset")])
+def test_a_task_without_its_data_is_refused_before_any_run(tiny_dir, tmp_path, task, message):
+    """Not after the tasks before it have run (it used to come when its own run began)."""
+    with pytest.raises(UserError, match=f"^{message}$"):
+        cli.main(fidelity_flags(tiny_dir, tmp_path / "out") + ["--tasks", "fidelity", task])
+    assert run_dirs(tmp_path / "out") == []
+
+
 def test_unwritable_out_dir_and_short_text_are_user_errors(tiny_dir, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -94,6 +94,10 @@ class Task:
     reads: ClassVar[tuple[str, ...]] = ("limit", "seq_len", "max_new_tokens", "chat", "query_aware",
                                         "decode_first_token")
     defaults: ClassVar[dict] = {}
+    # Flags the task cannot run without (its data source, the columns it reads), and what they name: refused
+    # when the runs are planned, before any run of the command starts.
+    required: ClassVar[tuple[str, ...]] = ()
+    required_note: ClassVar[str] = ""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -102,6 +106,9 @@ class Task:
         if getattr(args, "protocol", "decode") != "decode" and "protocol" not in self.reads:
             raise UserError(f"{self.name}: --protocol {args.protocol} applies to tasks that answer a question "
                             "after a context (the RULER tasks, qa)")
+        missing = [f"--{flag}" for flag in self.required if not self.options.get(flag)]
+        if missing:
+            raise UserError(f"{self.name} needs {', '.join(missing)}{self.required_note}")
         if self.options.get("protocol") == COMPRESS_QUESTIONS:
             self.options["query_aware"] = True  # compression sees the question: query-aware by definition
         for key, least in (("limit", 1), ("seq_len", 1), ("max_new_tokens", 1), ("prefill_tokens", 1),

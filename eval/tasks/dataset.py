@@ -46,11 +46,9 @@ from eval.tasks.base import (
 DATASET_FLAGS = ("dataset", "dataset_config", "split", "prompt_column", "context_column", "answer_column")
 
 
-def dataset_rows(task: Task, required: tuple[str, ...]) -> list[dict]:
+def dataset_rows(task: Task) -> list[dict]:
+    """The rows of the task's --dataset (its `required` flags checked when it was made), up to --limit."""
     o = task.options
-    missing = [f"--{flag}" for flag in ("dataset", *required) if not o[flag]]
-    if missing:
-        raise UserError(f"{task.name} needs {', '.join(missing)}")
     rows = load_rows(o["dataset"], o["dataset_config"], o["split"])
     columns = {flag: o[flag] for flag in o if flag.endswith("_column")}
     check_columns(rows, columns, o["dataset"])
@@ -107,10 +105,11 @@ class QA(GenerationTask):
     metrics = ("substring_match", "exact_match", "rouge_l")
     reads = GenerationTask.reads + DATASET_FLAGS
     defaults = {"max_new_tokens": 32, "split": "train"}
+    required = ("dataset", "prompt_column", "answer_column")
 
     def examples(self, rt: Runtime) -> list[Example]:
         examples = []
-        for index, row in enumerate(dataset_rows(self, ("prompt_column", "answer_column"))):
+        for index, row in enumerate(dataset_rows(self)):
             example = row_example(self, row, index)
             example.answers = answer_list(self, row, index)
             examples.append(example)
@@ -143,9 +142,10 @@ class MultipleChoice(Task):
     metrics = ("accuracy", "accuracy_norm")
     reads = ("limit", "chat", "query_aware", "decode_first_token", *DATASET_FLAGS, "choices_column")
     defaults = {"split": "train"}
+    required = ("dataset", "prompt_column", "answer_column", "choices_column")
 
     def run(self, rt: Runtime) -> TaskResult:
-        rows = dataset_rows(self, ("prompt_column", "answer_column", "choices_column"))
+        rows = dataset_rows(self)
         chat, o = use_chat(rt), self.options
         items = []
         for index, row in enumerate(rows):

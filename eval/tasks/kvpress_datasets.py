@@ -176,11 +176,11 @@ class KvpressDataset(GenerationTask):
     metrics = (SCORE,)
     reads = GenerationTask.reads + ("dataset", "dataset_config", "split")
     defaults = {"split": "test"}
+    required = ("dataset",)
+    required_note = " (a local file in kvpress's layout, or its hub name)"
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        if not self.options["dataset"]:
-            raise UserError("kvpress_dataset needs --dataset (a local file in kvpress's layout, or its hub name)")
         if not is_kvpress(self.options["protocol"]):
             raise UserError("kvpress_dataset runs under --protocol kvpress (each context compressed once to its "
                             "budget, as kvpress does); pass it, or use python -m eval.kvpress_runs run")

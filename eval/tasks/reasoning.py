@@ -76,6 +76,7 @@ class Math(GenerationTask):
     metrics = ("accuracy", "answered", "finished")
     reads = GenerationTask.reads + ("dataset", "dataset_config", "split", "math_format")
     defaults = {"max_new_tokens": 2048, "split": "train"}
+    required = ("dataset",)
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
@@ -87,7 +88,7 @@ class Math(GenerationTask):
             raise UserError(f"--math_format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
     def examples(self, rt: Runtime) -> list[Example]:
-        rows = dataset_rows(self, ())
+        rows = dataset_rows(self)
         source = self.options["dataset"]
         fmt = self.options["math_format"] or detect_format(rows, source)
         # No chat template: the continuation is cued the way MATH's few-shot prompts end.

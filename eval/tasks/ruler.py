@@ -169,14 +169,14 @@ class RulerFWE(RulerScored, FrequentWordsExtraction):
 class RulerQA(RulerScored):
     reads = tuple(r for r in SyntheticTask.reads if r != "haystack") + ("dataset", "dataset_config", "split")
     defaults = {**SyntheticTask.defaults, "max_new_tokens": MAX_NEW_TOKENS["qa"], "split": "train"}
+    required = ("dataset",)
+    required_note = ": a local file with question, answers and context"
 
     def _questions(self) -> tuple[list[tuple[str, list[str], list[str]]], list[str]]:
         """(question, answers, gold paragraphs) per row, and every paragraph (sorted, as qa.py's pool)."""
         from eval.tasks.kvpress_datasets import _string_list
 
         o = self.options
-        if not o["dataset"]:
-            raise UserError(f"{self.name} needs --dataset: a local file with question, answers and context")
         rows = load_rows(o["dataset"], o["dataset_config"], o["split"])
         answer = "answers" if "answers" in rows[0] else "answer"
         missing = [c for c in ("question", answer, "context") if c not in rows[0]]
