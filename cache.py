@@ -185,6 +185,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.register_buffer("row_budget", torch.full((B, 1), L, dtype=torch.long, **kw))  # [B, 1]: against [B, heads]
         self.row_budgets, self.row_capacities = [L] * B, [self.capacity_needed] * B
         self.never_full = self.rows_never_full()
+        self.row_chunk_queries: dict[int, Tensor | None] = {}  # chunk_queries of each row, between its turns
 
     # ---- rows ---------------------------------------------------------------------------------------------
 
@@ -219,17 +220,22 @@ class KVCache(ChunkedPrefill, nn.Module):
                     module._buffers[name] = buf[b : b + 1]
             if isinstance(module, KVCache):
                 limits.append((module, module.max_cache_length, module.capacity_needed, module.row_budgets,
-                               module.row_capacities))
+                               module.row_capacities, module.chunk_queries))
                 module.max_cache_length, module.capacity_needed = module.row_budgets[b], module.row_capacities[b]
                 module.row_budgets, module.row_capacities = [module.row_budgets[b]], [module.row_capacities[b]]
                 module.never_full = module.rows_never_full()
+                # A chunked prefill's held queries are the row's own: rows prefilled chunk by chunk together
+                # (packed_prefill.prefill_packed_chunks) take turns within each chunk.
+                module.chunk_queries = module.row_chunk_queries.get(b)
         try:
             yield self
         finally:
             for module, name, buf in swapped:
                 module._buffers[name] = buf
-            for module, *values in limits:
+            for module, *values, batch_queries in limits:
+                module.row_chunk_queries[b] = module.chunk_queries
                 module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities = values
+                module.chunk_queries = batch_queries
                 module.never_full = module.rows_never_full()  # a layer setting made inside the row holds after it
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------

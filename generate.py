@@ -27,7 +27,7 @@ from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from ignored_flags import check_typed_flags
 from model import Transformer
-from packed_prefill import packed_groups, prefill_packed
+from packed_prefill import packed_groups, prefill_packed, prefill_packed_chunks
 from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
 from strategies.kvzip import reconstruction_scores_by_row, rule_users, supply_reconstruction_scores
@@ -95,7 +95,8 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
                  rows: list[int] | None = None, prompt_budgets: list[int | None] | None = None) -> Tensor:
     """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i): rows of any lengths, each storing and
     compressing only its own tokens at its own budget. Where the prefill can be shared, consecutive prompts go
-    through one forward pass packed (packed_prefill.py); otherwise each is prefilled in its row context
+    through one forward pass packed (packed_prefill.py; with --prefill_chunk, the rows' j-th chunks, one pass
+    for each j); otherwise each is prefilled in its row context
     (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
     time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
     `prompt_budgets`: what each row's prompt is compressed to (KVCache.prompt_budget, the kvpress protocol's
@@ -106,6 +107,8 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
     if not shares_prefill(model, prompts, prefill_lengths):
         return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i],
                                       budgets[i]) for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
+    if chunk := prefill_chunk_of(model):
+        return prefill_packed_chunks(model, prompts, rows, chunk, budgets)
     logits, kvzip = [], bool(rule_users(model.caches()))
     for group in packed_groups([len(p) for p in prompts]):
         if len(group) == 1:
@@ -119,11 +122,10 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
 
 
 def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None) -> bool:
-    """Whether the rows' prompts may go through one packed forward pass: each is prefilled whole, in one piece.
-    Not with --prefill_chunk (a row's chunks re-prefill its own held tokens) or a prompt cut for
-    --feed_long_prompts."""
+    """Whether the rows' prompts may go through the model packed (their chunks packed, with --prefill_chunk):
+    each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token (--prefill_chunk 1)."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
-    return len(prompts) > 1 and whole and not prefill_chunk_of(model)
+    return len(prompts) > 1 and whole and prefill_chunk_of(model) != 1
 
 
 def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None,

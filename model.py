@@ -41,7 +41,7 @@ from cache import KVCache
 from cache_chunking import Rerotation
 from chunk_attention import chunk_attention
 from errors import UserError
-from packed_prefill import PackedRows, store_row
+from packed_prefill import PackedRows, row_turn, store_row
 from rerotation import query_ranks, slot_ranks
 from rope import apply_rope, rope_tables, rotate_by_rank
 
@@ -268,7 +268,7 @@ class Attention(nn.Module):
                 chunk: bool = False, rows: PackedRows | None = None) -> Tensor:
         B, T, _ = x.shape
         if chunk:  # a chunk of a chunked prefill: cos/sin are the whole tables (held keys may need them)
-            return self.forward_chunk(x, cos, sin, input_pos)
+            return self.forward_chunk(x, cos, sin, input_pos, rows)
         q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -357,19 +357,40 @@ class Attention(nn.Module):
             cache.update_state(probs.view(B, self.n_kv_head, -1, probs.shape[-1]))
         return y
 
-    def forward_chunk(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, input_pos: Tensor) -> Tensor:
-        """A prompt chunk (--prefill_chunk, KVCache.prefill_chunk_tokens): the first is a prefill; the queries
-        of a later one attend over the held tokens and the chunk itself, causally (as a one-shot prefill's
-        would, minus what was evicted), then the cache compresses held + chunk. RoPE is at true positions, or
-        with re-rotation (rerotation.py) at ranks: the held tokens of each head at 0..n−1 in order of
-        position and the chunk at n..n+T−1, so the prompt may run past the context."""
+    def forward_chunk(self, x: Tensor, cos_table: Tensor, sin_table: Tensor, input_pos: Tensor,
+                      rows: PackedRows | None = None) -> Tensor:
+        """A prompt chunk (--prefill_chunk, KVCache.prefill_chunk_tokens): projected, then attended and stored
+        by attend_chunk, for the whole batch or, with `rows` (packed_prefill.prefill_packed_chunks), for each
+        row's span of the packed chunks in its row context."""
         B, T, _ = x.shape
         cache = self.kv_cache
         q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cache.needs_gates:
-            cache.observe_gates(self.gate(x))
+        log_gates = self.gate(x) if cache.needs_gates else None
+        if rows is None:
+            if log_gates is not None:
+                cache.observe_gates(log_gates)
+            y = self.attend_chunk(q, k, v, input_pos, cos_table, sin_table)
+        else:
+            parts = []
+            for i, span in enumerate(rows.spans):
+                with cache.row(rows.cache_rows[i]):
+                    row_turn(cache, rows, i, log_gates)
+                    parts.append(self.attend_chunk(q[:, :, span], k[:, :, span], v[:, :, span], input_pos[span],
+                                                   cos_table, sin_table))
+            y = torch.cat(parts, dim=2)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend_chunk(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, cos_table: Tensor,
+                     sin_table: Tensor) -> Tensor:
+        """A chunk's q, k, v (before RoPE) at positions input_pos: the first chunk is a prefill; the queries of a
+        later one attend over the held tokens and the chunk itself, causally (as a one-shot prefill's would,
+        minus what was evicted), then the cache compresses held + chunk. RoPE is at true positions, or with
+        re-rotation (rerotation.py) at ranks: the held tokens of each head at 0..n−1 in order of position and
+        the chunk at n..n+T−1, so the prompt may run past the context."""
+        B, _, T, _ = q.shape
+        cache = self.kv_cache
         rep = self.n_head // self.n_kv_head
 
         def rope_at(t: Tensor, at: Tensor) -> Tensor:  # t [B, heads, N, D] at positions or ranks [1|B, 1|heads, N]
@@ -383,7 +404,7 @@ class Attention(nn.Module):
             # The first chunk starts the prompt: its positions are its ranks. A later one follows the n held.
             at = input_pos.view(1, 1, T)
             if not first:
-                at = query_ranks(cache.pos, input_pos) + torch.arange(T, device=x.device)
+                at = query_ranks(cache.pos, input_pos) + torch.arange(T, device=q.device)
             q_plain = q * self.q_rescale if self.q_rescale != 1.0 else q
             rerotation = Rerotation(k, q_plain, rope_at)
             q, k = rope_at(q, at), rope_at(k, at)
@@ -401,7 +422,7 @@ class Attention(nn.Module):
                 held = rope_at(held, slot_ranks(cache.pos))
             y = chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
         cache.prefill_chunk_tokens(input_pos, k, v, q, rerotation)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return y
 
 
 class FeedForward(nn.Module):

@@ -46,24 +46,31 @@ class PackedRows:
 def store_row(cache: nn.Module, rows: PackedRows, i: int, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor,
               k_store: Tensor | None, log_gates: Tensor | None) -> None:
     """KVCache.prefill of row i's tokens (its span of k, v [1, n_kv, T, D], q [1, n_head, T, D], log_gates
-    [1, n_kv, T]) in its row context, after what the cache observes before a prompt (its token ids, its gates):
-    a cache keeps the latest prompt's ids and gates, so each row's go in just before its prefill."""
+    [1, n_kv, T]) in its row context, after what the cache observes before a prompt (row_turn)."""
     span = rows.spans[i]
     with cache.row(rows.cache_rows[i]):
-        if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
-            cache.configure(prompt_budget=rows.prompt_budgets[i])
-        own = set(map(id, cache.modules()))
-        for user, scores in rows.reconstruction_scores[i] if rows.reconstruction_scores else ():
-            if id(user) in own:  # this layer's cache or its debug shadow
-                user.__dict__.pop("reconstruction_scores", None)
-                if scores is not None:
-                    user.reconstruction_scores = scores
-        if cache.needs_token_ids:
-            cache.observe_tokens(rows.ids[:, span])
-        if log_gates is not None:
-            cache.observe_gates(log_gates[..., span])
+        row_turn(cache, rows, i, log_gates)
         stored = {} if k_store is None else {"k_store": k_store[:, :, span]}
         cache.prefill(input_pos[span], k[:, :, span], v[:, :, span], q[:, :, span], **stored)
+
+
+def row_turn(cache: nn.Module, rows: PackedRows, i: int, log_gates: Tensor | None) -> None:
+    """What row i's cache (in its row context) takes before its tokens: its prompt budget, KVzip's scores of its
+    prompt, its token ids and gates. A cache keeps the latest prompt's ids, gates and budget, so each row's go
+    in just before its tokens."""
+    span = rows.spans[i]
+    if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
+        cache.configure(prompt_budget=rows.prompt_budgets[i])
+    own = set(map(id, cache.modules()))
+    for user, scores in rows.reconstruction_scores[i] if rows.reconstruction_scores else ():
+        if id(user) in own:  # this layer's cache or its debug shadow
+            user.__dict__.pop("reconstruction_scores", None)
+            if scores is not None:
+                user.reconstruction_scores = scores
+    if cache.needs_token_ids:
+        cache.observe_tokens(rows.ids[:, span])
+    if log_gates is not None:
+        cache.observe_gates(log_gates[..., span])
 
 
 def packed_groups(lengths: list[int]) -> list[range]:
@@ -93,3 +100,40 @@ def prefill_packed(model: nn.Module, prompts: list[Tensor], cache_rows: list[int
     rows = PackedRows(tuple(len(p) for p in prompts), ids, tuple(cache_rows), tuple(prompt_budgets or ()),
                       tuple(reconstruction_scores or ()))
     return model(ids, positions, last_logits_only=True, rows=rows)[:, -1]
+
+
+def prefill_packed_chunks(model: nn.Module, prompts: list[Tensor], cache_rows: list[int], chunk: int,
+                          prompt_budgets: list[int | None] | None = None) -> Tensor:
+    """prompts [T_i] prefilled `chunk` tokens at a time (--prefill_chunk), the rows' chunks packed: the j-th chunk
+    of every prompt that has one goes through one forward pass (in groups of at most PREFILL_BATCH_TOKENS
+    tokens), each row's chunk attended and compressed in its row context (model.Attention.forward_chunk), so a
+    row holds what its chunks give it alone. A last chunk of one token is a decode step in its row, as alone.
+    Each prompt's last token's logits, [rows, vocab]."""
+    from generate import decode_one_token  # generate imports this module
+
+    device = prompts[0].device
+    budgets = prompt_budgets or [None] * len(prompts)
+    logits: list[Tensor | None] = [None] * len(prompts)
+    try:
+        for start in range(0, max(len(p) for p in prompts), chunk):
+            pieces = {i: p[start : start + chunk] for i, p in enumerate(prompts) if len(p) > start}
+            for i in [i for i, piece in pieces.items() if len(piece) == 1]:
+                with model.cache_row(cache_rows[i]):
+                    logits[i] = decode_one_token(model, pieces.pop(i).view(1, 1),
+                                                 torch.tensor([start], device=device))[0]
+            order = list(pieces)
+            for group in packed_groups([len(pieces[i]) for i in order]):
+                part = [order[g] for g in group]
+                ids = torch.cat([pieces[i] for i in part])[None]
+                positions = torch.cat([torch.arange(start, start + len(pieces[i]), device=device) for i in part])
+                rows = PackedRows(tuple(len(pieces[i]) for i in part), ids, tuple(cache_rows[i] for i in part),
+                                  tuple(budgets[i] for i in part))
+                out = model(ids, positions, last_logits_only=True, chunk=True, rows=rows)[:, -1]
+                for i, row_logits in zip(part, out, strict=True):
+                    logits[i] = row_logits
+    finally:
+        for b in cache_rows:
+            with model.cache_row(b):
+                for cache in model.caches():
+                    cache.end_chunked_prefill()
+    return torch.stack(logits)

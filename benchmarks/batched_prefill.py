@@ -8,8 +8,9 @@ own length gives): once through generate.prefill_rows (rows together where they 
 once row by row in each row's context (what generate.py and eval did before). The two alternate for
 `--rounds` rounds, the order rotating every round, in one process. Reported: prompt tokens per second of
 each (median round), the batch's speed-up, and how far each row's last logits and kept positions are from
-its row-by-row prefill (the same within float rounding: a batch's products round differently). Numbers are
-reported, never asserted.
+its row-by-row prefill (the same within float rounding: a batch's products round differently). With
+`--prefill_chunk N` every prompt is prefilled N tokens at a time: the rows' chunks packed pass by pass
+against each row's chunks alone. Numbers are reported, never asserted.
 
     OMP_NUM_THREADS=2 python -m benchmarks.batched_prefill --prompts 8 --min_tokens 128 --dtype bfloat16
     python -m benchmarks.batched_prefill --device cuda --random_weights llama-3.1-8b --dtype bfloat16 --prompts 16
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=count(), default=8, help="rows of the batch")
     parser.add_argument("--min_tokens", type=count(2), default=128, help="the shortest prompt")
     parser.add_argument("--step_tokens", type=count(0), default=16, help="how much longer each next prompt is")
+    parser.add_argument("--prefill_chunk", type=count(2), default=None,
+                        help="prefill every prompt this many tokens at a time (the rows' chunks packed together)")
     parser.add_argument("--rounds", type=count(), default=3, help="batched and row-by-row runs, alternating")
     parser.add_argument("--out", default=None, help="JSON report")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     if len(prompts[0]) < longest or longest + args.max_new_tokens > model.args.context_length:
         raise UserError(f"prompts up to {longest} tokens + {args.max_new_tokens} new do not fit the model's context "
                         f"of {model.args.context_length} (or the pydoc text): fewer or shorter prompts")
-    flags = cache_config(["--cache_strategy", args.cache_strategy, "--max_cache_length", str(args.max_cache_length)])
+    flags = cache_config(["--cache_strategy", args.cache_strategy, "--max_cache_length", str(args.max_cache_length),
+                          *(["--prefill_chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])])
     attach_row_caches(model, flags, [len(p) for p in prompts], args.max_new_tokens, tokenizer, quiet=True)
     prefilled(model, prompts[:1] * len(prompts), together=True)  # warm-up, not counted
     rounds = []
@@ -115,16 +119,18 @@ def main(argv: list[str] | None = None) -> dict:
               f"{rounds[-1]['max_logit_difference']:.2g}, same kept positions {rounds[-1]['same_kept_positions']}",
               flush=True)
     tokens = sum(len(p) for p in prompts)
-    report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length, "dtype": args.dtype,
-              "device": device, "model": args.random_weights or args.checkpoint_path or "bundled",
+    report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length,
+              "prefill_chunk": args.prefill_chunk, "dtype": args.dtype, "device": device,
+              "model": args.random_weights or args.checkpoint_path or "bundled",
               "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
               "threads": torch.get_num_threads(),
               "batched_tok_s": tokens / statistics.median(r["batched_s"] for r in rounds),
               "row_by_row_tok_s": tokens / statistics.median(r["row_by_row_s"] for r in rounds),
               "median_speedup": statistics.median(r["row_by_row_s"] / r["batched_s"] for r in rounds),
               "rounds": rounds}
-    print(f"{args.cache_strategy} at {args.max_cache_length}, {args.dtype} on {device}, {len(prompts)} prompts of "
-          f"{min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens: batched "
+    chunked = f", chunks of {args.prefill_chunk}" if args.prefill_chunk else ""
+    print(f"{args.cache_strategy} at {args.max_cache_length}{chunked}, {args.dtype} on {device}, {len(prompts)} "
+          f"prompts of {min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens: batched "
           f"{report['batched_tok_s']:.0f} tok/s, row by row {report['row_by_row_tok_s']:.0f} tok/s, median speed-up "
           f"{report['median_speedup']:.2f}x")
     if args.out:

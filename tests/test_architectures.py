@@ -153,17 +153,19 @@ def test_compiled_decode_matches_eager_without_recompiling(arch, tmp_path):
     assert graphs == len(kinds)
 
 
-def test_packed_rows_prefill_as_each_row_alone(arch_dir):
-    """Prompts of 24, 17 and 9 tokens packed into one prefill (packed_prefill.py): RoPE at each token's own
-    position (Gemma 3's local tables too), each row's sliding window, each row's cache. Each row's logits and
-    kept positions equal its prefill alone (float32; the packed products round differently)."""
+@pytest.mark.parametrize("chunk", [None, "5"])
+def test_packed_rows_prefill_as_each_row_alone(arch_dir, chunk):
+    """Prompts of 24, 17 and 9 tokens packed into one prefill (packed_prefill.py), or with --prefill_chunk 5
+    their chunks packed pass by pass: RoPE at each token's own position (Gemma 3's local tables too), each
+    row's sliding window, each row's cache. Each row's logits and kept positions equal its prefill alone
+    (float32; the packed products round differently)."""
     _, directory, _ = arch_dir
     model, _ = load_checkpoint(directory, "cpu", torch.float32)
     lengths, new = [24, 17, 9], 8
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
     flags = cache_config(["--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--global_tokens", "1",
-                          "--recent_window", "2"])
+                          "--recent_window", "2", *(["--prefill_chunk", chunk] if chunk else [])])
 
     def kept() -> list:  # per layer and head, the positions held (a row of a batch has its slots and more)
         return [[sorted(p for p in head if p >= 0) for head in c.pos[0].tolist()] for c in model.caches()]

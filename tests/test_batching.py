@@ -151,11 +151,15 @@ def test_rerotated_rows_decode_as_alone(strategy):
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--rerotate_positions"))
 
 
+@pytest.mark.parametrize("chunk", ["5", "6"])
 @pytest.mark.parametrize("strategy", CHUNKABLE)
-def test_rows_prefilled_in_chunks_decode_as_alone(strategy):
-    """--prefill_chunk 5: each row's prompt (24, 19, 13 tokens) compressed to its own budget after every chunk
-    in its row, then decoded with the others: every strategy and twin that accepts chunks."""
-    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--prefill_chunk", "5"))
+def test_rows_prefilled_in_chunks_decode_as_alone(strategy, chunk):
+    """--prefill_chunk: each row's prompt (24, 19, 13 tokens) compressed to its own budget after every chunk in
+    its row context, the rows' chunks packed into one pass per offset, then decoded with the others: every
+    strategy and twin that accepts chunks. Chunks of 5 end the rows in partial chunks of 4, 4 and 3 tokens;
+    chunks of 6 end two rows in a one-token chunk (a decode step in the row) and rows finish at different
+    passes."""
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", "--prefill_chunk", chunk))
 
 
 # Per-layer budgets and strategies: each row resolves its own budgets from its own length, layer by layer.

@@ -46,11 +46,15 @@ def forward_calls(monkeypatch) -> list[tuple[int, ...] | None]:
 
 @pytest.mark.parametrize(("strategy", "flags", "passes"), [
     ("heavy_hitter", (), [LENGTHS]),
-    ("heavy_hitter", ("--prefill_chunk", "30"), [None] * 3),
+    # Chunked: the rows' j-th chunks in one pass for each j; a one-token last chunk is a decode step in its row.
+    ("heavy_hitter", ("--prefill_chunk", "10"), [(10, 10, 10), (10, 9, 3), (4,)]),
+    ("heavy_hitter", ("--prefill_chunk", "12"), [(12, 12, 12), None, (12, 7)]),
+    ("heavy_hitter", ("--prefill_chunk", "30"), [LENGTHS]),
+    ("heavy_hitter", ("--prefill_chunk", "1"), [None] * sum(LENGTHS)),  # the token-by-token feed, row by row
     ("kvzip", (), [LENGTHS]),  # after each prompt's reconstruction passes, alone (not packed rows)
 ])
-def test_rows_share_one_forward_pass_unless_chunked(monkeypatch, strategy, flags, passes):
-    """The whole batch in one pass; --prefill_chunk prefills row by row (each re-prefills its own held tokens)."""
+def test_rows_share_forward_passes(monkeypatch, strategy, flags, passes):
+    """The whole batch in one pass, or with --prefill_chunk one pass for the rows' chunks at each offset."""
     model = tiny_model()
     attach_row_caches(model, cache_args(strategy, BUDGETS["fraction"], "dense", *flags), list(LENGTHS), NEW,
                       classes=TOKEN_CLASSES)
