@@ -352,3 +352,19 @@ def test_compiled_rows_decode_as_alone_without_recompiling(strategy, storage):
         attach_caches(model, args, n, NEW, classes=TOKEN_CLASSES)
         alone, _ = teacher_forced(model, seq, n, decode_one_token)
         torch.testing.assert_close(logits[b], alone, atol=ATOL, rtol=ATOL)
+
+
+CHUNKED_WITH = {  # packed chunks beside the settings that change how a chunk is attended or re-prefilled
+    "adakv": ("heavy_hitter", ALLOCATIONS["adakv"]),  # each head re-prefilled over its own held tokens
+    "adakv_debug": ("debug_tova", ALLOCATIONS["adakv"]),
+    "rerotated": ("tova", ("--rerotate_positions",)),  # the chunk at ranks after the row's held tokens
+    "kivi": ("keydiff", ("--cache_bits", "4", "--cache_quantization", "kivi")),
+    "per_token_2bit": ("heavy_hitter", ("--cache_bits", "2")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHUNKED_WITH))
+def test_rows_prefilled_in_chunks_with_pools_ranks_and_codes_decode_as_alone(case):
+    strategy, flags = CHUNKED_WITH[case]
+    atol = QUANTIZED_ATOL if "--cache_bits" in flags else ATOL
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], "dense", *flags, "--prefill_chunk", "5"), atol=atol)
