@@ -23,6 +23,7 @@ from tests.bad_input_matrix import ENTRY_POINTS, refused
 GEN, EVAL, SWEEP, BENCH = "generate.py", "python -m eval", "python -m eval.sweep", "python -m eval.bench"
 REPRODUCE, GATED = "python -m eval.reproduce", "python -m benchmarks.gated_fidelity"
 STREAMING = "python -m benchmarks.streaming_past_context"
+QA_DATA = ["--dataset", "rows.jsonl", "--prompt_column", "q", "--answer_column", "a"]  # what qa needs to be planned
 
 CONFLICTS: list[tuple[str, list[str], str]] = [
     # ---- strategy settings and shared cache flags no cache of the configuration reads ----------------------
@@ -58,9 +59,10 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (EVAL, ["--haystack", "noise"], "--haystack is read by none"),
     (EVAL, ["--protocol", "kvpress"], "fidelity: --protocol kvpress applies to tasks that answer"),
     (EVAL, ["--protocol", "decode"], "--protocol is read by none"),
-    (EVAL, ["--tasks", "niah_single", "qa", "--text_offset", "3"], "--text_offset is read by none of the selected "
-     "tasks (niah_single, qa)"),
-    (EVAL, ["--tasks", "multiple_choice", "--max_new_tokens", "4"], "--max_new_tokens is read by none"),
+    (EVAL, ["--tasks", "niah_single", "qa", *QA_DATA, "--text_offset", "3"], "--text_offset is read by none of the "
+     "selected tasks (niah_single, qa)"),
+    (EVAL, ["--tasks", "multiple_choice", *QA_DATA, "--choices_column", "c", "--max_new_tokens", "4"],
+     "--max_new_tokens is read by none"),
     (SWEEP, ["--tasks", "fidelity", "--math_format", "gsm8k"], "--math_format is read by none of the selected "
      "tasks (fidelity)"),
     (SWEEP, ["--grid", "{grid}"], "--haystack is read by none of the selected tasks (fidelity, qa)"),

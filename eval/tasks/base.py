@@ -106,9 +106,6 @@ class Task:
         if getattr(args, "protocol", "decode") != "decode" and "protocol" not in self.reads:
             raise UserError(f"{self.name}: --protocol {args.protocol} applies to tasks that answer a question "
                             "after a context (the RULER tasks, qa)")
-        missing = [f"--{flag}" for flag in self.required if not self.options.get(flag)]
-        if missing:
-            raise UserError(f"{self.name} needs {', '.join(missing)}{self.required_note}")
         if self.options.get("protocol") == COMPRESS_QUESTIONS:
             self.options["query_aware"] = True  # compression sees the question: query-aware by definition
         for key, least in (("limit", 1), ("seq_len", 1), ("max_new_tokens", 1), ("prefill_tokens", 1),
@@ -116,6 +113,9 @@ class Task:
             value = self.options.get(key)
             if value is not None and value < least:
                 raise UserError(f"--{key} must be ≥ {least}, got {value}")
+        missing = [f"--{flag}" for flag in self.required if not self.options.get(flag)]
+        if missing:
+            raise UserError(f"{self.name} needs {', '.join(missing)}{self.required_note}")
 
     def run(self, rt: Runtime) -> TaskResult:
         raise NotImplementedError
