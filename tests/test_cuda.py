@@ -105,7 +105,7 @@ def test_cuda_graph_batched_rows_at_one_position_keep_what_the_cpu_keeps(strateg
     assert cuda_kept == cpu_kept and graphs == 0
 
 
-def rows_at_their_own_positions(strategy: str, storage: str, device: str, compiled: bool):
+def rows_at_their_own_positions(strategy: str, storage: str, device: str, compiled: bool, *flags: str):
     """generate.py's batch (tests/test_batching.py's rows: unequal prompts, each row at its own positions,
     input_pos [B]), teacher-forced: logits [B, steps, vocab] on the CPU and each row's kept positions."""
     from cache_setup import attach_row_caches
@@ -113,7 +113,8 @@ def rows_at_their_own_positions(strategy: str, storage: str, device: str, compil
 
     model = tiny_model().to(device)
     model.init_rope_tables()
-    attach_row_caches(model, cache_args(strategy, "0.5", storage), list(LENGTHS), NEW, classes=TOKEN_CLASSES)
+    attach_row_caches(model, cache_args(strategy, "0.5", storage, *flags), list(LENGTHS), NEW,
+                      classes=TOKEN_CLASSES)
     step = decode_one_token
     if compiled:
         torch._dynamo.reset()
@@ -134,6 +135,16 @@ def test_cuda_graph_rows_at_their_own_positions_keep_what_the_cpu_keeps(strategy
     assert cuda_kept == cpu_kept
     if storage == "dense":
         assert (cuda_logits - cpu_logits).abs().max().item() < LOGIT_ATOL
+
+
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "tova", "debug_keydiff"])
+def test_cuda_rows_prefilled_in_packed_chunks_keep_what_the_cpu_keeps(strategy):
+    """The rows' chunks packed pass by pass (--prefill_chunk 5, packed_prefill.prefill_packed_chunks), eager on
+    CUDA: every row and layer keeps the positions the CPU's packed chunks keep (which equal each row alone)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _, cuda_kept = rows_at_their_own_positions(strategy, "dense", "cuda", False, "--prefill_chunk", "5")
+    _, cpu_kept = rows_at_their_own_positions(strategy, "dense", "cpu", False, "--prefill_chunk", "5")
+    assert cuda_kept == cpu_kept
 
 
 @pytest.mark.parametrize("strategy", ["full", "recent_global"])
