@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check, run once on a CUDA machine (about 8 minutes on an H200):
 #   1. the CUDA tests (pytest -m cuda): the strategy x storage matrix eager and as CUDA graphs against the
-#      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU, the
+#      CPU's kept positions, adakv, --rerotate_positions and --prefill_chunk eager against the CPU (a batch's
+#      rows with their chunks packed too, never run on a GPU), the
 #      batched step's graph, no recompilation over 256 steps, logits parity with transformers, a left-padded
 #      batch through transformers' generate and the adapter's cache against the CPU (never run on a GPU yet);
 #   1b. H2O's received attention (heavy_hitter's prefill) at the 8B heads: the blocks against the fused passes;
