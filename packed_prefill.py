@@ -61,7 +61,7 @@ def row_turn(cache: nn.Module, rows: PackedRows, i: int, log_gates: Tensor | Non
     span = rows.spans[i]
     if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
         cache.configure(prompt_budget=rows.prompt_budgets[i])
-    own = set(map(id, cache.modules()))
+    own = set(map(id, cache.modules())) if rows.reconstruction_scores else set()
     for user, scores in rows.reconstruction_scores[i] if rows.reconstruction_scores else ():
         if id(user) in own:  # this layer's cache or its debug shadow
             user.__dict__.pop("reconstruction_scores", None)
@@ -109,8 +109,6 @@ def prefill_packed_chunks(model: nn.Module, prompts: list[Tensor], cache_rows: l
     tokens), each row's chunk attended and compressed in its row context (model.Attention.forward_chunk), so a
     row holds what its chunks give it alone. A last chunk of one token is a decode step in its row, as alone.
     Each prompt's last token's logits, [rows, vocab]."""
-    from generate import decode_one_token  # generate imports this module
-
     device = prompts[0].device
     budgets = prompt_budgets or [None] * len(prompts)
     logits: list[Tensor | None] = [None] * len(prompts)
@@ -118,9 +116,8 @@ def prefill_packed_chunks(model: nn.Module, prompts: list[Tensor], cache_rows: l
         for start in range(0, max(len(p) for p in prompts), chunk):
             pieces = {i: p[start : start + chunk] for i, p in enumerate(prompts) if len(p) > start}
             for i in [i for i, piece in pieces.items() if len(piece) == 1]:
-                with model.cache_row(cache_rows[i]):
-                    logits[i] = decode_one_token(model, pieces.pop(i).view(1, 1),
-                                                 torch.tensor([start], device=device))[0]
+                with model.cache_row(cache_rows[i]):  # the eager decode step, as generate.prefill feeds it alone
+                    logits[i] = model(pieces.pop(i).view(1, 1), torch.tensor([start], device=device))[0, -1]
             order = list(pieces)
             for group in packed_groups([len(pieces[i]) for i in order]):
                 part = [order[g] for g in group]
