@@ -30,7 +30,7 @@ from model import Transformer
 from packed_prefill import packed_groups, prefill_packed, prefill_packed_chunks
 from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
 from strategies.debug import attention_loss_curve
-from strategies.kvzip import reconstruction_scores_by_row, rule_users, supply_reconstruction_scores
+from strategies.kvzip import reconstruct_and_prefill, rule_users
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -46,14 +46,14 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
     """
     T = prompt.shape[1]
     n = T if prefill_length is None else min(prefill_length, T)
-    supply_reconstruction_scores(model, prompt[:, :n])  # KVzip's model-level scoring pass; else nothing
     step = decode_step or decode_one_token
     chunk = prefill_chunk_of(model)
     if chunk == 1:  # a one-token chunk is a decode step: the whole prompt is fed (--feed_long_prompts' path)
         n = 1
-    if chunk and n > chunk:
+    if chunk and n > chunk:  # (KVzip's rule, which needs the whole context at once, refuses chunks)
         logits = chunked_prefill(model, prompt[:, :n], chunk, step)
-    else:
+    # KVzip's model-level scoring pass prefills the caches itself; without a cache that needs it, the forward.
+    elif (logits := reconstruct_and_prefill(model, prompt[:, :n])) is None:
         logits = model(prompt[:, :n], torch.arange(n, device=prompt.device), last_logits_only=True)[:, -1]
     for p in range(n, T):
         logits = step(model, prompt[:, p : p + 1], torch.tensor([p], device=prompt.device))
@@ -109,23 +109,22 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
                                       budgets[i]) for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
     if chunk := prefill_chunk_of(model):
         return prefill_packed_chunks(model, prompts, rows, chunk, budgets)
-    logits, kvzip = [], bool(rule_users(model.caches()))
+    logits = []
     for group in packed_groups([len(p) for p in prompts]):
         if len(group) == 1:
             logits.append(prefill_row(model, rows[group[0]], prompts[group[0]], None, budgets[group[0]]))
         else:
             part, cache_rows = prompts[group.start:group.stop], rows[group.start:group.stop]
-            # KVzip's reconstruction pass runs for each prompt alone first; its scores go in with its row.
-            scores = reconstruction_scores_by_row(model, part, cache_rows) if kvzip else None
-            logits.append(prefill_packed(model, part, cache_rows, budgets[group.start:group.stop], scores))
+            logits.append(prefill_packed(model, part, cache_rows, budgets[group.start:group.stop]))
     return torch.cat(logits)
 
 
 def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None) -> bool:
     """Whether the rows' prompts may go through the model packed (their chunks packed, with --prefill_chunk):
-    each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token (--prefill_chunk 1)."""
+    each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token (--prefill_chunk 1), and
+    no cache uses KVzip's rule (whose prefill is a reconstruction pass over each prompt's own sequence)."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
-    return len(prompts) > 1 and whole and prefill_chunk_of(model) != 1
+    return len(prompts) > 1 and whole and prefill_chunk_of(model) != 1 and not rule_users(model.caches())
 
 
 def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None,

@@ -597,7 +597,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, last_logits_only: bool = False,
                 run_block: Callable[..., Tensor] | None = None, append: bool = False, chunk: bool = False,
-                rows: PackedRows | None = None) -> Tensor:
+                rows: PackedRows | None = None, logits_at: int | None = None) -> Tensor:
         """idx: [B, T] token ids; input_pos: [T] absolute positions shared by the rows (a device tensor), or
         at a decode step (T = 1) [B], each row at its own position.
 
@@ -610,7 +610,8 @@ class Transformer(nn.Module):
         `chunk`: the T > 1 tokens are a chunk of a prompt fed in pieces (generate.prefill, --prefill_chunk).
         `rows`: a prefill of prompts of different lengths packed into idx [1, T] (packed_prefill.py), input_pos
         each token's position in its own prompt; `last_logits_only` then gives each prompt's last token's
-        logits, [rows, 1, vocab].
+        logits, [rows, 1, vocab]. `logits_at`: the logits of that position only, [B, 1, vocab] (KVzip's
+        reconstruction pass prefills the context that opens its sequence: strategies/kvzip.py).
         """
         caches = self.caches()
         if rows is not None:
@@ -636,6 +637,8 @@ class Transformer(nn.Module):
             x = x[0, [span.stop - 1 for span in rows.spans], None]
         elif last_logits_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[:, logits_at : logits_at + 1]
         logits = self.output(self.norm(x)).float()
         if self.args.final_logit_softcap:
             logits = self.args.final_logit_softcap * torch.tanh(logits / self.args.final_logit_softcap)

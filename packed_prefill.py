@@ -28,14 +28,13 @@ PREFILL_BATCH_TOKENS = 8192
 class PackedRows:
     """Prompts packed one after another: prompt i is ids[0, spans[i]], prefilled into cache row cache_rows[i],
     compressed to prompt_budgets[i] where that is not None (KVCache.prompt_budget, set in the row's turn; None
-    leaves the caches' setting as it is), with KVzip's reconstruction scores of that row's prompt
-    (`reconstruction_scores[i]`: (cache, scores) pairs, strategies/kvzip.py) put on the caches in its turn."""
+    leaves the caches' setting as it is). (KVzip's rule, whose prefill is a reconstruction pass over each
+    prompt's own sequence, prefills row by row: generate.shares_prefill.)"""
 
     lengths: tuple[int, ...]
     ids: Tensor  # [1, sum(lengths)]
     cache_rows: tuple[int, ...]
     prompt_budgets: tuple[int | None, ...] = ()
-    reconstruction_scores: tuple[list[tuple], ...] = ()
 
     @cached_property
     def spans(self) -> list[slice]:  # read by every layer: computed once
@@ -55,18 +54,12 @@ def store_row(cache: nn.Module, rows: PackedRows, i: int, input_pos: Tensor, k: 
 
 
 def row_turn(cache: nn.Module, rows: PackedRows, i: int, log_gates: Tensor | None) -> None:
-    """What row i's cache (in its row context) takes before its tokens: its prompt budget, KVzip's scores of its
-    prompt, its token ids and gates. A cache keeps the latest prompt's ids, gates and budget, so each row's go
-    in just before its tokens."""
+    """What row i's cache (in its row context) takes before its tokens: its prompt budget, its token ids and
+    gates. A cache keeps the latest prompt's ids, gates and budget, so each row's go in just before its
+    tokens."""
     span = rows.spans[i]
     if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
         cache.configure(prompt_budget=rows.prompt_budgets[i])
-    own = set(map(id, cache.modules())) if rows.reconstruction_scores else set()
-    for user, scores in rows.reconstruction_scores[i] if rows.reconstruction_scores else ():
-        if id(user) in own:  # this layer's cache or its debug shadow
-            user.__dict__.pop("reconstruction_scores", None)
-            if scores is not None:
-                user.reconstruction_scores = scores
     if cache.needs_token_ids:
         cache.observe_tokens(rows.ids[:, span])
     if log_gates is not None:
@@ -90,15 +83,12 @@ def packed_groups(lengths: list[int]) -> list[range]:
 
 
 def prefill_packed(model: nn.Module, prompts: list[Tensor], cache_rows: list[int],
-                   prompt_budgets: list[int | None] | None = None,
-                   reconstruction_scores: list[list[tuple]] | None = None) -> Tensor:
+                   prompt_budgets: list[int | None] | None = None) -> Tensor:
     """prompts [T_i] (each at least 2 tokens) prefilled in one forward pass, prompt i into cache row
-    cache_rows[i] (compressed to prompt_budgets[i] where given, with KVzip's scores of its prompt where given):
-    each prompt's last token's logits, [rows, vocab]."""
+    cache_rows[i] (compressed to prompt_budgets[i] where given): each prompt's last token's logits, [rows, vocab]."""
     ids = torch.cat(prompts)[None]
     positions = torch.cat([torch.arange(len(p), device=ids.device) for p in prompts])
-    rows = PackedRows(tuple(len(p) for p in prompts), ids, tuple(cache_rows), tuple(prompt_budgets or ()),
-                      tuple(reconstruction_scores or ()))
+    rows = PackedRows(tuple(len(p) for p in prompts), ids, tuple(cache_rows), tuple(prompt_budgets or ()))
     return model(ids, positions, last_logits_only=True, rows=rows)[:, -1]
 
 

@@ -9,9 +9,11 @@ cache serves every query on the same context.
 
 The scores need a model-level pass (a layer's reconstruction queries come from the hidden states of the
 reconstruction sequence at the layers below), so they cannot come from one layer's prompt rule:
-`reconstruction_scores` runs the pass through the model with capture caches that only read each layer's
-prefill queries and keys, and `supply_reconstruction_scores` hands each layer's scores to the caches that
-use the `kvzip` rule, just before their prefill (the generate.prefill hook). A cache prefilled without them
+`reconstruct_and_prefill` (the generate.prefill hook) runs the pass through the model with stand-in caches
+that read each layer's queries and keys, and the pass also prefills: the context opens the sequence and
+attention is causal, so its first T tokens' K/V are a prefill of the context, and each layer's cache takes
+them with the layer's scores (which that layer has by then), as the paper reuses the context's KV instead of
+running it again. A cache prefilled without the pass (a forward called directly, the transformers adapter)
 scores the prompt with its own queries instead (`self_attention_max`: the same maximum over the prompt's
 causal queries), so the strategy runs, and is tested, everywhere a prompt rule runs.
 
@@ -27,7 +29,8 @@ Where this differs from the paper:
   it in); without a tokenizer (set_repeat_prompt was not called) the context is repeated directly.
 - Chunked scoring (`--kvzip_chunk` C > 0): the context is reconstructed C tokens at a time, each chunk after
   the whole context + the prompt, a token's score its maximum over the chunks (the paper's chunking, whose
-  chunk passes reuse the context's KV; here each pass re-runs the context, so costs n/C context passes).
+  chunk passes reuse the context's KV; here each pass re-runs the context, so costs n/C context passes, the
+  last of which also prefills).
   C = 0 reconstructs the whole context at once, which needs 2·T + |prompt| ≤ the model's context.
 - Full causal attention is scored in every layer, sliding-window layers too (those keep the window
   policy anyway, model_policies.py); pooled caches (--budget_allocation adakv) pick (head, token) pairs
@@ -72,14 +75,24 @@ class CaptureCache(KVCache):
 
 
 @contextmanager
-def capture_queries(model, observe: Callable[[int, Tensor, Tensor], None]) -> Iterator[None]:
+def capture_queries(model, observe: Callable[[int, Tensor, Tensor], None],
+                    prefill: tuple[int, list[tuple[int, KVCache]], list] | None = None) -> Iterator[None]:
     """Inside: every layer of `model` prefills into a CaptureCache calling `observe`; the model's own caches
-    (in whatever row context they are) are put back on exit, untouched."""
+    (in whatever row context they are) are put back on exit, untouched. With `prefill` = (T, users, scores),
+    ScoringPrefillCache instead: each layer's own cache is prefilled with the first T tokens, its users given
+    scores[layer] first."""
     saved = [layer.attention.kv_cache for layer in model.layers]
-    device = model.tok_embeddings.weight.device
+    device, args = model.tok_embeddings.weight.device, model.args
     try:
-        for i, layer in enumerate(model.layers):
-            layer.attention.kv_cache = CaptureCache(i, observe, model.args.n_kv_head, model.args.head_dim, device)
+        for i, (layer, cache) in enumerate(zip(model.layers, saved, strict=True)):
+            if prefill is None or cache is None:
+                stand_in = CaptureCache(i, observe, args.n_kv_head, args.head_dim, device)
+            else:
+                context, users, scores = prefill
+                layer_users = [user for j, user in users if j == i]
+                stand_in = ScoringPrefillCache(i, observe, cache, context, layer_users, scores, args.n_kv_head,
+                                               args.head_dim, device)
+            layer.attention.kv_cache = stand_in
         yield
     finally:
         for layer, cache in zip(model.layers, saved, strict=True):
@@ -108,12 +121,56 @@ def self_attention_max(q: Tensor, k: Tensor) -> Tensor:
     return max_attention_received(q, k, 0, k.shape[2])
 
 
+class ScoringPrefillCache(CaptureCache):
+    """Stands in for a layer's cache during the last reconstruction pass (`reconstruct_and_prefill`): hands the
+    queries and keys to `observe` like CaptureCache, gives the layer's finished scores to the caches of `users`
+    (this layer's caches that use the kvzip rule), then prefills the layer's own `cache` with the first
+    `context` tokens of the pass. The context comes first in the pass and attention is causal, so those are the
+    K/V, queries, gates and token ids a prefill of the context alone gives it. Not a strategy (not
+    registered)."""
+
+    name = "capture_and_prefill"
+
+    def __init__(self, layer: int, observe: Callable[[int, Tensor, Tensor], None], cache: KVCache, context: int,
+                 users: list[KVCache], scores: list[Tensor | None], n_kv_heads: int, head_dim: int,
+                 device: torch.device) -> None:
+        super().__init__(layer, observe, n_kv_heads, head_dim, device)
+        self.cache, self.context, self.users, self.scores = cache, context, users, scores
+        # What the model's forward reads off a cache before its prefill: the layer's own cache's answers.
+        self.rerotate_positions = cache.rerotate_positions
+        self.needs_gates, self.needs_token_ids = cache.needs_gates, cache.needs_token_ids
+
+    def observe_tokens(self, token_ids: Tensor) -> None:
+        self.cache.observe_tokens(token_ids[:, : self.context])
+
+    def observe_gates(self, log_gates: Tensor) -> None:
+        self.cache.observe_gates(log_gates[..., : self.context])
+
+    def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
+        self.observe(self.layer, q, k)
+        for user in self.users:
+            user.reconstruction_scores = self.scores[self.layer]
+        n = self.context
+        stored = {} if k_store is None else {"k_store": k_store[:, :, :n]}
+        self.cache.prefill(input_pos[:n], k[:, :, :n], v[:, :, :n], q[:, :, :n], **stored)
+
+
 def reconstruction_scores(model, context: Tensor, repeat_ids: list[int] | tuple[int, ...] = (),
                           chunk: int = 0) -> list[Tensor]:
     """KVzip's scores of every context token at every layer, [B, n_kv, T] each: the model reads
     context + repeat_ids + context[s:e] for each chunk [s, e) of `chunk` tokens (0: one chunk of all T), and
     a context key's score is the largest attention any query of the repeated chunk (and any query head of
-    its KV group) gives it, maximised over the chunks."""
+    its KV group) gives it, maximised over the chunks. The model's caches are left as they were."""
+    return reconstruction_passes(model, context, repeat_ids, chunk)[0]
+
+
+def reconstruction_passes(model, context: Tensor, repeat_ids: list[int] | tuple[int, ...] = (), chunk: int = 0,
+                          users: list[tuple[int, KVCache]] | None = None) -> tuple[list[Tensor], Tensor | None]:
+    """The passes of `reconstruction_scores`: (the scores, None). With `users` ((layer, cache) pairs of the
+    caches using the rule), the last pass also prefills the model's caches with the context, each user with its
+    layer's scores (ScoringPrefillCache): the context is not run through the model once more, so KVzip's
+    prefill costs the reconstruction alone (2·T + |prompt| tokens unchunked), as the paper's. Then (the scores,
+    the logits of the context's last token [B, vocab])."""
     B, T = context.shape
     step = chunk or T
     longest = T + len(repeat_ids) + min(step, T)
@@ -128,15 +185,21 @@ def reconstruction_scores(model, context: Tensor, repeat_ids: list[int] | tuple[
         best = max_attention_received(q, k, q.shape[2] - piece_length[0], T)
         scores[layer] = best if scores[layer] is None else torch.maximum(scores[layer], best)
 
-    with torch.no_grad(), capture_queries(model, observe):
-        for start in range(0, T, step):
+    starts = range(0, T, step)
+    logits = None
+    with torch.no_grad():
+        for start in starts:
             piece = context[:, start : start + step]
             piece_length[0] = piece.shape[1]
             sequence = torch.cat([context, repeat, piece], dim=1)
-            model(sequence, torch.arange(sequence.shape[1], device=context.device), last_logits_only=True)
-    return scores
-
-
+            positions = torch.arange(sequence.shape[1], device=context.device)
+            if users is None or start != starts[-1]:
+                with capture_queries(model, observe):
+                    model(sequence, positions, last_logits_only=True)
+                continue
+            with capture_queries(model, observe, prefill=(T, users, scores)):
+                logits = model(sequence, positions, logits_at=T - 1)[:, -1]
+    return scores, logits
 def rule_users(caches: list[KVCache | None]) -> list[tuple[int, KVCache]]:
     """(layer, cache) of every cache that scores its prompt by the kvzip rule, a debug cache's shadow
     included; `caches` one per layer."""
@@ -156,32 +219,43 @@ def set_repeat_prompt(caches: list[KVCache], tokenizer) -> None:
         cache.kvzip_repeat_ids = ids
 
 
-def supply_reconstruction_scores(model, prompt: Tensor) -> None:
-    """Before prefilling `prompt` [B, T]: run KVzip's reconstruction pass and leave each layer's scores on the
-    caches that use the kvzip rule, where they stay until the next prompt (or a kvzip cache's reset). No pass
-    when no cache uses the rule or the prompt fits every such cache (nothing would be compressed)."""
+def users_to_score(model, prompt: Tensor) -> list[tuple[int, KVCache]]:
+    """(layer, cache) of the caches using the kvzip rule that need a reconstruction pass before `prompt` [B, T]
+    is prefilled: none when no cache uses the rule or the prompt fits every such cache (nothing would be
+    compressed); the users' scores of an earlier prompt are dropped then."""
     users = rule_users([layer.attention.kv_cache for layer in model.layers])
-    if not users or all(prompt.shape[1] <= c.prompt_target() for _, c in users):
-        for _, cache in users:  # no pass for this prompt: no scores of an earlier one either
+    if all(prompt.shape[1] <= c.prompt_target() for _, c in users):
+        for _, cache in users:
             cache.__dict__.pop("reconstruction_scores", None)
-        return
+        return []
+    return users
+
+
+def pass_settings(users: list[tuple[int, KVCache]]) -> tuple[tuple[int, ...], int]:
+    """(the repeat prompt's ids, --kvzip_chunk) of the pass: one pass serves every layer, so the first user's."""
     first = users[0][1]
-    scores = reconstruction_scores(model, prompt, getattr(first, "kvzip_repeat_ids", ()), int(first.setting(CHUNK)))
-    for layer, cache in users:
-        cache.reconstruction_scores = scores[layer]
+    return getattr(first, "kvzip_repeat_ids", ()), int(first.setting(CHUNK))
 
 
-def reconstruction_scores_by_row(model, prompts: list[Tensor], cache_rows: list[int]) -> list[list[tuple]]:
-    """supply_reconstruction_scores for each prompt [T_i] in its cache row's context, taken back off the caches:
-    per row, (cache, its scores or None) for every cache using the rule. A packed prefill (packed_prefill.py)
-    puts each row's back in that row's turn, since a cache holds one prompt's scores at a time."""
-    users = rule_users([layer.attention.kv_cache for layer in model.layers])
-    by_row = []
-    for b, prompt in zip(cache_rows, prompts, strict=True):
-        with model.cache_row(b):
-            supply_reconstruction_scores(model, prompt[None])
-        by_row.append([(cache, cache.__dict__.pop("reconstruction_scores", None)) for _, cache in users])
-    return by_row
+def reconstruct_and_prefill(model, prompt: Tensor) -> Tensor | None:
+    """KVzip's prefill of `prompt` [B, T] (the generate.prefill hook): the reconstruction passes, the last of
+    which prefills the model's caches, each user of the rule with its layer's scores (which stay on it until
+    the next prompt or a kvzip cache's reset). The logits of the prompt's last token [B, vocab]; None, with
+    nothing run, when no cache needs the pass (users_to_score): the caller prefills as usual."""
+    users = users_to_score(model, prompt)
+    if not users:
+        return None
+    return reconstruction_passes(model, prompt, *pass_settings(users), users)[1]
+
+
+def supply_reconstruction_scores(model, prompt: Tensor) -> None:
+    """The scores of reconstruct_and_prefill without its prefill: left on the users for a forward over `prompt`
+    [B, T] that follows (a separate pass, as a reference for the fused one)."""
+    users = users_to_score(model, prompt)
+    if users:
+        scores = reconstruction_scores(model, prompt, *pass_settings(users))
+        for layer, cache in users:
+            cache.reconstruction_scores = scores[layer]
 
 
 # ---- the strategy -----------------------------------------------------------------------------------------

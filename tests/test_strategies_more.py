@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from errors import UserError
-from generate import decode_one_token
+from generate import decode_one_token, prefill
 from rope import apply_rope
 from strategies.kvzip import reconstruction_scores, set_repeat_prompt, supply_reconstruction_scores
 from tests.conftest import make_tiny_model
@@ -192,6 +192,43 @@ def test_kvzip_repeat_prompt_comes_from_the_tokenizer():
     caches = attach(model, cache_args("kvzip", str(BUDGET)))
     set_repeat_prompt(caches, Words())
     assert all(c.kvzip_repeat_ids == (6, 3, 8, 7, 8) for c in caches)
+
+
+@pytest.mark.parametrize("chunk", ["0", "4"])
+@pytest.mark.parametrize("flags", [
+    ("kvzip",), ("debug_kvzip",), ("tova", "--prompt_compression_strategy", "kvzip"),
+    ("debug_gated", "--prompt_compression_strategy", "kvzip"),  # gates observed for the context's tokens only
+    ("kvzip", "--budget_allocation", "adakv"), ("kvzip", "--rerotate_positions"), ("kvzip", "--cache_bits", "4"),
+])
+def test_kvzip_prefill_inside_its_last_reconstruction_pass_equals_a_prefill_after_it(monkeypatch, flags, chunk):
+    """generate.prefill lets KVzip's last reconstruction pass prefill the caches with the context that opens its
+    sequence; a separate forward over the context after the passes (the scores supplied) holds the same
+    positions, K/V within 1e-5 (the context's rows go through products of another length) and predicts the
+    same logits within 1e-4, at the cost of one pass less."""
+    args = cache_args(flags[0], str(BUDGET), "dense", *flags[1:], "--kvzip_chunk", chunk)
+    ids = token_ids()[:, :PROMPT]
+    held, passes = [], []
+    for fused in (True, False):
+        model = make_tiny_model()
+        caches = attach(model, args)
+        calls = []
+        original = type(model).forward
+        monkeypatch.setattr(type(model), "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+        with torch.inference_mode():
+            model.reset_caches()
+            if fused:
+                logits = prefill(model, ids)
+            else:
+                supply_reconstruction_scores(model, ids)
+                reference = model(ids, torch.arange(PROMPT), last_logits_only=True)[:, -1]
+        monkeypatch.setattr(type(model), "forward", original)
+        held.append([(held_positions(c), c.keys().clone(), c.values().clone()) for c in caches])
+        passes.append(len(calls))
+    assert passes[0] == (PROMPT // int(chunk) if int(chunk) else 1) and passes[1] == passes[0] + 1
+    assert torch.allclose(logits, reference, atol=1e-4)
+    for layer, ((h_fused, k_fused, v_fused), (h_ref, k_ref, v_ref)) in enumerate(zip(*held, strict=True)):
+        assert h_fused == h_ref, f"layer {layer}"
+        assert torch.allclose(k_fused, k_ref, atol=1e-5) and torch.allclose(v_fused, v_ref, atol=1e-5), f"layer {layer}"
 
 
 def test_kvzip_reconstruction_longer_than_the_context_is_a_user_error():
