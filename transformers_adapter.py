@@ -31,7 +31,10 @@ keys after q/k norm and RoPE, then the attention function with the query):
 - a chunked prefill: a cache made with `--prefill_chunk N` takes the prompt from transformers' own chunked
   prefill (`generate(..., prefill_chunk_size=N)`): the first chunk a prefill, each later one attends over the
   held slots and itself (`chunk_attention`) and re-prefills the layer (cache_chunking.py), as
-  model.Attention.forward_chunk; the first decode step ends it. One unpadded sequence, eager.
+  model.Attention.forward_chunk; the first decode step ends it. Eager. A left-padded batch: transformers cuts it
+  every N padded positions, not where a shorter row's own chunks end, so each row's tokens are cut again at its
+  own boundaries (from make_cache's prompt lengths) and go through its cache part by part in its row context
+  (EvictionLayer._row_chunks), each row as alone.
 - `get_seq_length` is the positions fed (padding included, transformers' count), not the tokens held:
   positions and RoPE continue past evictions. `get_mask_sizes`: our function ignores transformers' masks
   (the slots carry their own), but generate still builds one: the prompt's own keys (each row's padding is
@@ -176,14 +179,25 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         raise UserError(f"the eviction cache was built for {cache.batch_size} sequence(s) (one per prompt length "
                         f"given to make_cache), got {B}; beam search and num_return_sequences > 1 are not supported")
     prompt = T > 1 and not cache.layers[0].prefilled  # static shapes under compile: decode never enters
+    if T == 1 and cache.prefill_chunk == 1 and len(set(cache.prompt_lengths)) > 1:
+        # Fed token by token (prefill_chunk_size=1), a padded batch's padding would enter its rows as tokens.
+        raise UserError("a padded batch fed token by token (--prefill_chunk 1) is not supported: feed its prompts "
+                        "one at a time, or use chunks of 2 tokens or more (prefill_chunk_size)")
     if T > 1 and cache.prefill_chunk and (torch.compiler.is_compiling() or
                                           hasattr(module.forward, "_torchdynamo_orig_callable")):
         # A chunk's prefill and re-prefill read the cache's counts on the host (cache_chunking.py): not traceable.
         # Under compile_config this hook is traced too; with `model.forward = torch.compile(...)` it runs eager.
         raise UserError("a chunked prefill (--prefill_chunk) runs eager: transformers compiles the prompt's chunks "
                         "under compile_config or a compiled forward; compile without chunks, or drop --prefill_chunk")
+    row_chunk = cache.row_chunking and not cache.prompt_fed()  # a padded batch's chunk, which may be one token
     if prompt:
-        cache.begin_prompt(_prompt_lengths(kwargs.get("attention_mask"), B, T))
+        cache.begin_prompt(_prompt_lengths(kwargs.get("attention_mask"), B, T, empty_rows=bool(cache.prefill_chunk)), T)
+    elif row_chunk:
+        cache.next_chunk(T)
+        lengths = _prompt_lengths(kwargs.get("attention_mask"), B, T, empty_rows=True)
+        if cache.plan_row_chunks(T) != lengths:
+            raise UserError(f"a chunk's attention mask gives rows {lengths} tokens where the padded batch's rows "
+                            "(make_cache's prompt lengths, left-padded) have others; pad on the left")
     elif T > 1 and (B > 1 or _prompt_lengths(kwargs.get("attention_mask"), B, T) != [T]):
         what = "a later prompt chunk" if cache.chunking else "a chunk after the prompt (the kvpress question)"
         raise UserError(f"{what} is supported for one unpadded sequence only; feed it row by row (for a new "
@@ -198,7 +212,8 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                             "made with --prefill_chunk of that size")
     elif T == 1 and cache.chunking:  # the first decode step (or a last chunk of one token, which is one)
         cache.end_chunks()
-    if not torch.compiler.is_compiling():  # one host read per step in eager mode; a compiled step skips it
+    if not torch.compiler.is_compiling() and not cache.row_chunking:  # one host read per step in eager mode; a
+        # compiled step skips it (a padded batch's chunks are its make_cache lengths, which fit, checked above)
         seen = cache.layers[0].seen().tolist()
         cache.check_room(cache.prompt_rows if prompt else [T] * B, seen)
         if T == 1 and ids is not None:
@@ -215,12 +230,12 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                 layer.cache.observe_tokens(ids)
 
 
-def _prompt_lengths(mask: Tensor | dict | None, B: int, T: int) -> list[int]:
+def _prompt_lengths(mask: Tensor | dict | None, B: int, T: int, empty_rows: bool = False) -> list[int]:
     """Each row's tokens in a prompt of T positions, read from its attention mask: the 2D mask of a plain
     call, or the 4D masks generate prepares (per layer type in a dict; a causal or sliding query always sees
     its own token unless that token is padding, so the diagonal says it; get_mask_sizes gives the prompt's
     keys from 0). Padding must come first (left padding, as decoder-only generation wants): a row's tokens
-    are its last n positions."""
+    are its last n positions. `empty_rows`: a row may have none (a chunk of a padded batch's prefill)."""
     if isinstance(mask, dict):
         mask = mask.get("full_attention", next(iter(mask.values()), None))
     if not isinstance(mask, Tensor):
@@ -228,7 +243,8 @@ def _prompt_lengths(mask: Tensor | dict | None, B: int, T: int) -> list[int]:
     if mask.dim() == 2:
         real = mask[:, -T:].bool()
     else:
-        diagonal = mask.diagonal(dim1=-2, dim2=-1)[..., -T:]  # [B, heads or 1, T]
+        # The last T keys are the T queries' own tokens (a later chunk's mask has the earlier keys first).
+        diagonal = mask[..., -T:].diagonal(dim1=-2, dim2=-1)  # [B, heads or 1, T]
         real = (diagonal if diagonal.dtype == torch.bool else diagonal == 0).any(dim=1)
     real = real.expand(B, T)
     lengths = real.sum(dim=1)
@@ -237,7 +253,7 @@ def _prompt_lengths(mask: Tensor | dict | None, B: int, T: int) -> list[int]:
     if not bool(left_padded.all()):
         raise UserError("padding after or inside a prompt is not supported by the eviction cache: pad on the left "
                         "(tokenizer.padding_side = 'left'), as decoder-only generation does")
-    if not bool((lengths > 0).all()):
+    if not empty_rows and not bool((lengths > 0).all()):
         raise UserError("a prompt of padding only (no token) cannot be prefilled")
     return lengths.tolist()
 

@@ -46,6 +46,13 @@ class EvictionLayer(CacheLayerMixin):
         # model.forward recipe) branches on a guard instead of breaking its graph on a host read.
         self.prefilled = False
         self.chunking = False  # a prompt fed in chunks (--prefill_chunk) until the first decode step
+        # A padded batch's chunked prefill (EvictionCache.plan_row_chunks): per row, (its tokens before this
+        # forward, its tokens in it); None otherwise. Each row's own chunks are cut every `prefill_chunk` of its
+        # tokens, and a chunk that spans two forwards keeps its first part's (q, k, v) in `pending` until it is
+        # complete; `row_lengths` are the rows' prompt lengths, `positions_fed` the padded positions fed so far.
+        self.row_chunk_plan: list[tuple[int, int]] | None = None
+        self.prefill_chunk, self.row_lengths, self.positions_fed = 0, [], 0
+        self.pending: list[tuple[Tensor, Tensor, Tensor] | None] = []
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Nothing to allocate: the KVCache was built with its buffers."""
@@ -65,7 +72,8 @@ class EvictionLayer(CacheLayerMixin):
             raise UserError("this model does not pass its attention keywords to the cache (transformers' own "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)} classes do)")
         shared[LAYER_KEY] = self
-        if key_states.shape[2] == 1:  # a decode step: into the slots, which the attention function reads itself
+        if key_states.shape[2] == 1 and self.row_chunk_plan is None:  # a decode step: into the slots, which the
+            # attention function reads itself (a padded batch's one-token prompt chunk goes to attend)
             self.cache.insert(self.seen(), key_states, value_states)
             self._mask = self.cache.mask
         # The prompt (or a chunk after it) goes to the attention function, which stores it with the queries; a
@@ -76,6 +84,8 @@ class EvictionLayer(CacheLayerMixin):
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """model.Attention's three paths over this layer's cache; q, k, v as the model made them (after RoPE)."""
         cache, T = self.cache, q.shape[2]
+        if self.row_chunk_plan is not None:  # a padded batch's prompt chunk
+            return self._row_chunks(q, k, v)
         if T > 1 and self.prefilled:  # a later prompt chunk, or a chunk after the prompt (the kvpress question)
             return self._later_chunk(q, k, v) if self.chunking else self._append(q, k, v)
         if T > 1:
@@ -94,8 +104,11 @@ class EvictionLayer(CacheLayerMixin):
                                                              v[b : b + 1, :, T - n :])
             self.prompt_ids = None
             return y
-        B, H = q.shape[:2]
-        mask = self._mask
+        return self._attend_slots(q, self._mask)
+
+    def _attend_slots(self, q: Tensor, mask: Tensor) -> Tensor:
+        """A decode step's attention over the slots (their `mask`), and the probabilities to caches that need them."""
+        cache, (B, H) = self.cache, q.shape[:2]
         if cache.pooled:  # one K/V pool for all heads (budget_allocation.py): every query head over it
             mask = mask.expand(-1, -1, H // cache.n_kv_heads, -1).reshape(B, 1, H, -1)
         y, probs = attend_slots(cache, q, mask)
@@ -116,14 +129,63 @@ class EvictionLayer(CacheLayerMixin):
     def _later_chunk(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """A later chunk of a chunked prefill, as model.Attention.forward_chunk: its queries attend over the held
         tokens and the chunk causally, then the cache re-prefills held + chunk (cache_chunking.py)."""
-        cache, T = self.cache, q.shape[2]
-        input_pos = torch.arange(T, device=q.device) + self.seen()[0]
+        input_pos = torch.arange(q.shape[2], device=q.device) + self.seen()[0]
+        y = self._attend_held(q, k, v, input_pos)
+        self.cache.prefill_chunk_tokens(input_pos, k, v, q)
+        return y
+
+    def _attend_held(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
+        """A chunk's queries (at input_pos) over the held tokens and the chunk itself, causally."""
+        cache = self.cache
         held, held_v = cache.keys(), cache.values()
         if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
             held, held_v = (t.expand(-1, k.shape[1], -1, -1) for t in (held, held_v))
-        y = chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
-        cache.prefill_chunk_tokens(input_pos, k, v, q)
+        return chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
+
+    def _row_chunks(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """A forward of a padded batch's chunked prefill. transformers cuts the padded batch every
+        `prefill_chunk` positions, which is not where a row's own chunks end (its padding shifts them), so each
+        row's tokens in this forward are cut at its own chunk boundaries and go through its cache in its row
+        context, part by part (`_own_chunk_part`): each row holds and computes what its chunks give it alone."""
+        self.prefilled = True
+        T = q.shape[2]
+        y = torch.zeros_like(q)  # padding's outputs: zeros, which no row's attention reads
+        for b, (fed, new) in enumerate(self.row_chunk_plan):
+            parts, start = [], T - new
+            with self.cache.row(b):
+                while start < T:
+                    n = min(self.prefill_chunk - fed % self.prefill_chunk, T - start)
+                    part = slice(start, start + n)
+                    parts.append(self._own_chunk_part(b, fed, q[b : b + 1, :, part], k[b : b + 1, :, part],
+                                                      v[b : b + 1, :, part]))
+                    fed, start = fed + n, start + n
+            if parts:
+                y[b : b + 1, :, T - new :] = torch.cat(parts, dim=2)
         return y
+
+    def _own_chunk_part(self, b: int, fed: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Row b's tokens fed .. fed + n, all of one of its own chunks (in its row context): their attention
+        over the held tokens and the chunk so far (its earlier part, `pending`, was answered in an earlier
+        forward; causal, so the same outputs), and, once the chunk is complete, the chunk into the cache. A
+        chunk of one token that ends the row's prompt is a decode step, as it is alone."""
+        n, end = q.shape[2], fed + q.shape[2]
+        if n == 1 and fed % self.prefill_chunk == 0 and end == self.row_lengths[b]:
+            self.cache.end_chunked_prefill()
+            self.cache.insert(self.seen(), k, v)
+            return self._attend_slots(q, self.cache.mask)
+        if self.pending[b] is not None:
+            q, k, v = (torch.cat([earlier, x], dim=2) for earlier, x in zip(self.pending[b], (q, k, v), strict=True))
+        start = end - q.shape[2]
+        input_pos = torch.arange(start, end, device=q.device)
+        if start == 0:  # the row's first chunk: a prefill
+            y = prompt_attention(q, k, v, self.sliding_window)
+        else:
+            y = self._attend_held(q, k, v, input_pos)
+        complete = end % self.prefill_chunk == 0 or end == self.row_lengths[b]
+        if complete:
+            self.cache.prefill_chunk_tokens(input_pos, k, v, q)
+        self.pending[b] = None if complete else (q, k, v)
+        return y[:, :, -n:]
 
     def _append(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache, (B, H, T, _) = self.cache, q.shape
@@ -138,13 +200,19 @@ class EvictionLayer(CacheLayerMixin):
         y, _ = grouped_attention(q, k_all, v_all, visible)
         return y
 
-    def get_seq_length(self) -> Tensor:
-        # Positions fed, padding included (transformers' count; each row's own tokens are `seen`).
+    def get_seq_length(self) -> Tensor | int:
+        # Positions fed, padding included (transformers' count; each row's own tokens are `seen`, which a padded
+        # batch's chunked prefill counts only for the chunks complete).
+        if self.row_chunk_plan is not None:
+            return self.positions_fed
         return self.seen()[0] + self.padding[0]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Our attention ignores transformers' masks (the slots carry their own); generate still builds one from
-        # these sizes: the prompt's own keys (padding is refused from it), then the slots, as StaticLayer does.
+        # these sizes: the prompt's own keys (padding is refused from it), then the slots, as StaticLayer does. A
+        # padded batch's later prompt chunk: its own positions' keys (each row's padding is read from them).
+        if self.row_chunk_plan is not None:
+            return query_length, self.positions_fed
         return (query_length if query_length > 1 else self.cache.mask.shape[-1]), 0
 
     def get_max_length(self) -> int:
@@ -152,7 +220,11 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.cache.reset()
+        for cache in self.cache.modules():  # a chunked prefill cut short leaves no row's held queries behind
+            if isinstance(cache, KVCache):
+                cache.row_chunk_queries.clear()
         self.prefilled = self.chunking = False
+        self.row_chunk_plan, self.pending = None, []
         self.padding.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -209,22 +281,60 @@ class EvictionCache(Cache):
     def chunking(self) -> bool:
         return self.layers[0].chunking
 
-    def begin_prompt(self, lengths: list[int]) -> None:
-        """A prompt comes whose row b has lengths[b] tokens after its padding (the forward hook reads them); with
-        --prefill_chunk N, its first chunk."""
-        T = max(lengths)
+    @property
+    def row_chunking(self) -> bool:
+        """Whether a padded batch's chunked prefill is under way (EvictionLayer._row_chunks)."""
+        return self.layers[0].row_chunk_plan is not None
+
+    def begin_prompt(self, lengths: list[int], T: int) -> None:
+        """A prompt of T positions comes whose row b has lengths[b] tokens after its padding (the forward hook
+        reads them); with --prefill_chunk N, its first chunk (of a padded batch: begin_row_chunks)."""
         if self.prefill_chunk:
-            if lengths != [T]:
-                raise UserError("a chunked prefill (--prefill_chunk) through transformers takes one unpadded "
-                                "sequence; generate the prompts one at a time, or drop --prefill_chunk")
             self.short_chunk = False
             self.next_chunk(T)
             for layer in self.layers:
                 layer.chunking = True
+            if lengths != [T]:
+                self.begin_row_chunks(lengths, T)
+                return
         padding = torch.tensor([T - n for n in lengths], dtype=torch.long)
         for layer in self.layers:
             layer.prompt_rows = list(lengths)
             layer.padding.copy_(padding)
+
+    def begin_row_chunks(self, first: list[int], T: int) -> None:
+        """A padded batch's chunked prefill starts with a chunk of T positions where row b has first[b] tokens.
+        Its rows' own chunks are cut from their prompt lengths, which must be make_cache's: every row ends at the
+        last padded position, so those lengths say where each row starts and which chunk is its last."""
+        rows = list(zip(first, self.prompt_lengths, strict=True))
+        ends = {T - m + n for m, n in rows if m}  # where each row with tokens in this chunk ends, padded
+        padded = min(ends, default=0)
+        # One end for all; a row with tokens here has no more than its length, one without starts past T.
+        if len(ends) != 1 or any(m > n if m else padded - n < T for m, n in rows):
+            raise UserError("a chunked prefill of a padded batch cuts each row's chunks from the prompt lengths "
+                            f"given to make_cache ({self.prompt_lengths}), and the prompts' own differ; make the "
+                            "cache with each prompt's length")
+        for layer in self.layers:
+            layer.prompt_rows = layer.row_lengths = list(self.prompt_lengths)
+            layer.prefill_chunk, layer.positions_fed = self.prefill_chunk, 0
+            layer.pending = [None] * self.batch_size
+            layer.padding.copy_(torch.tensor([padded - n for n in self.prompt_lengths], dtype=torch.long))
+        self.padded_length = padded
+        self.plan_row_chunks(T)
+
+    def plan_row_chunks(self, T: int) -> list[int]:
+        """The next T padded positions of a padded batch's chunked prefill: each layer told each row's tokens
+        before them and in them; those counts (the chunk's attention mask must say the same)."""
+        past = self.layers[0].positions_fed
+        starts = [self.padded_length - n for n in self.prompt_lengths]
+        plan = [(max(past - p, 0), max(past + T - max(past, p), 0)) for p in starts]
+        for layer in self.layers:
+            layer.row_chunk_plan, layer.positions_fed = plan, past + T
+        return [new for _, new in plan]
+
+    def prompt_fed(self) -> bool:
+        """Whether a padded batch's chunked prefill has fed its last prompt position."""
+        return self.layers[0].positions_fed >= self.padded_length
 
     def next_chunk(self, T: int) -> None:
         """A chunk of T tokens of a chunked prefill: --prefill_chunk tokens, the last one maybe fewer."""
@@ -236,10 +346,15 @@ class EvictionCache(Cache):
         self.short_chunk = T < N
 
     def end_chunks(self) -> None:
-        """The chunked prompt is in (the first decode step comes): the held tokens' queries are dropped."""
+        """The chunked prompt is in (the first decode step comes): the held tokens' queries are dropped (each
+        row's, which its row context keeps between its turns)."""
         for layer in self.layers:
+            for b in range(self.batch_size):
+                with layer.cache.row(b):
+                    layer.cache.end_chunked_prefill()
             layer.cache.end_chunked_prefill()
             layer.chunking = False
+            layer.row_chunk_plan, layer.pending = None, []
         self.short_chunk = False
 
     def note_stopped_rows(self, tokens: Tensor, seen: list[int]) -> None:

@@ -194,6 +194,31 @@ def test_kvzip_repeat_prompt_comes_from_the_tokenizer():
     assert all(c.kvzip_repeat_ids == (6, 3, 8, 7, 8) for c in caches)
 
 
+def kvzip_prefill(monkeypatch, args, fused: bool):
+    """(last logits, each layer's (held positions, keys, values), forward passes) of a kvzip prefill of the
+    matrix prompt: generate.prefill (`fused`), or the scores supplied and then a forward over the context."""
+    model = make_tiny_model()
+    caches = attach(model, args)
+    ids = token_ids()[:, :PROMPT]
+    calls = []
+    original = type(model).forward
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(type(model), "forward", counted)
+    with torch.inference_mode():
+        model.reset_caches()
+        if fused:
+            logits = prefill(model, ids)
+        else:
+            supply_reconstruction_scores(model, ids)
+            logits = model(ids, torch.arange(PROMPT), last_logits_only=True)[:, -1]
+    monkeypatch.setattr(type(model), "forward", original)
+    return logits, [(held_positions(c), c.keys().clone(), c.values().clone()) for c in caches], len(calls)
+
+
 @pytest.mark.parametrize("chunk", ["0", "4"])
 @pytest.mark.parametrize("flags", [
     ("kvzip",), ("debug_kvzip",), ("tova", "--prompt_compression_strategy", "kvzip"),
@@ -206,27 +231,11 @@ def test_kvzip_prefill_inside_its_last_reconstruction_pass_equals_a_prefill_afte
     positions, K/V within 1e-5 (the context's rows go through products of another length) and predicts the
     same logits within 1e-4, at the cost of one pass less."""
     args = cache_args(flags[0], str(BUDGET), "dense", *flags[1:], "--kvzip_chunk", chunk)
-    ids = token_ids()[:, :PROMPT]
-    held, passes = [], []
-    for fused in (True, False):
-        model = make_tiny_model()
-        caches = attach(model, args)
-        calls = []
-        original = type(model).forward
-        monkeypatch.setattr(type(model), "forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
-        with torch.inference_mode():
-            model.reset_caches()
-            if fused:
-                logits = prefill(model, ids)
-            else:
-                supply_reconstruction_scores(model, ids)
-                reference = model(ids, torch.arange(PROMPT), last_logits_only=True)[:, -1]
-        monkeypatch.setattr(type(model), "forward", original)
-        held.append([(held_positions(c), c.keys().clone(), c.values().clone()) for c in caches])
-        passes.append(len(calls))
-    assert passes[0] == (PROMPT // int(chunk) if int(chunk) else 1) and passes[1] == passes[0] + 1
+    logits, fused, passes = kvzip_prefill(monkeypatch, args, fused=True)
+    reference, after, reference_passes = kvzip_prefill(monkeypatch, args, fused=False)
+    assert passes == (PROMPT // int(chunk) if int(chunk) else 1) and reference_passes == passes + 1
     assert torch.allclose(logits, reference, atol=1e-4)
-    for layer, ((h_fused, k_fused, v_fused), (h_ref, k_ref, v_ref)) in enumerate(zip(*held, strict=True)):
+    for layer, ((h_fused, k_fused, v_fused), (h_ref, k_ref, v_ref)) in enumerate(zip(fused, after, strict=True)):
         assert h_fused == h_ref, f"layer {layer}"
         assert torch.allclose(k_fused, k_ref, atol=1e-5) and torch.allclose(v_fused, v_ref, atol=1e-5), f"layer {layer}"
 
