@@ -47,13 +47,15 @@ class _AnswerRow(_Row):
 
 
 def _run_rows(rt: Runtime, jobs: list[AnswerJob], timings: Timings, kind: type[_Row], chunk: bool,
-              begin: Callable[[int, _Row, Tensor], None], advance: Callable[[int, _Row, Tensor, int], None],
-              done: Callable[[int], None] | None) -> list:
+              begin: Callable[[int, _Row, Tensor], None],
+              advance: Callable[[int, _Row, Tensor, int, float | None], None], done: Callable[[int], None] | None,
+              wanted: Callable[[_Row], int | None] | None = None) -> list:
     """The row loop of greedy_answers and option_logliks_rows, on caches of B rows. Each row holds one item
     at a time: rows free at the same time take the next items and prefill them together (_start_rows), and
     `begin(b, row, logits)` takes each one's logits [vocab] after what went in; every row is then fed its
-    `token` in one decode step, each at its own position, and `advance(b, row, logits, top)` takes that row's
-    logits [vocab] and their argmax (the rows' argmaxes read in one host sync a step, not one a row). When an
+    `token` in one decode step, each at its own position, and `advance(b, row, logits, top, logp)` takes that
+    row's logits [vocab], their argmax and the log-probability of the token `wanted(row)` names (None where it
+    names none); the rows' argmaxes and log-probabilities are read in one host sync a step, not one a row. When an
     item is done (its `result` set, with its statistics taken before anything else reaches its cache) its row
     takes the next item; with none left it idles on a one-token placeholder (positions stay small), no longer
     counted. When one item is left it decodes alone in its row context (eager; a compiled step keeps stepping
@@ -88,15 +90,29 @@ def _run_rows(rt: Runtime, jobs: list[AnswerJob], timings: Timings, kind: type[_
     fill(list(range(len(slots))))
     while active := [b for b, row in enumerate(slots) if row.job is not None and row.result is None]:
         logits = _step_rows(rt, slots, active, timings)
-        top = logits.argmax(dim=-1).tolist()
+        top, logp = _read_step(logits, {b: wanted(slots[b]) for b in active} if wanted else {})
         stopped = []
         for b in active:
-            advance(b, slots[b], logits[b], top[b])
+            advance(b, slots[b], logits[b], top[b], logp.get(b))
             if slots[b].result is not None:
                 finish(slots[b])
                 stopped.append(b)
         fill(stopped)
     return results
+
+
+def _read_step(logits: Tensor, wanted: dict[int, int | None]) -> tuple[list[int], dict[int, float]]:
+    """A step's argmax of every row, and row b's log-probability of token wanted[b] where one is named, read off
+    the device together (one host sync)."""
+    top = logits.argmax(dim=-1)
+    rows = [b for b, token in wanted.items() if token is not None]
+    if not rows:
+        return top.tolist(), {}
+    index = torch.tensor(rows, device=logits.device)
+    tokens = torch.tensor([wanted[b] for b in rows], device=logits.device)
+    logp = torch.log_softmax(logits[index].float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    values = torch.cat([top.double(), logp.double()]).tolist()  # argmaxes are exact in float64
+    return [int(t) for t in values[: len(top)]], dict(zip(rows, values[len(top):], strict=True))
 
 
 def greedy_answers(rt: Runtime, jobs: list[AnswerJob], max_new_tokens: int, timings: Timings, chunk: bool = False,
@@ -118,7 +134,7 @@ def greedy_answers(rt: Runtime, jobs: list[AnswerJob], max_new_tokens: int, timi
         if row.pos == len(row.job.ids):
             next_token(b, row, int(logits.argmax()))
 
-    def advance(b: int, row: _AnswerRow, logits: Tensor, top: int) -> None:
+    def advance(b: int, row: _AnswerRow, logits: Tensor, top: int, logp: float | None) -> None:
         row.pos += 1
         if row.pos < len(row.job.ids):
             row.token = row.job.ids[row.pos]
@@ -145,7 +161,7 @@ def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[l
     last option left them). A row saves its caches after the prompt and restores them before each option."""
     model = rt.model
 
-    def logp(logits: Tensor, token: int) -> float:
+    def first_logp(logits: Tensor, token: int) -> float:  # an option's first token, scored off the prompt's logits
         return float(torch.log_softmax(logits.float(), dim=-1)[token])
 
     def settle(b: int, row: _OptionsRow) -> None:
@@ -163,7 +179,7 @@ def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[l
                 for cache, buffers in zip(model.caches(), row.saved, strict=True):
                     for buf, kept in zip(cache.buffers(), buffers, strict=True):
                         buf.copy_(kept)
-            row.total, row.scored = logp(row.prompt_logits, option[0]), 1
+            row.total, row.scored = first_logp(row.prompt_logits, option[0]), 1
             settle(b, row)
             return
         row.token, row.pos = option[row.scored - 1], len(row.job.ids) + row.scored - 1
@@ -179,7 +195,11 @@ def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[l
         if row.pos == len(row.job.ids):
             prompt_done(b, row, logits)
 
-    def advance(b: int, row: _OptionsRow, logits: Tensor, top: int) -> None:
+    def wanted(row: _OptionsRow) -> int | None:
+        """The option token this step's logits score (None while the row is fed its prompt)."""
+        return None if row.prompt_logits is None else row.options[len(row.scores)][row.scored]
+
+    def advance(b: int, row: _OptionsRow, logits: Tensor, top: int, logp: float | None) -> None:
         if row.prompt_logits is None:
             row.pos += 1
             if row.pos < len(row.job.ids):
@@ -187,11 +207,11 @@ def option_logliks_rows(rt: Runtime, jobs: list[AnswerJob], options: list[list[l
             else:
                 prompt_done(b, row, logits)
             return
-        row.total += logp(logits, row.options[len(row.scores)][row.scored])
+        row.total += logp
         row.scored += 1
         settle(b, row)
 
-    return _run_rows(rt, jobs, timings, _OptionsRow, False, begin, advance, done)
+    return _run_rows(rt, jobs, timings, _OptionsRow, False, begin, advance, done, wanted)
 
 
 def _start_rows(rt: Runtime, taken: list[tuple[int, int]], jobs: list[AnswerJob], timings: Timings, chunk: bool,
