@@ -198,9 +198,22 @@ class LagKVCache(KVCache):
         if 2 * self.lag < held.shape[-1]:
             self.score_closed_partition(keys, values, target, ref, completes)
             return
-        ranks = partition_lag_scores([keys, values], target, ref, self.lag, ranked=not self.pooled)
-        update = completes & target & ref.any(dim=-1, keepdim=True)
-        self.lag_score.copy_(torch.where(update, ranks, self.lag_score))
+        lag, ranked = self.lag, not self.pooled
+
+        def rescore(keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor,
+                    scores: Tensor) -> Tensor:
+            ranks = partition_lag_scores([keys, values], target, ref, lag, ranked)
+            return torch.where(completes & target & ref.any(dim=-1, keepdim=True), ranks, scores)
+
+        def unchanged(keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor,
+                      scores: Tensor) -> Tensor:
+            return scores.clone()  # a branch of torch.cond may not return its input itself
+
+        operands = (keys, values, target, ref, completes, self.lag_score)
+        if torch.compiler.is_compiling() and keys.device.type == "cpu":  # as in score_closed_partition
+            self.lag_score.copy_(torch.cond(completes.any(), rescore, unchanged, operands))
+        else:
+            self.lag_score.copy_(rescore(*operands))
 
     def score_closed_partition(self, keys: Tensor, values: Tensor, target: Tensor, ref: Tensor,
                                completes: Tensor) -> None:

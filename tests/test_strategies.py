@@ -117,10 +117,14 @@ def test_matrix_compiled_no_recompilation(strategy, storage, budget):
     """Compiled decode equals eager decode step for step, with one graph and no recompilation. Prepared
     before the prompt as generate.py prepares it, so every step after the first runs with dynamo's guard
     evaluation skipped (CompiledDecodeStep): a cache whose decode changed what a guard reads would show here."""
+    assert_compiled_equals_eager(cache_args(strategy, BUDGETS[budget], storage), storage)
+
+
+def assert_compiled_equals_eager(args, storage: str = "dense") -> None:
+    """test_matrix_compiled_no_recompilation's check for any cache flags (one layer)."""
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
     ref_k, ref_v = reference_kv(model, ids)
-    args = cache_args(strategy, BUDGETS[budget], storage)
     attach(model, args)
     eager_held = []
     layer0 = model.layers[0].attention

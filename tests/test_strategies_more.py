@@ -20,7 +20,7 @@ from rope import apply_rope
 from strategies.kvzip import reconstruction_scores, set_repeat_prompt, supply_reconstruction_scores
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
-from tests.test_strategies import evictions, layer0_queries, reference_kv, unprotected
+from tests.test_strategies import assert_compiled_equals_eager, evictions, layer0_queries, reference_kv, unprotected
 from tests.test_strategies_recent import BUDGET, assert_evicts_lowest, assert_prompt_kept_best
 
 # ---- naive attention -------------------------------------------------------------------------------------------
@@ -320,6 +320,16 @@ def test_lagkv_ranks_each_partition_against_the_next_and_evicts_the_lowest_rank(
                 ref = sorted(x for x in a if x >= GLOBAL and partition(x) == c)
                 frozen[h].update(naive_partition_scores([ref_k[h], ref_v[h]], target, ref, lag))
     assert checked > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [4, 8])
+def test_lagkv_compiled_equals_eager_in_both_scoring_paths(lag):
+    """16 slots: partitions of 4 are rescored over their 2 × 4 slots (score_closed_partition), partitions of 8
+    over every slot (2 × 8 is not below 16); on the CPU both run under torch.cond when compiled, the scoring
+    only at the steps that close a partition. The compiled step keeps the eager step's positions at every step,
+    with one graph."""
+    assert_compiled_equals_eager(cache_args("lagkv", str(BUDGET), "dense", "--lag_size", str(lag)))
 
 
 def test_lag_size_out_of_range_is_a_user_error():
