@@ -8,7 +8,9 @@ each with the budget its own length gives), once prompt by prompt, and, for refe
 with transformers' own cache (no eviction). The three alternate for `--rounds` rounds, the order rotating
 every round, in one process. Reported: generated tokens per second of each (median round), the batch's
 speed-up over one by one, and whether every row's tokens equal the prompt's alone (they must: the batched
-cache prefills each row without its padding). Numbers are reported, never asserted.
+cache prefills each row without its padding). With `--prefill_chunk N` every arm feeds its prompts through
+transformers' chunked prefill (`prefill_chunk_size=N`), the eviction caches made with `--prefill_chunk N`
+(a padded batch's rows each cut at their own chunk boundaries). Numbers are reported, never asserted.
 
     OMP_NUM_THREADS=2 python -m benchmarks.adapter_batching --prompts 8 --max_new_tokens 32
 """
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min_tokens", type=count(), default=96, help="the shortest prompt; each next is 16 longer")
     parser.add_argument("--max_new_tokens", type=count(), default=32)
     parser.add_argument("--rounds", type=count(), default=3, help="batched and one-by-one runs, alternating")
+    parser.add_argument("--prefill_chunk", type=count(2), default=None,
+                        help="prompts through transformers' chunked prefill, this many tokens at a time")
     parser.add_argument("--out", default=None, help="JSON report")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
@@ -60,15 +64,16 @@ def prompts_of(tokenizer, n: int, shortest: int) -> list[list[int]]:
     return [ids[i * step : i * step + shortest + 16 * i] for i in range(n)]
 
 
-def generate_rows(model, prompts: list[list[int]], cache, new: int) -> list[list[int]]:
-    """One generate call over the prompts, left-padded with id 0 (masked)."""
+def generate_rows(model, prompts: list[list[int]], cache, new: int, chunk: int | None = None) -> list[list[int]]:
+    """One generate call over the prompts, left-padded with id 0 (masked); the prompt `chunk` tokens at a time
+    (None: at once)."""
     from transformers_adapter import left_padded
 
     x, mask = left_padded(prompts)
     T = x.shape[1]
     with torch.inference_mode():
         out = model.generate(x, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+                             do_sample=False, eos_token_id=None, pad_token_id=0, prefill_chunk_size=chunk)
     return out[:, T:].tolist()
 
 
@@ -93,8 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
         check_writable(args.out, args.overwrite, "--out")
     from transformers_adapter import make_cache, parse_cache_flags
 
+    chunk = args.prefill_chunk
     flags = parse_cache_flags(["--cache_strategy", args.cache_strategy, "--max_cache_length",
-                               str(args.max_cache_length)])
+                               str(args.max_cache_length), *(["--prefill_chunk", str(chunk)] if chunk else [])])
     model, tokenizer = load_model()
     prompts = prompts_of(tokenizer, args.prompts, args.min_tokens)
     new = args.max_new_tokens
@@ -106,16 +112,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     def batched() -> tuple[float, list[list[int]]]:
         cache = make_cache(model, flags, [len(p) for p in prompts], new, tokenizer=tokenizer)
-        return timed(lambda: generate_rows(model, prompts, cache, new))
+        return timed(lambda: generate_rows(model, prompts, cache, new, chunk))
 
     def one_by_one() -> tuple[float, list[list[int]]]:
         caches = [make_cache(model, flags, len(p), new, tokenizer=tokenizer) for p in prompts]
-        return timed(lambda: [generate_rows(model, [p], c, new)[0] for p, c in zip(prompts, caches, strict=True)])
+        return timed(lambda: [generate_rows(model, [p], c, new, chunk)[0]
+                              for p, c in zip(prompts, caches, strict=True)])
 
     def full_batched() -> tuple[float, list[list[int]]]:  # transformers' own cache (no eviction): the reference
-        return timed(lambda: generate_rows(model, prompts, None, new))
+        return timed(lambda: generate_rows(model, prompts, None, new, chunk))
 
-    generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), new), 2)  # warm-up, not counted
+    generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), new), 2, chunk)  # warm-up, not counted
     rounds = alternate({"batched": batched, "one_by_one": one_by_one, "full_batched": full_batched}, args.rounds)
     tokens = len(prompts) * new
 
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         return tokens / statistics.median(r[f"{arm}_s"] for r in rounds)
 
     report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length,
-              "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
+              "prefill_chunk": chunk, "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+              "max_new_tokens": new,
               "threads": torch.get_num_threads(), "batched_tok_s": tok_s("batched"),
               "one_by_one_tok_s": tok_s("one_by_one"), "transformers_cache_batched_tok_s": tok_s("full_batched"),
               "median_speedup": statistics.median(r["one_by_one_s"] / r["batched_s"] for r in rounds),
