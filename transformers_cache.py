@@ -49,9 +49,9 @@ class EvictionLayer(CacheLayerMixin):
         # A padded batch's chunked prefill (EvictionCache.plan_row_chunks): per row, (its tokens before this
         # forward, its tokens in it); None otherwise. Each row's own chunks are cut every `prefill_chunk` of its
         # tokens, and a chunk that spans two forwards keeps its first part's (q, k, v) in `pending` until it is
-        # complete; `row_lengths` are the rows' prompt lengths, `positions_fed` the padded positions fed so far.
+        # complete (its rows' prompt lengths: `prompt_rows`); `positions_fed`: the padded positions fed so far.
         self.row_chunk_plan: list[tuple[int, int]] | None = None
-        self.prefill_chunk, self.row_lengths, self.positions_fed = 0, [], 0
+        self.prefill_chunk, self.positions_fed = 0, 0
         self.pending: list[tuple[Tensor, Tensor, Tensor] | None] = []
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -169,7 +169,7 @@ class EvictionLayer(CacheLayerMixin):
         forward; causal, so the same outputs), and, once the chunk is complete, the chunk into the cache. A
         chunk of one token that ends the row's prompt is a decode step, as it is alone."""
         n, end = q.shape[2], fed + q.shape[2]
-        if n == 1 and fed % self.prefill_chunk == 0 and end == self.row_lengths[b]:
+        if n == 1 and fed % self.prefill_chunk == 0 and end == self.prompt_rows[b]:
             self.cache.end_chunked_prefill()
             self.cache.insert(self.seen(), k, v)
             return self._attend_slots(q, self.cache.mask)
@@ -181,7 +181,7 @@ class EvictionLayer(CacheLayerMixin):
             y = prompt_attention(q, k, v, self.sliding_window)
         else:
             y = self._attend_held(q, k, v, input_pos)
-        complete = end % self.prefill_chunk == 0 or end == self.row_lengths[b]
+        complete = end % self.prefill_chunk == 0 or end == self.prompt_rows[b]
         if complete:
             self.cache.prefill_chunk_tokens(input_pos, k, v, q)
         self.pending[b] = None if complete else (q, k, v)
@@ -315,7 +315,7 @@ class EvictionCache(Cache):
                             f"given to make_cache ({self.prompt_lengths}), and the prompts' own differ; make the "
                             "cache with each prompt's length")
         for layer in self.layers:
-            layer.prompt_rows = layer.row_lengths = list(self.prompt_lengths)
+            layer.prompt_rows = list(self.prompt_lengths)
             layer.prefill_chunk, layer.positions_fed = self.prefill_chunk, 0
             layer.pending = [None] * self.batch_size
             layer.padding.copy_(torch.tensor([padded - n for n in self.prompt_lengths], dtype=torch.long))

@@ -151,11 +151,16 @@ def is_finished(path: Path) -> bool:
     return metrics is not None and damage(path, metrics) is None
 
 
+def refuse_file_as_out_dir(path: Path) -> None:
+    """--out_dir naming a file: refused in those words (mkdir's "File exists" would not say what is wrong)."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out_dir {path} is not a directory")
+
+
 def check_out_dir(path: str | Path) -> Path:
     """Create the output directory and prove it is writable, before any model is loaded."""
     path = Path(path)
-    if path.exists() and not path.is_dir():  # mkdir's "File exists" would not say what is wrong
-        raise UserError(f"--out_dir {path} is not a directory")
+    refuse_file_as_out_dir(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe"):

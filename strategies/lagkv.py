@@ -33,6 +33,8 @@ once, as at decode (its tokens are all present then, unless the unscored tail ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -114,6 +116,17 @@ def virtual_lag_scores(states: list[Tensor], positions: Tensor, end: int, sinks:
     return scores
 
 
+def when_closing(completes: Tensor, rescore: Callable, unchanged: Callable, operands: tuple[Tensor, ...]):
+    """rescore(*operands), the decode step's partition scoring, which changes scores only where a row closes a
+    partition (`completes`). A compiled CPU step branches on that under `torch.cond` (inductor evaluates it in
+    the generated code, no graph break), running `unchanged` (the same outputs, untouched) the other lag − 1
+    steps in lag; a GPU's step stays branch-free (a CUDA graph replays it, and the condition would need the
+    host)."""
+    if torch.compiler.is_compiling() and operands[0].device.type == "cpu":
+        return torch.cond(completes.any(), rescore, unchanged, operands)
+    return rescore(*operands)
+
+
 @register_strategy
 class LagKVCache(KVCache):
     name = "lagkv"
@@ -186,7 +199,7 @@ class LagKVCache(KVCache):
         held = self.mask[:, :, 0]
         if held.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(completes.any()):
             # An eager CPU step that closes no partition (lag − 1 steps in lag) changes no score: skip the
-            # scoring (a compiled CPU step branches in score_closed_partition; a GPU's would pay a sync).
+            # scoring (a compiled CPU step branches in when_closing; a GPU's would pay a sync).
             return
         pos = self.pos.expand_as(held)
         part = torch.div(pos - self.global_tokens, self.lag, rounding_mode="floor")
@@ -197,7 +210,11 @@ class LagKVCache(KVCache):
             keys, values = keys.expand(-1, held.shape[1], -1, -1), values.expand(-1, held.shape[1], -1, -1)
         if 2 * self.lag < held.shape[-1]:
             self.score_closed_partition(keys, values, target, ref, completes)
-            return
+        else:
+            self.score_every_slot(keys, values, target, ref, completes)
+
+    def score_every_slot(self, keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor) -> None:
+        """`after_insert`'s scoring over every slot (2 · lag slots or more would not be fewer)."""
         lag, ranked = self.lag, not self.pooled
 
         def rescore(keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor,
@@ -209,11 +226,8 @@ class LagKVCache(KVCache):
                       scores: Tensor) -> Tensor:
             return scores.clone()  # a branch of torch.cond may not return its input itself
 
-        operands = (keys, values, target, ref, completes, self.lag_score)
-        if torch.compiler.is_compiling() and keys.device.type == "cpu":  # as in score_closed_partition
-            self.lag_score.copy_(torch.cond(completes.any(), rescore, unchanged, operands))
-        else:
-            self.lag_score.copy_(rescore(*operands))
+        self.lag_score.copy_(when_closing(completes, rescore, unchanged, (keys, values, target, ref, completes,
+                                                                          self.lag_score)))
 
     def score_closed_partition(self, keys: Tensor, values: Tensor, target: Tensor, ref: Tensor,
                                completes: Tensor) -> None:
@@ -221,9 +235,8 @@ class LagKVCache(KVCache):
         tokens, so `lag` slots each (their members first, then slots masked out) carry every score the rule
         reads, and a step reads 2 · lag slots' keys and values instead of every slot's (the same ranks).
 
-        A compiled CPU step runs it under `torch.cond` on whether any row closes a partition, so the other
-        lag − 1 steps in lag only rewrite `lag` scores with themselves; a GPU's step stays branch-free (a CUDA
-        graph replays it, and the condition would need the host)."""
+        Under when_closing, so a compiled CPU step's other lag − 1 steps in lag only rewrite `lag` scores with
+        themselves."""
         lag, ranked = self.lag, not self.pooled
 
         def rescore(keys: Tensor, values: Tensor, target: Tensor, ref: Tensor, completes: Tensor,
@@ -243,9 +256,6 @@ class LagKVCache(KVCache):
             slots = torch.arange(lag, device=scores.device).expand(*target.shape[:2], lag).contiguous()
             return slots, scores.gather(2, slots)
 
-        operands = (keys, values, target, ref, completes, self.lag_score)
-        if torch.compiler.is_compiling() and keys.device.type == "cpu":
-            slots, new = torch.cond(completes.any(), rescore, unchanged, operands)
-        else:
-            slots, new = rescore(*operands)
+        slots, new = when_closing(completes, rescore, unchanged, (keys, values, target, ref, completes,
+                                                                  self.lag_score))
         scatter_slots(self.lag_score, 2, slots, new)

@@ -100,6 +100,11 @@ def test_a_compiled_step_scatters_into_no_slot_state(strategy, allocation, monke
         prefill(model, ids[:, :PROMPT])
         writes = ScatterWrites()
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        # A compiled CPU step's branches (lagkv's torch.cond), taken eagerly: an eager torch.cond would trace its
+        # branches with dynamo while is_compiling is patched, and dynamo keeps the patched function as the one it
+        # folds to True, so every later compile in this process would fail on the real one.
+        monkeypatch.setattr(torch, "cond", lambda pred, true_fn, false_fn, operands:
+                            true_fn(*operands) if bool(pred) else false_fn(*operands))
         with writes:
             for p in range(PROMPT, PROMPT + 4):  # past the budget's 20 slots: the steps evict
                 decode_one_token(model, ids[:, p : p + 1], torch.tensor([p]))

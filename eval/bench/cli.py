@@ -49,7 +49,7 @@ from eval.bench.report import (
     summarize_targets,
 )
 from eval.data import pydoc_corpus
-from eval.results import check_out_dir
+from eval.results import check_out_dir, refuse_file_as_out_dir
 from flag_types import POSITIVE, count, explicit_dests, refuse_unused
 from strategies import CACHE_STRATEGIES
 from weight_arena import transparent_huge_pages
@@ -241,8 +241,7 @@ def check_values(args: argparse.Namespace) -> list[str]:
 
 
 def refuse_existing_report(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out_dir {out_dir} is not a directory")
+    refuse_file_as_out_dir(out_dir)
     if (out_dir / "bench.json").exists() and not overwrite:
         raise UserError(f"{out_dir / 'bench.json'} exists; pass --overwrite or another --out_dir")
 
