@@ -12,7 +12,8 @@ prefill speed of at least half the one-shot speed at the same length. `--profile
 rows of those lengths once more under torch.profiler and reports where the time went, by kind of work
 (eval.bench.profile's kinds: the weights' products, attention, copies and fills, ...). With `--rerotate_positions` the
 lengths may exceed the model's context: chunks then run at RoPE ranks below budget + chunk, and lengths
-past the context (or past `--one_shot_max`) are measured chunked only. Linux only on the CPU (/proc).
+past the context (or past `--one_shot_max`) are measured chunked only; a strategy that cannot prefill in chunks
+(hybrid, kvzip) is measured one shot only. Linux only on the CPU (/proc).
 
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory                     # budget 256, 1k..4k tokens
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --lengths 1024 8192 --strategies recent_global
@@ -300,10 +301,27 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
               "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
               "budget": args.budget,
               "rerotate_positions": args.rerotate_positions}
-    return [{**source, "strategy": strategy, "length": length, "chunk": chunk,
-             "profile": length in args.profile_lengths}
-            for strategy in args.strategies for length in args.lengths for chunk in (0, args.chunk)
-            if chunk or length <= one_shot_max]
+    chunked = {strategy: chunks_refused(strategy, source, args.chunk) is None for strategy in args.strategies}
+    specs = [{**source, "strategy": strategy, "length": length, "chunk": chunk,
+              "profile": length in args.profile_lengths}
+             for strategy in args.strategies for length in args.lengths for chunk in (0, args.chunk)
+             if (chunk and chunked[strategy]) or (not chunk and length <= one_shot_max)]
+    if idle := [s for s in args.strategies if not any(spec["strategy"] == s for spec in specs)]:
+        raise UserError(f"nothing to measure for {', '.join(idle)}: it prefills one shot only, and every length is "
+                        f"past the one-shot limit of {one_shot_max} tokens")
+    return specs
+
+
+def chunks_refused(strategy: str, source: dict, chunk: int) -> str | None:
+    """Why `strategy` cannot prefill in chunks (its rows are then one-shot only, said on stderr), or None; a
+    strategy the cache flags refuse altogether is refused here, before any run."""
+    cache_config(cache_flags({**source, "strategy": strategy, "chunk": 0}))
+    try:
+        cache_config(cache_flags({**source, "strategy": strategy, "chunk": chunk}))
+    except UserError as e:
+        print(f"{strategy}: one-shot rows only ({e})", file=sys.stderr)
+        return str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

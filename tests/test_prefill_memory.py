@@ -125,3 +125,13 @@ def test_a_small_run_through_transformers_end_to_end(tmp_path):
         (48, None, "transformers"), (48, 32, "transformers")]
     assert all(r["peak_bytes"] >= r["before_bytes"] > 0 and r["prefill_tokens_per_second"] > 0 for r in rows)
     assert "chunks of 32, transformers' generate" in proc.stdout
+
+
+def test_a_strategy_that_cannot_prefill_in_chunks_is_measured_one_shot_only(capsys):
+    assert planned("--strategies", "kvzip", "recent_global", "--lengths", "1024", "--chunk", "256") == [
+        ("kvzip", 1024, 0), ("recent_global", 1024, 0), ("recent_global", 1024, 256)]
+    assert "kvzip: one-shot rows only (--prefill_chunk: the kvzip cache cannot" in capsys.readouterr().err
+    with pytest.raises(UserError, match="nothing to measure for hybrid: it prefills one shot only"):
+        planned("--strategies", "hybrid", "--lengths", "8192", "--one_shot_max", "4096")
+    with pytest.raises(UserError, match="no_such_strategy"):  # refused before any run, not in the run's process
+        planned("--strategies", "recent_global", "no_such_strategy")
