@@ -337,8 +337,9 @@ def teacher_force(
     (batching.reference_hidden) rather than a second decode. Where a row's caches are still lossless
     (every token held at full precision: batching.step_compression) its own logits are exact attention
     and stand as the reference, so the KL is exactly 0 until the first loss, not the two kernels' float
-    noise; the baseline run (reference_is_run) is its own reference throughout. Positions
-    n_prompt..len-1 are scored; nothing of vocabulary size is kept beyond a chunk of reference logits.
+    noise. The baseline run (reference_is_run) is not decoded at all: see exact_attention_traces.
+    Positions n_prompt..len-1 are scored; nothing of vocabulary size is kept beyond a chunk of reference
+    logits.
     """
     model, device = rt.model, rt.device
     n, rows = len(windows[0]), len(windows)
@@ -347,7 +348,9 @@ def teacher_force(
     ids = torch.tensor(windows, device=device)
     specs = cache_specs(rt, rt.args, n_prompt, n - n_prompt)
     n_prefill = prefill_length(n_prompt, n_prompt, True, decode_first_token, prefill_limit(rt, specs))
-    reference = None if reference_is_run(rt.args) else ReferenceLogits(model, reference_hidden(model, ids))
+    if reference_is_run(rt.args):
+        return exact_attention_traces(rt, ids, specs, n_prompt, n_prefill, timings, bar)
+    reference = ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
     model.reset_caches()
     t0 = time.perf_counter()
@@ -362,22 +365,80 @@ def teacher_force(
         if pos >= n_prompt:  # the logits in hand predict token `pos`
             compression, lossless = step_compression(ours)
             lossy = [d or not ok for d, ok in zip(lossy, lossless, strict=True)]
-            ref = logits if reference is None else reference.at(pos - 1)
-            if reference is not None and not all(lossy):
+            ref = reference.at(pos - 1)
+            if not all(lossy):
                 ref = torch.where(torch.tensor(lossy, device=device)[:, None], ref, logits)
-            scores = rows_fidelity(ref, logits, ids[:, pos])
-            for r, trace in enumerate(traces):
-                kl, agree, nll_full, nll = (values[r] for values in scores)
-                for values, v in ((trace.positions, pos), (trace.kl, kl), (trace.agree, agree),
-                                  (trace.nll_full, nll_full), (trace.nll, nll), (trace.compression, compression[r])):
-                    values.append(v)
-            if bar is not None:
-                bar.update(rows)
+            score_position(traces, pos, ref, logits, ids[:, pos], compression, bar)
         if pos == n - 1:
             break
         logits = timed_step(rt, ids[:, pos: pos + 1], pos, timings)
+    return finish_traces(model, traces)
+
+
+def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec], n_prompt: int, n_prefill: int,
+                           timings: Timings, bar: object = None) -> list[tuple[FidelityTrace, dict]]:
+    """teacher_force for the baseline run, the full cache itself: its logits at every position are exact
+    attention, which one causal forward pass per window gives (equal to decoding token by token within float
+    noise: tests/test_eval_fidelity.py), so KL is 0 and agreement 1 by definition, and the window is not
+    decoded step by step (a 2048-token window: two forward passes and 32 steps instead of ~1900 steps). Its
+    caches take the prefill (what was kept is recorded), then the tokens decoding would feed (all but the last)
+    as appended chunks, except `SPEED_SAMPLE_STEPS` decode steps in the middle that time its decode speed: a
+    full cache's step costs an affine function of its length, so the step at the window's middle costs the
+    mean of the steps decoding the window would take."""
+    model, device = rt.model, rt.device
+    rows, n = ids.shape
+    reference = ReferenceLogits(model, reference_hidden(model, ids))
+    ours = attach_caches(rt, specs, n, rows)
+    model.reset_caches()
+    t0 = time.perf_counter()
+    prefill(model, ids[:, :n_prefill])
+    sync(device)
+    timings.prefill_tokens += rows * n_prefill
+    timings.prefill_seconds += time.perf_counter() - t0
+    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(ours, r)) for r in range(rows)]
+    rt.kept = traces[-1].kept
+    steps = min(SPEED_SAMPLE_STEPS, n - 1 - n_prefill)
+    middle = n_prefill + (n - 1 - n_prefill - steps) // 2
+    append_chunk(model, ids, n_prefill, middle)
+    for pos in range(middle, middle + steps):
+        timed_step(rt, ids[:, pos: pos + 1], pos, timings)
+    append_chunk(model, ids, middle + steps, n - 1)
+    compression, lossless = step_compression(ours)
+    if not all(lossless):
+        raise RuntimeError(f"the baseline's caches lost tokens ({compression}): it is not the full cache")
+    for pos in range(n_prompt, n):
+        logits = reference.at(pos - 1)
+        score_position(traces, pos, logits, logits, ids[:, pos], compression, bar)
+    return finish_traces(model, traces)
+
+
+# Decode steps that time the baseline's decode speed in exact_attention_traces.
+SPEED_SAMPLE_STEPS = 32
+
+
+def append_chunk(model: Transformer, ids: Tensor, start: int, stop: int) -> None:
+    """Feed ids[:, start:stop] into caches with room for them, in one forward step (KVCache.append)."""
+    if stop > start:
+        model(ids[:, start:stop], torch.arange(start, stop, device=ids.device), last_logits_only=True, append=True)
+
+
+def score_position(traces: list[FidelityTrace], pos: int, ref: Tensor, logits: Tensor, targets: Tensor,
+                   compression: list[float], bar: object = None) -> None:
+    """Each row's fidelity at `pos`: the logits in hand (after feeding pos − 1) against the reference's."""
+    scores = rows_fidelity(ref, logits, targets)
+    for r, trace in enumerate(traces):
+        kl, agree, nll_full, nll = (values[r] for values in scores)
+        for values, v in ((trace.positions, pos), (trace.kl, kl), (trace.agree, agree),
+                          (trace.nll_full, nll_full), (trace.nll, nll), (trace.compression, compression[r])):
+            values.append(v)
+    if bar is not None:
+        bar.update(len(traces))
+
+
+def finish_traces(model: Transformer, traces: list[FidelityTrace]) -> list[tuple[FidelityTrace, dict]]:
+    """The traces with each row's cache statistics, the caches detached."""
     stats = []
-    for r in range(rows):
+    for r in range(len(traces)):
         with model.cache_row(r):  # row r alone, a batch-1 cache: its statistics as a batch-1 run measures them
             stats.append(measure_caches(model.caches()))
     model.remove_caches()

@@ -33,6 +33,34 @@ def test_full_cache_gives_exactly_zero_kl_and_full_agreement(tiny_dir, decode_fi
     assert out.stats["compression_ratio"] == 0.0 and out.config["windows"] == 2
 
 
+@pytest.mark.parametrize("decode_first_token", [False, True])
+def test_the_baseline_from_one_forward_equals_decoding_it_token_by_token(tiny_dir, monkeypatch, decode_first_token):
+    """The baseline run (the full cache) is scored from one causal forward pass per window, not decoded: its
+    metrics, kept positions and cache statistics equal those of decoding it through the full cache token by
+    token (the general path, its own logits the reference while lossless), NLL within 1e-4."""
+    import eval.harness as harness
+
+    flags = ["--text_file", str(PYDOC_EXCERPT), "--seq_len", "80", "--prefill_tokens", "24", "--limit", "3",
+             "--batch_size", "2", *(["--decode_first_token"] if decode_first_token else [])]
+    fast = run_fidelity(tiny_runtime(tiny_dir, *flags))
+    monkeypatch.setattr(harness, "exact_attention_traces", lambda *a, **k: pytest.fail("decoded path expected"))
+    monkeypatch.setattr(harness, "reference_is_run", lambda args: False)
+    decoded = run_fidelity(tiny_runtime(tiny_dir, *flags))
+    assert 0 < fast.timings.decode_tokens < decoded.timings.decode_tokens
+    assert [(p["window"], p["position"], p["token"], p["kl"], p["top1_agree"]) for p in fast.predictions] == [
+        (p["window"], p["position"], p["token"], p["kl"], p["top1_agree"]) for p in decoded.predictions]
+    assert all(p["kl"] == 0.0 and p["nll"] == p["nll_full"] for p in fast.predictions)
+    assert [p["nll"] for p in fast.predictions] == pytest.approx([p["nll"] for p in decoded.predictions], abs=1e-4)
+    assert fast.stats == decoded.stats and fast.stats["compression_ratio"] == 0.0
+    for a, b in zip(fast.items, decoded.items, strict=True):
+        assert a["metrics"]["compression_ratio_scored_mean"] == b["metrics"]["compression_ratio_scored_mean"] == 0.0
+        assert a["n_prefill"] == b["n_prefill"]
+    def kept(items: list[dict]) -> list:
+        return [[layer.tolist() for layer in item["kept_positions"]] for item in items]
+
+    assert kept(fast.items) == kept(decoded.items)
+
+
 def test_scored_positions_match_one_full_forward_pass(tiny_dir):
     rt = tiny_runtime(tiny_dir)
     ids = [int(b) for b in PYDOC_EXCERPT.read_bytes()[:120]]
