@@ -380,11 +380,11 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     """teacher_force for the baseline run, the full cache itself: its logits at every position are exact
     attention, which one causal forward pass per window gives (equal to decoding token by token within float
     noise: tests/test_eval_fidelity.py), so KL is 0 and agreement 1 by definition, and the window is not
-    decoded step by step (a 2048-token window: two forward passes and 32 steps instead of ~1900 steps). Its
-    caches take the prefill (what was kept is recorded), then the tokens decoding would feed (all but the last)
-    as appended chunks, except `SPEED_SAMPLE_STEPS` decode steps in the middle that time its decode speed: a
-    full cache's step costs an affine function of its length, so the step at the window's middle costs the
-    mean of the steps decoding the window would take."""
+    decoded step by step (a 2048-token window: a few forward passes and 32 steps instead of ~1900 steps).
+    Its caches are prefilled three times: the prefill (what was kept is recorded); up to the window's middle,
+    where `SPEED_SAMPLE_STEPS` decode steps time its decode speed (a full cache's step costs an affine function
+    of its length, so the step at the window's middle costs the mean of the steps decoding the window takes);
+    and every token decoding would feed (all but the last), whose caches are measured."""
     model, device = rt.model, rt.device
     rows, n = ids.shape
     reference = ReferenceLogits(model, reference_hidden(model, ids))
@@ -399,10 +399,12 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     rt.kept = traces[-1].kept
     steps = min(SPEED_SAMPLE_STEPS, n - 1 - n_prefill)
     middle = n_prefill + (n - 1 - n_prefill - steps) // 2
-    append_chunk(model, ids, n_prefill, middle)
+    model.reset_caches()
+    prefill(model, ids[:, :middle])
     for pos in range(middle, middle + steps):
         timed_step(rt, ids[:, pos: pos + 1], pos, timings)
-    append_chunk(model, ids, middle + steps, n - 1)
+    model.reset_caches()
+    prefill(model, ids[:, : n - 1])
     compression, lossless = step_compression(ours)
     if not all(lossless):
         raise RuntimeError(f"the baseline's caches lost tokens ({compression}): it is not the full cache")
@@ -414,12 +416,6 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
 
 # Decode steps that time the baseline's decode speed in exact_attention_traces.
 SPEED_SAMPLE_STEPS = 32
-
-
-def append_chunk(model: Transformer, ids: Tensor, start: int, stop: int) -> None:
-    """Feed ids[:, start:stop] into caches with room for them, in one forward step (KVCache.append)."""
-    if stop > start:
-        model(ids[:, start:stop], torch.arange(start, stop, device=ids.device), last_logits_only=True, append=True)
 
 
 def score_position(traces: list[FidelityTrace], pos: int, ref: Tensor, logits: Tensor, targets: Tensor,
