@@ -305,6 +305,10 @@ def test_overrides_replace_the_profiles_flags() -> None:
     exp = EXPERIMENTS["h2o"]
     argv = runner.arm_argv(exp, exp.arms[0], "quick", RUNS, ["--limit", "2"])
     assert argv.count("--limit") == 1 and argv[argv.index("--limit") + 1] == "2"
+    given = cli.overrides(cli.build_parser().parse_args(["h2o", "--limit", "2", "--batch_size", "4"]))
+    assert given == ["--limit", "2", "--batch_size", "4"]
+    argv = runner.arm_argv(exp, exp.arms[0], "quick", RUNS, given)
+    assert argv[argv.index("--batch_size") + 1] == "4"
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
@@ -379,8 +383,10 @@ def test_end_to_end_on_the_tiny_model(tiny_dir: Path, tmp_path: Path, capsys: py
     # Never replaced silently; with --overwrite the finished runs are reused, not computed again.
     with pytest.raises(UserError, match="exists"):
         cli.main(argv)
-    (again,) = cli.main([*argv, "--overwrite"])
+    # --batch_size is not part of a run's identity: the finished runs are reused, and the rerun command says it.
+    (again,) = cli.main([*argv, "--overwrite", "--batch_size", "3"])
     assert all(a.reused for a in again.arms) and again.verdict == outcome.verdict
+    assert "--batch_size 3" in (out / "report.md").read_text()
     # A summary rebuilt from the reports alone.
     cli.main(["--summarize", "--out_dir", str(tmp_path / "reports")])
     summary = (tmp_path / "reports" / "summary.md").read_text()

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--summarize", action="store_true",
                         help="only rebuild summary.md / .csv under --out_dir from the experiments' result.json")
     parser.add_argument("--limit", type=count(), default=None, help="items per arm instead of the profile's")
+    parser.add_argument("--batch_size", type=count(), default=None,
+                        help="windows or items each arm decodes together (eval's --batch_size: the same records, "
+                             "not part of a run's identity; faster on every device)")
     parser.add_argument("--checkpoint_path", default=None, help="another model (default: the bundled one)")
     return parser
 
@@ -66,6 +69,7 @@ def selected(names: list[str]) -> list[str]:
 def overrides(args: argparse.Namespace) -> list[str]:
     """Eval flags that replace the profile's for every arm."""
     out = ["--limit", str(args.limit)] if args.limit is not None else []
+    out += ["--batch_size", str(args.batch_size)] if args.batch_size is not None else []
     return out + (["--checkpoint_path", args.checkpoint_path] if args.checkpoint_path else [])
 
 
@@ -78,6 +82,8 @@ def rerun_command(name: str, args: argparse.Namespace, out_dir: Path, default_ou
         words += ["--runs_dir", args.runs_dir]
     if args.limit is not None:
         words += ["--limit", str(args.limit)]
+    if args.batch_size is not None:
+        words += ["--batch_size", str(args.batch_size)]
     if args.checkpoint_path:
         words += ["--checkpoint_path", args.checkpoint_path]
     return "OMP_NUM_THREADS=1 " + shlex.join(words) + "   # add --overwrite to replace this report"
@@ -92,9 +98,10 @@ def list_experiments() -> None:
 
 # Flags each mode ignores: typed with it, they are refused rather than dropped without a word.
 IGNORED_BY = {
-    "list": (("profile", "out_dir", "runs_dir", "overwrite", "dry_run", "summarize", "limit", "checkpoint_path"),
+    "list": (("profile", "out_dir", "runs_dir", "overwrite", "dry_run", "summarize", "limit", "batch_size",
+              "checkpoint_path"),
              "--list only lists the experiments"),
-    "summarize": (("profile", "runs_dir", "dry_run", "limit", "checkpoint_path"),
+    "summarize": (("profile", "runs_dir", "dry_run", "limit", "batch_size", "checkpoint_path"),
                   "--summarize only rebuilds the summary from the experiments' result.json under --out_dir"),
     "dry_run": (("out_dir", "overwrite"), "--dry_run prints the eval commands and writes nothing"),
 }
