@@ -337,7 +337,8 @@ def teacher_force(
     (batching.reference_hidden) rather than a second decode. Where a row's caches are still lossless
     (every token held at full precision: batching.step_compression) its own logits are exact attention
     and stand as the reference, so the KL is exactly 0 until the first loss, not the two kernels' float
-    noise. The baseline run (reference_is_run) is not decoded at all: see exact_attention_traces.
+    noise. The baseline run (reference_is_run) is not decoded at all (exact_attention_traces), unless a model's
+    sliding-window layers give it window caches: it is then decoded, its own reference throughout.
     Positions n_prompt..len-1 are scored; nothing of vocabulary size is kept beyond a chunk of reference
     logits.
     """
@@ -348,9 +349,10 @@ def teacher_force(
     ids = torch.tensor(windows, device=device)
     specs = cache_specs(rt, rt.args, n_prompt, n - n_prompt)
     n_prefill = prefill_length(n_prompt, n_prompt, True, decode_first_token, prefill_limit(rt, specs))
-    if reference_is_run(rt.args):
+    baseline = reference_is_run(rt.args)
+    if baseline and all(s.strategy == "full" for s in specs):  # not a model's sliding-window layers
         return exact_attention_traces(rt, ids, specs, n_prompt, n_prefill, timings, bar)
-    reference = ReferenceLogits(model, reference_hidden(model, ids))
+    reference = None if baseline else ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
     model.reset_caches()
     t0 = time.perf_counter()
@@ -365,8 +367,8 @@ def teacher_force(
         if pos >= n_prompt:  # the logits in hand predict token `pos`
             compression, lossless = step_compression(ours)
             lossy = [d or not ok for d, ok in zip(lossy, lossless, strict=True)]
-            ref = reference.at(pos - 1)
-            if not all(lossy):
+            ref = logits if reference is None else reference.at(pos - 1)
+            if reference is not None and not all(lossy):
                 ref = torch.where(torch.tensor(lossy, device=device)[:, None], ref, logits)
             score_position(traces, pos, ref, logits, ids[:, pos], compression, bar)
         if pos == n - 1:

@@ -61,6 +61,28 @@ def test_the_baseline_from_one_forward_equals_decoding_it_token_by_token(tiny_di
     assert kept(fast.items) == kept(decoded.items)
 
 
+def test_a_baseline_with_sliding_window_layers_is_decoded_as_its_own_reference(tmp_path, monkeypatch):
+    """A model's sliding-window layers give the baseline window caches, whose compression changes step by step:
+    it is decoded (not taken from one forward pass), its own logits the reference, so KL is exactly 0 and its
+    per-step compression is what each step's caches hold."""
+    import eval.harness as harness
+    from tests.arch_helpers import WINDOW, save_tiny_model
+
+    save_tiny_model("mistral", tmp_path / "mistral")
+    monkeypatch.setattr(harness, "exact_attention_traces", lambda *a, **k: pytest.fail("decoded path expected"))
+    n, prompt = 40, 8
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"w{3 + (7 * i) % 150}" for i in range(200)))
+    rt = tiny_runtime(tmp_path / "mistral", "--text_file", str(text), "--seq_len", str(n), "--prefill_tokens",
+                      str(prompt), "--limit", "2", "--batch_size", "2")
+    out = run_fidelity(rt)
+    assert out.metrics["kl_max"] == 0.0 and out.metrics["top1_agreement"] == 1.0
+    # Token p is predicted after feeding p tokens, of which each layer's window holds WINDOW.
+    want = [round(1 - min(p, WINDOW) / p, 4) for p in range(prompt, n)]
+    assert [it["metrics"]["compression_ratio_scored_mean"] for it in out.items] == pytest.approx(
+        [sum(want) / len(want)] * 2, abs=1e-4)
+
+
 def test_scored_positions_match_one_full_forward_pass(tiny_dir):
     rt = tiny_runtime(tiny_dir)
     ids = [int(b) for b in PYDOC_EXCERPT.read_bytes()[:120]]
