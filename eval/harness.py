@@ -401,6 +401,8 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     rt.kept = traces[-1].kept
     steps = min(SPEED_SAMPLE_STEPS, n - 1 - n_prefill)
     middle = n_prefill + (n - 1 - n_prefill - steps) // 2
+    if hasattr(rt.step, "prepare"):  # --compile: compiled (and captured) here, outside the few timed steps
+        rt.step.prepare(model, rows)
     model.reset_caches()
     prefill(model, ids[:, :middle])
     for pos in range(middle, middle + steps):

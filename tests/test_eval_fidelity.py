@@ -61,6 +61,22 @@ def test_the_baseline_from_one_forward_equals_decoding_it_token_by_token(tiny_di
     assert kept(fast.items) == kept(decoded.items)
 
 
+def test_a_compiled_baseline_is_compiled_before_its_timed_steps(tiny_dir):
+    """Under --compile the baseline's step is compiled (prepared) before the few steps that time it, so its
+    decode speed is not its compile; its records are the eager baseline's."""
+    from compiled_step import compile_decode_step
+
+    flags = ["--text_file", str(PYDOC_EXCERPT), "--seq_len", "80", "--prefill_tokens", "24", "--limit", "2",
+             "--batch_size", "2"]
+    eager = run_fidelity(tiny_runtime(tiny_dir, *flags))
+    rt = tiny_runtime(tiny_dir, *flags)
+    rt.step = compile_decode_step()
+    compiled = run_fidelity(rt)
+    assert rt.step.prepared and rt.step.compile_seconds > 0
+    assert len(compiled.timings.step_seconds) == 32  # one batch of two windows
+    assert compiled.predictions == eager.predictions and compiled.stats == eager.stats
+
+
 def test_a_baseline_with_sliding_window_layers_is_decoded_as_its_own_reference(tmp_path, monkeypatch):
     """A model's sliding-window layers give the baseline window caches, whose compression changes step by step:
     it is decoded (not taken from one forward pass), its own logits the reference, so KL is exactly 0 and its
