@@ -60,6 +60,7 @@ class Timings:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
+    compile_seconds: float = 0.0  # --compile: the step compiled before timed steps (prepare_step)
 
     def to_dict(self) -> dict:
         steps = sorted(self.step_seconds)
@@ -69,6 +70,7 @@ class Timings:
             "decode_step_ms_median": 1000 * steps[len(steps) // 2] if steps else None,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "compile_seconds": self.compile_seconds or None,
         }
 
 
@@ -354,6 +356,7 @@ def teacher_force(
         return exact_attention_traces(rt, ids, specs, n_prompt, n_prefill, timings, bar)
     reference = None if baseline else ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
+    prepare_step(rt, rows, timings)
     model.reset_caches()
     t0 = time.perf_counter()
     logits = prefill(model, ids[:, :n_prefill])
@@ -401,8 +404,7 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     rt.kept = traces[-1].kept
     steps = min(SPEED_SAMPLE_STEPS, n - 1 - n_prefill)
     middle = n_prefill + (n - 1 - n_prefill - steps) // 2
-    if hasattr(rt.step, "prepare"):  # --compile: compiled (and captured) here, outside the few timed steps
-        rt.step.prepare(model, rows)
+    prepare_step(rt, rows, timings)
     model.reset_caches()
     prefill(model, ids[:, :middle])
     for pos in range(middle, middle + steps):
@@ -420,6 +422,17 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
 
 # Decode steps that time the baseline's decode speed in exact_attention_traces.
 SPEED_SAMPLE_STEPS = 32
+
+
+def prepare_step(rt: Runtime, rows: int, timings: Timings) -> None:
+    """Under --compile, compile (and on CUDA capture) the step for `rows` rows sharing positions before any step
+    is timed: a fidelity run's decode speed is then its steps' (the baseline's, a few steps, would otherwise be
+    mostly its compile), and the compile is its own figure. It resets the caches."""
+    prepare = getattr(rt.step, "prepare", None)
+    if prepare is not None:
+        before = rt.step.compile_seconds
+        prepare(rt.model, rows)
+        timings.compile_seconds += rt.step.compile_seconds - before
 
 
 def score_position(traces: list[FidelityTrace], pos: int, ref: Tensor, logits: Tensor, targets: Tensor,

@@ -60,7 +60,7 @@ PACKAGES = ("torch", "numpy", "pandas", "datasets", "tokenizers", "gguf", "safet
 LEADING_COLUMNS = ["model", "task", "strategy", "budget", "storage", "query_aware", "seed", "n_items",
                    "compression_ratio", "cache_bytes", "budget_tokens_mean"]
 TRAILING_COLUMNS = ["prefill_tokens_per_second", "decode_tokens_per_second", "decode_step_ms_median", "prefill_seconds",
-                    "decode_seconds", "seconds",
+                    "decode_seconds", "compile_seconds", "seconds",
                     "peak_memory_mb", "run_id", "identity", "run_dir"]
 # metrics.json without these is not a run (a stray or damaged file): skipped with a warning. Runs written
 # before identities existed have none: they stay in the table and plots, and eval runs them again.
