@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only rebuild summary.md / .csv under --out_dir from the experiments' result.json")
     parser.add_argument("--limit", type=count(), default=None, help="items per arm instead of the profile's")
     parser.add_argument("--batch_size", type=count(), default=None,
-                        help="windows or items each arm decodes together (eval's --batch_size: the same records, "
-                             "not part of a run's identity; faster on every device)")
+                        help="windows or items each arm decodes together (eval's --batch_size: records as at 1, "
+                             "KL within 1e-6; not part of a run's identity, so finished runs are reused)")
     parser.add_argument("--checkpoint_path", default=None, help="another model (default: the bundled one)")
     return parser
 
