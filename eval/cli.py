@@ -186,7 +186,9 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     step = decode_one_token
     if args.compile:
         torch._dynamo.reset()  # each run brings new cache modules; start from a clean compile cache
-        step = compile_decode_step(scope=args.compile_scope)
+        # No CUDA graph: eval attaches new caches for each batch of windows or items (a captured graph replays on
+        # the buffers it was captured with), and the kvpress protocol re-configures caches item by item.
+        step = compile_decode_step(cuda_graph=False, scope=args.compile_scope)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
     torch.manual_seed(args.seed)

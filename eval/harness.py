@@ -425,9 +425,11 @@ SPEED_SAMPLE_STEPS = 32
 
 
 def prepare_step(rt: Runtime, rows: int, timings: Timings) -> None:
-    """Under --compile, compile (and on CUDA capture) the step for `rows` rows sharing positions before any step
-    is timed: a fidelity run's decode speed is then its steps' (the baseline's, a few steps, would otherwise be
-    mostly its compile), and the compile is its own figure. It resets the caches."""
+    """Under --compile, compile the step for `rows` rows sharing positions before any step is timed: a fidelity
+    run's decode speed is then its steps' (the baseline's, a few steps, would otherwise be mostly its compile),
+    and the compile is its own figure. It resets the caches. Eval's compiled step captures no CUDA graph
+    (eval.cli): eval attaches new caches for each batch of windows, and a graph would replay on the buffers it
+    was captured with."""
     prepare = getattr(rt.step, "prepare", None)
     if prepare is not None:
         before = rt.step.compile_seconds
