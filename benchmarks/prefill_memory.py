@@ -301,7 +301,7 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
               "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
               "budget": args.budget,
               "rerotate_positions": args.rerotate_positions}
-    chunked = {strategy: chunks_refused(strategy, source, args.chunk) is None for strategy in args.strategies}
+    chunked = {strategy: prefills_in_chunks(strategy, source, args.chunk) for strategy in args.strategies}
     specs = [{**source, "strategy": strategy, "length": length, "chunk": chunk,
               "profile": length in args.profile_lengths}
              for strategy in args.strategies for length in args.lengths for chunk in (0, args.chunk)
@@ -312,16 +312,16 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
     return specs
 
 
-def chunks_refused(strategy: str, source: dict, chunk: int) -> str | None:
-    """Why `strategy` cannot prefill in chunks (its rows are then one-shot only, said on stderr), or None; a
+def prefills_in_chunks(strategy: str, source: dict, chunk: int) -> bool:
+    """Whether `strategy` accepts --prefill_chunk (if not, its rows are one-shot only, said on stderr why); a
     strategy the cache flags refuse altogether is refused here, before any run."""
     cache_config(cache_flags({**source, "strategy": strategy, "chunk": 0}))
     try:
         cache_config(cache_flags({**source, "strategy": strategy, "chunk": chunk}))
     except UserError as e:
         print(f"{strategy}: one-shot rows only ({e})", file=sys.stderr)
-        return str(e)
-    return None
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

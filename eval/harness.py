@@ -356,15 +356,7 @@ def teacher_force(
         return exact_attention_traces(rt, ids, specs, n_prompt, n_prefill, timings, bar)
     reference = None if baseline else ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
-    prepare_step(rt, rows, timings)
-    model.reset_caches()
-    t0 = time.perf_counter()
-    logits = prefill(model, ids[:, :n_prefill])
-    sync(device)
-    timings.prefill_tokens += rows * n_prefill
-    timings.prefill_seconds += time.perf_counter() - t0
-    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(ours, r)) for r in range(rows)]
-    rt.kept = traces[-1].kept
+    logits, traces = prefill_windows(rt, ours, ids, n_prefill, timings)
     lossy = [False] * rows  # once a row has lost a token, the one-pass reference stays its reference
     for pos in range(n_prefill, n):
         if pos >= n_prompt:  # the logits in hand predict token `pos`
@@ -390,21 +382,13 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     where `SPEED_SAMPLE_STEPS` decode steps time its decode speed (a full cache's step costs an affine function
     of its length, so the step at the window's middle costs the mean of the steps decoding the window takes);
     and every token decoding would feed (all but the last), whose caches are measured."""
-    model, device = rt.model, rt.device
+    model = rt.model
     rows, n = ids.shape
     reference = ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
-    model.reset_caches()
-    t0 = time.perf_counter()
-    prefill(model, ids[:, :n_prefill])
-    sync(device)
-    timings.prefill_tokens += rows * n_prefill
-    timings.prefill_seconds += time.perf_counter() - t0
-    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(ours, r)) for r in range(rows)]
-    rt.kept = traces[-1].kept
+    _, traces = prefill_windows(rt, ours, ids, n_prefill, timings)
     steps = min(SPEED_SAMPLE_STEPS, n - 1 - n_prefill)
     middle = n_prefill + (n - 1 - n_prefill - steps) // 2
-    prepare_step(rt, rows, timings)
     model.reset_caches()
     prefill(model, ids[:, :middle])
     for pos in range(middle, middle + steps):
@@ -418,6 +402,23 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
         logits = reference.at(pos - 1)
         score_position(traces, pos, logits, logits, ids[:, pos], compression, bar)
     return finish_traces(model, traces)
+
+
+def prefill_windows(rt: Runtime, ours: list, ids: Tensor, n_prefill: int,
+                    timings: Timings) -> tuple[Tensor, list[FidelityTrace]]:
+    """The windows' prefill (ids[:, :n_prefill]) into the attached caches `ours`, timed, after a compiled step is
+    prepared (prepare_step): its logits, and a trace per window holding what each row's caches kept."""
+    model, device = rt.model, rt.device
+    prepare_step(rt, ids.shape[0], timings)
+    model.reset_caches()
+    t0 = time.perf_counter()
+    logits = prefill(model, ids[:, :n_prefill])
+    sync(device)
+    timings.prefill_tokens += ids.shape[0] * n_prefill
+    timings.prefill_seconds += time.perf_counter() - t0
+    traces = [FidelityTrace(n_prefill=n_prefill, kept=kept_positions(ours, r)) for r in range(ids.shape[0])]
+    rt.kept = traces[-1].kept
+    return logits, traces
 
 
 # Decode steps that time the baseline's decode speed in exact_attention_traces.
