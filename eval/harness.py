@@ -26,6 +26,7 @@ from torch import Tensor
 import cache_setup
 from cache import KVCache, cache_statistics
 from cache_spec import LayerCacheSpec, cache_flag_defaults
+from compiled_step import graphs_compiled
 from errors import UserError
 from eval.batching import ReferenceLogits, reference_hidden, step_compression
 from eval.metrics import rows_fidelity
@@ -60,7 +61,10 @@ class Timings:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
-    compile_seconds: float = 0.0  # --compile: the step compiled before timed steps (prepare_step)
+    # --compile: the step compiled before timed steps (prepare_step), and any step during which dynamo compiled
+    # (record_step): decode speed is the steps' own, never a compile's.
+    compile_seconds: float = 0.0
+    compiling_steps: int = 0  # steps whose time went to compile_seconds (none where prepare_step covered them)
 
     def to_dict(self) -> dict:
         steps = sorted(self.step_seconds)
@@ -220,14 +224,30 @@ def timed_step(rt: Runtime, token: int | Tensor, pos: int, timings: Timings) -> 
     """One decode step at position `pos`: a token id, or a [B, 1] tensor of one token per row."""
     device = rt.device
     tokens = token if isinstance(token, Tensor) else torch.tensor([[token]], device=device)
+    graphs = graphs_before_step(rt)
     t0 = time.perf_counter()
     logits = rt.step(rt.model, tokens, torch.tensor([pos], device=device))
     sync(device)
-    dt = time.perf_counter() - t0
-    timings.decode_tokens += tokens.shape[0]
-    timings.decode_seconds += dt
-    timings.step_seconds.append(dt)
+    record_step(timings, time.perf_counter() - t0, tokens.shape[0], graphs)
     return logits
+
+
+def graphs_before_step(rt: Runtime) -> int | None:
+    """Under --compile, the graphs dynamo has compiled so far (record_step compares); None for the eager step."""
+    return graphs_compiled() if hasattr(rt.step, "prepare") else None
+
+
+def record_step(timings: Timings, seconds: float, tokens: int, graphs_before: int | None) -> None:
+    """A decode step's time and tokens: decode time, or compile time where dynamo compiled during the step (a
+    shape or setting prepare_step did not cover: its seconds are mostly the compile, and would read as a slow
+    decode)."""
+    if graphs_before is not None and graphs_compiled() != graphs_before:
+        timings.compile_seconds += seconds
+        timings.compiling_steps += 1
+        return
+    timings.decode_tokens += tokens
+    timings.decode_seconds += seconds
+    timings.step_seconds.append(seconds)
 
 
 def greedy_answer(rt: Runtime, ids: list[int], n_prefill: int, max_new_tokens: int, timings: Timings,
@@ -270,9 +290,25 @@ def configure_prompt_budget(caches: list, budget: int | None) -> None:
     if budget is not None:
         for cache in caches:
             cache.configure(prompt_budget=budget)
-            for layer in cache.modules():  # a debug cache's shadow too
-                if isinstance(layer, KVCache):
-                    layer.configure(evicts_after_prompt=False)
+        keep_after_prompt(caches)
+
+
+def keep_after_prompt(caches: list) -> None:
+    """Tell every cache (a debug cache's shadow too) that nothing is evicted after the prompt."""
+    for cache in caches:
+        for layer in cache.modules():
+            if isinstance(layer, KVCache):
+                layer.configure(evicts_after_prompt=False)
+
+
+def prepare_answer_step(rt: Runtime, jobs: list[AnswerJob], rows: int, timings: Timings) -> None:
+    """Under --compile, a generation or multiple-choice task's step compiled before its items (prepare_step), for
+    `rows` rows at positions of their own (rows.greedy_answers) or one row. Under the kvpress protocol the caches
+    are first told what every item will tell them (`evicts_after_prompt` False, a setting the compiled step
+    reads), so that no item's step compiles again."""
+    if any(job.prompt_budget is not None for job in jobs):
+        keep_after_prompt(rt.model.caches())
+    prepare_step(rt, rows, timings, per_row_positions=rows > 1)
 
 
 def answer_alone(rt: Runtime, job: AnswerJob, max_new_tokens: int, timings: Timings, chunk: bool) -> Answer:
@@ -425,16 +461,16 @@ def prefill_windows(rt: Runtime, ours: list, ids: Tensor, n_prefill: int,
 SPEED_SAMPLE_STEPS = 32
 
 
-def prepare_step(rt: Runtime, rows: int, timings: Timings) -> None:
-    """Under --compile, compile the step for `rows` rows sharing positions before any step is timed: a fidelity
-    run's decode speed is then its steps' (the baseline's, a few steps, would otherwise be mostly its compile),
-    and the compile is its own figure. It resets the caches. Eval's compiled step captures no CUDA graph
+def prepare_step(rt: Runtime, rows: int, timings: Timings, per_row_positions: bool = False) -> None:
+    """Under --compile, compile the step for `rows` rows (sharing positions, or each at its own) before any step is
+    timed: decode speed is then the steps' (a fidelity baseline's, a few steps, would otherwise be mostly its
+    compile), and the compile is its own figure. It resets the caches. Eval's compiled step captures no CUDA graph
     (eval.cli): eval attaches new caches for each batch of windows, and a graph would replay on the buffers it
     was captured with."""
     prepare = getattr(rt.step, "prepare", None)
     if prepare is not None:
         before = rt.step.compile_seconds
-        prepare(rt.model, rows)
+        prepare(rt.model, rows, per_row_positions)
         timings.compile_seconds += rt.step.compile_seconds - before
 
 

@@ -21,8 +21,10 @@ from eval.harness import (
     Runtime,
     Timings,
     configure_prompt_budget,
+    graphs_before_step,
     kept_positions,
     measure_caches,
+    record_step,
     sync,
 )
 from generate import decode_one_token, prefill, prefill_rows
@@ -274,6 +276,7 @@ def _step_rows(rt: Runtime, slots: list[_Row], active: list[int], timings: Timin
     for which it would compile again (and, on CUDA, capture again). On this project's 2-core CPU the compiled
     step of 4 rows took 24.5 ms against 30.7 ms for the eager row, 8 rows 34.4 against 31.1 (float32)."""
     model, device = rt.model, rt.device
+    graphs = graphs_before_step(rt)
     t0 = time.perf_counter()
     if len(active) == 1 and not hasattr(rt.step, "prepare"):  # the eager step (compiled steps are prepared)
         (b,) = active
@@ -289,8 +292,5 @@ def _step_rows(rt: Runtime, slots: list[_Row], active: list[int], timings: Timin
             if row.job is None:  # an idle row moves on too: a placeholder at a position of its own
                 row.pos += 1
     sync(device)
-    dt = time.perf_counter() - t0
-    timings.decode_tokens += len(active)
-    timings.decode_seconds += dt
-    timings.step_seconds.append(dt)
+    record_step(timings, time.perf_counter() - t0, len(active), graphs)
     return logits

@@ -144,8 +144,51 @@ def test_compiled_rows_keep_batch_1_records_to_the_last_item(tiny_dir, tmp_path,
     eager_rows = []
     monkeypatch.setattr(rows, "decode_one_token", lambda *a: eager_rows.append(1))
     torch._dynamo.reset()
-    assert_same_records(alone, qa_run(tiny_dir, path, 3, *extra, eos=eos, step=compile_decode_step()))
+    step = compile_decode_step()
+    together = qa_run(tiny_dir, path, 3, *extra, eos=eos, step=step)
+    assert_same_records(alone, together)
     assert not eager_rows
+    # Compiled before the first item (prepare_answer_step, rows at positions of their own): no step compiled.
+    assert together.timings.compiling_steps == 0
+    assert together.timings.compile_seconds == step.compile_seconds > 0
+
+
+@pytest.mark.parametrize("protocol", ["decode", "kvpress"])
+def test_a_compiled_batch_1_run_compiles_before_its_first_item(tiny_dir, tmp_path, protocol):
+    """Under --compile a generation task's step is compiled before its items, the kvpress protocol's setting
+    (nothing evicted after the prompt, which heavy_hitter's step reads) included: no timed step compiles, the
+    compile is its own figure, and the records are the eager run's."""
+    from compiled_step import compile_decode_step
+
+    path = qa_file(tmp_path, n=3)
+    extra = ["--cache_strategy", "heavy_hitter", *CACHE_FLAGS, *PROTOCOLS[protocol]]
+    eager = qa_run(tiny_dir, path, 1, *extra)
+    torch._dynamo.reset()
+    step = compile_decode_step()
+    compiled = qa_run(tiny_dir, path, 1, *extra, step=step)
+    assert compiled.timings.compiling_steps == 0 and compiled.timings.compile_seconds == step.compile_seconds > 0
+    assert compiled.timings.decode_tokens > 0
+    assert_same_records(eager, compiled)
+
+
+def test_a_step_that_compiles_counts_as_compile_time(tiny_dir):
+    """A compiled step called on caches it was not prepared for compiles in that step: its time is compile
+    time, not a slow decode step, and its tokens are not counted as decoded."""
+    from compiled_step import compile_decode_step
+    from eval.harness import Timings, attach_caches, cache_specs, prefill, timed_step
+
+    rt = tiny_runtime(tiny_dir, "--tasks", "fidelity", "--cache_strategy", "heavy_hitter", *CACHE_FLAGS)
+    torch._dynamo.reset()
+    rt.step = compile_decode_step()
+    timings = Timings()
+    with torch.inference_mode():
+        attach_caches(rt, cache_specs(rt, rt.args, 24, 8), 32)
+        prefill(rt.model, torch.arange(24)[None])
+        timed_step(rt, 1, 24, timings)
+        assert (timings.compiling_steps, timings.decode_tokens, timings.step_seconds) == (1, 0, [])
+        assert timings.compile_seconds > 0 and timings.decode_seconds == 0
+        timed_step(rt, 2, 25, timings)
+    assert (timings.compiling_steps, timings.decode_tokens, len(timings.step_seconds)) == (1, 1, 1)
 
 
 def test_a_stopped_row_counts_only_its_own_tokens(tiny_dir, tmp_path):

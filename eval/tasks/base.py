@@ -29,6 +29,7 @@ from eval.harness import (
     cache_specs,
     prefill_length,
     prefill_limit,
+    prepare_answer_step,
 )
 from eval.rows import greedy_answers
 from tokenizer import Tokenizer
@@ -286,6 +287,7 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
     answer and statistics are what it gets alone (batch 1)."""
     rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
     attach_caches(rt, specs, capacity, rows)
+    prepare_answer_step(rt, jobs, rows, timings)
     bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=rt.progress)
     try:
         if rows == 1:

@@ -28,6 +28,7 @@ from eval.harness import (
     option_logliks,
     prefill_length,
     prefill_limit,
+    prepare_answer_step,
 )
 from eval.metrics import exact_match, rouge_l, substring_match
 from eval.rows import option_logliks_rows
@@ -186,6 +187,7 @@ class MultipleChoice(Task):
         timings = Timings()
         rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
         attach_caches(rt, specs, capacity, rows)
+        prepare_answer_step(rt, jobs, rows, timings)
         bar = tqdm(total=len(jobs), desc=self.name, leave=False, disable=rt.progress)
         try:
             if rows == 1:

@@ -234,7 +234,8 @@ def merged_result(results: list[tuple[str, TaskResult]]) -> TaskResult:
         predictions += [{**p, "index": p["index"] + offset} for p in result.predictions]
         items += [{**it, "index": it["index"] + offset} for it in result.items]
         stats += [result.stats] * len(result.predictions)  # weighted by the group's items
-        for name in ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds"):
+        for name in ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds", "compile_seconds",
+                     "compiling_steps"):
             setattr(timings, name, getattr(timings, name) + getattr(result.timings, name))
         timings.step_seconds += result.timings.step_seconds
     for p in predictions:
