@@ -24,7 +24,7 @@
 #   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
 #      peak CUDA memory and prefill tokens/s, and the 32k rows' kernel time by kind (torch.profiler, one more
 #      prefill each: where the chunked prefill's time goes, unprofiled so far).
-# The timeouts sum to 650 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
+# The timeouts sum to 670 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
 # prefill's last row, heavy_hitter at 128k, still running when a 110 s limit cut it in the follow-up); the
 # received-attention part (after the tests) came later, estimated at 20-30 s, unmeasured.
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
@@ -53,6 +53,7 @@ REPORT="$OUT_DIR/gpu_check.md"
 # of a few seconds, ~65 of them), round-robin over the collected test ids; no pytest plugin needed. Two torch
 # threads each: with torch's default (every core) the 8 processes' CPU references oversubscribed the 16
 # cores, and on 2026-12-04 each got through about a third of its tests in 150 s (all of them in 55-72 s with 2).
+# 120 s each: eval's compiled run on CUDA (three more compiles in one process) joined after that run.
 start=$(date +%s)
 $PY -m pytest --collect-only -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>/dev/null | grep '::' \
   > "$OUT_DIR/cuda_test_ids.txt"
@@ -61,7 +62,7 @@ for i in $(seq 0 $((WORKERS - 1))); do
   awk -v n=$WORKERS -v i="$i" 'NR % n == i' "$OUT_DIR/cuda_test_ids.txt" > "$OUT_DIR/cuda_tests_$i.ids"
   (
     mapfile -t ids < "$OUT_DIR/cuda_tests_$i.ids"
-    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=2 timeout 100 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
+    OMP_NUM_THREADS=2 TORCHINDUCTOR_COMPILE_THREADS=2 timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider -rfE "${ids[@]}" \
       > "$OUT_DIR/cuda_tests_$i.txt" 2>&1
     echo $? > "$OUT_DIR/cuda_tests_$i.rc"
   ) &

@@ -3,8 +3,8 @@ and compiled (CUDA graph), keeps exactly the positions the CPU keeps, step for s
 the other axes of the registry matrices (adakv's pooled budgets, --rerotate_positions past the model's
 context, --prefill_chunk); batched rows as a CUDA graph give the CPU's logits; the compiled step does not
 recompile over 256 steps; logits match transformers on CUDA for small random models built with
-transformers' own classes; and a left-padded batch through transformers' generate and the adapter keeps the
-CPU's tokens and positions."""
+transformers' own classes; a left-padded batch through transformers' generate and the adapter keeps the
+CPU's tokens and positions; and eval's compiled runs (QA rows, fidelity windows) keep the CPU's records."""
 
 from __future__ import annotations
 
@@ -253,3 +253,46 @@ def test_fused_received_attention_on_cuda_equals_a_dense_float64_pass(dtype, rto
     assert received_attention_path(q.cuda()) == "fused"
     got = received_attention_fused(q.cuda(), k.cuda(), first_query).double().cpu()
     torch.testing.assert_close(got, dense_received_attention(q, k, first_query), rtol=rtol, atol=1e-5)
+
+
+def eval_records(tiny_dir, path, device: str, compiled: bool) -> tuple:
+    """The QA items through eval's rows (batch 2, heavy_hitter, both protocols) and two fidelity windows at batch
+    2, on `device`, with eval's compiled step (no CUDA graph, prepared before the first item) or eager: each QA
+    item's answer tokens and kept positions, and the fidelity windows' per-position KL and kept positions."""
+    from eval.tasks import get_task
+    from tests.eval_helpers import PYDOC_EXCERPT, tiny_runtime
+    from tests.test_eval_generation_batching import CACHE_FLAGS, PROTOCOLS, qa_run
+
+    step = compile_decode_step(cuda_graph=False) if compiled else None
+    records = []
+    for flags in PROTOCOLS.values():
+        torch._dynamo.reset()
+        out = qa_run(tiny_dir, path, 2, "--device", device, "--cache_strategy", "heavy_hitter", *flags, step=step)
+        assert out.timings.compiling_steps == 0
+        records.append([(item["output_ids"], [k.tolist() for k in item["kept_positions"]]) for item in out.items])
+    rt = tiny_runtime(tiny_dir, "--device", device, "--text_file", str(PYDOC_EXCERPT), "--seq_len", "96",
+                      "--prefill_tokens", "40", "--limit", "2", "--batch_size", "2", "--cache_strategy", "tova",
+                      *CACHE_FLAGS)
+    if compiled:
+        torch._dynamo.reset()
+        rt.step = compile_decode_step(cuda_graph=False)
+    with torch.inference_mode():
+        fidelity = get_task("fidelity")(rt.args).run(rt)
+    assert fidelity.timings.compiling_steps == 0
+    kl = [p["kl"] for p in fidelity.predictions]
+    return records, kl, [[k.tolist() for k in item["kept_positions"]] for item in fidelity.items]
+
+
+def test_cuda_eval_compiled_keeps_the_cpu_records(tiny_dir, tmp_path):
+    """eval on CUDA, its step compiled before the first item or window, rows at positions of their own: every
+    QA item's answer and kept positions are the CPU eager run's, and so are the fidelity windows' kept positions,
+    with per-position KL within 1e-4."""
+    from tests.test_eval_generation_batching import qa_file
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = qa_file(tmp_path, n=3)
+    cuda_records, cuda_kl, cuda_kept = eval_records(tiny_dir, path, "cuda", compiled=True)
+    cpu_records, cpu_kl, cpu_kept = eval_records(tiny_dir, path, "cpu", compiled=False)
+    assert cuda_records == cpu_records and cuda_kept == cpu_kept
+    for got, want in zip(cuda_kl, cpu_kl, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
