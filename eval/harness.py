@@ -301,14 +301,14 @@ def keep_after_prompt(caches: list) -> None:
                 layer.configure(evicts_after_prompt=False)
 
 
-def prepare_answer_step(rt: Runtime, jobs: list[AnswerJob], rows: int, timings: Timings) -> None:
+def prepare_answer_step(rt: Runtime, jobs: list[AnswerJob], rows: int, timings: Timings, bar: object = None) -> None:
     """Under --compile, a generation or multiple-choice task's step compiled before its items (prepare_step), for
     `rows` rows at positions of their own (rows.greedy_answers) or one row. Under the kvpress protocol the caches
     are first told what every item will tell them (`evicts_after_prompt` False, a setting the compiled step
     reads), so that no item's step compiles again."""
     if any(job.prompt_budget is not None for job in jobs):
         keep_after_prompt(rt.model.caches())
-    prepare_step(rt, rows, timings, per_row_positions=rows > 1)
+    prepare_step(rt, rows, timings, per_row_positions=rows > 1, bar=bar)
 
 
 def answer_alone(rt: Runtime, job: AnswerJob, max_new_tokens: int, timings: Timings, chunk: bool) -> Answer:
@@ -392,7 +392,7 @@ def teacher_force(
         return exact_attention_traces(rt, ids, specs, n_prompt, n_prefill, timings, bar)
     reference = None if baseline else ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
-    logits, traces = prefill_windows(rt, ours, ids, n_prefill, timings)
+    logits, traces = prefill_windows(rt, ours, ids, n_prefill, timings, bar)
     lossy = [False] * rows  # once a row has lost a token, the one-pass reference stays its reference
     for pos in range(n_prefill, n):
         if pos >= n_prompt:  # the logits in hand predict token `pos`
@@ -422,7 +422,7 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     rows, n = ids.shape
     reference = ReferenceLogits(model, reference_hidden(model, ids))
     ours = attach_caches(rt, specs, n, rows)
-    _, traces = prefill_windows(rt, ours, ids, n_prefill, timings)
+    _, traces = prefill_windows(rt, ours, ids, n_prefill, timings, bar)
     steps = min(SPEED_SAMPLE_STEPS, n - 1 - n_prefill)
     middle = n_prefill + (n - 1 - n_prefill - steps) // 2
     model.reset_caches()
@@ -440,12 +440,12 @@ def exact_attention_traces(rt: Runtime, ids: Tensor, specs: list[LayerCacheSpec]
     return finish_traces(model, traces)
 
 
-def prefill_windows(rt: Runtime, ours: list, ids: Tensor, n_prefill: int,
-                    timings: Timings) -> tuple[Tensor, list[FidelityTrace]]:
+def prefill_windows(rt: Runtime, ours: list, ids: Tensor, n_prefill: int, timings: Timings,
+                    bar: object = None) -> tuple[Tensor, list[FidelityTrace]]:
     """The windows' prefill (ids[:, :n_prefill]) into the attached caches `ours`, timed, after a compiled step is
     prepared (prepare_step): its logits, and a trace per window holding what each row's caches kept."""
     model, device = rt.model, rt.device
-    prepare_step(rt, ids.shape[0], timings)
+    prepare_step(rt, ids.shape[0], timings, bar=bar)
     model.reset_caches()
     t0 = time.perf_counter()
     logits = prefill(model, ids[:, :n_prefill])
@@ -461,7 +461,8 @@ def prefill_windows(rt: Runtime, ours: list, ids: Tensor, n_prefill: int,
 SPEED_SAMPLE_STEPS = 32
 
 
-def prepare_step(rt: Runtime, rows: int, timings: Timings, per_row_positions: bool = False) -> None:
+def prepare_step(rt: Runtime, rows: int, timings: Timings, per_row_positions: bool = False,
+                 bar: object = None) -> None:
     """Under --compile, compile the step for `rows` rows (sharing positions, or each at its own) before any step is
     timed: decode speed is then the steps' (a fidelity baseline's, a few steps, would otherwise be mostly its
     compile), and the compile is its own figure. It resets the caches. Eval's compiled step captures no CUDA graph
@@ -470,7 +471,11 @@ def prepare_step(rt: Runtime, rows: int, timings: Timings, per_row_positions: bo
     prepare = getattr(rt.step, "prepare", None)
     if prepare is not None:
         before = rt.step.compile_seconds
+        if bar is not None:  # a cold compile takes seconds to a minute: say so where progress shows
+            bar.set_postfix_str("compiling the decode step")
         prepare(rt.model, rows, per_row_positions)
+        if bar is not None:
+            bar.set_postfix_str("")
         timings.compile_seconds += rt.step.compile_seconds - before
 
 

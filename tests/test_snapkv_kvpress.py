@@ -222,6 +222,7 @@ def test_kvpress_protocol_skips_h2o_statistics_and_decides_the_same(tiny_dir, mo
     with monkeypatch.context() as m:
         m.setattr(harness, "configure_prompt_budget", _old_configure)  # batch 1
         m.setattr(rows, "configure_prompt_budget", _old_configure)  # rows of a batch
+        m.setattr(harness, "keep_after_prompt", lambda caches: None)  # and before the items (prepare_answer_step)
         computed = run("kvpress")
     assert calls and scored
     for a, b in zip(skipped, computed, strict=True):

@@ -287,9 +287,9 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
     answer and statistics are what it gets alone (batch 1)."""
     rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
     attach_caches(rt, specs, capacity, rows)
-    prepare_answer_step(rt, jobs, rows, timings)
     bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=rt.progress)
     try:
+        prepare_answer_step(rt, jobs, rows, timings, bar)
         if rows == 1:
             answers = []
             for job in jobs:

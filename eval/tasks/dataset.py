@@ -187,9 +187,9 @@ class MultipleChoice(Task):
         timings = Timings()
         rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
         attach_caches(rt, specs, capacity, rows)
-        prepare_answer_step(rt, jobs, rows, timings)
         bar = tqdm(total=len(jobs), desc=self.name, leave=False, disable=rt.progress)
         try:
+            prepare_answer_step(rt, jobs, rows, timings, bar)
             if rows == 1:
                 scored = []
                 for job, opts in zip(jobs, options, strict=True):
