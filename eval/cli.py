@@ -198,6 +198,10 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
         with torch.inference_mode():
             out = task.run(Runtime(model, tokenizer, args, step, progress))
         seconds = time.perf_counter() - t0
+        if out.timings.compiling_steps:  # compiled again after the prepared compile: counted, and said
+            n = out.timings.compiling_steps
+            print(f"note: {n} decode step{'s' * (n != 1)} compiled during the run (a shape or setting the step was "
+                  "not prepared for); that time is in compile_seconds, not in the decode speed", file=sys.stderr)
         scalars = {k: v for k, v in out.stats.items() if not isinstance(v, list)}
         budgets = out.stats.get("cache_budget_per_layer") or []
         metrics = {

@@ -171,6 +171,24 @@ def test_a_compiled_batch_1_run_compiles_before_its_first_item(tiny_dir, tmp_pat
     assert_same_records(eager, compiled)
 
 
+def test_the_eval_command_reports_a_compile_apart_and_says_when_steps_compiled(tiny_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """`python -m eval --compile`: metrics.json's compile_seconds is the compile before the first item; where a
+    step compiles anyway (here: the prepare removed) the command says so on stderr."""
+    from eval import cli, harness
+
+    path = qa_file(tmp_path, n=2)
+    flags = ["--checkpoint_path", str(tiny_dir), "--tasks", "qa", "--dataset", str(path), "--prompt_column", "q",
+             "--context_column", "doc", "--answer_column", "a", "--max_new_tokens", "3", "--no-baseline",
+             "--cache_strategy", "heavy_hitter", *CACHE_FLAGS, "--compile"]
+    (prepared,) = cli.main([*flags, "--out_dir", str(tmp_path / "prepared")])
+    assert prepared["compile_seconds"] > 0 and "compiled during the run" not in capsys.readouterr().err
+    monkeypatch.setattr(harness, "prepare_step", lambda *a, **kw: None)
+    (unprepared,) = cli.main([*flags, "--out_dir", str(tmp_path / "unprepared")])
+    assert "note: 1 decode step compiled during the run" in capsys.readouterr().err
+    assert unprepared["compile_seconds"] > 0 and unprepared["decode_tokens_per_second"] > 0
+
+
 def test_a_step_that_compiles_counts_as_compile_time(tiny_dir):
     """A compiled step called on caches it was not prepared for compiles in that step: its time is compile
     time, not a slow decode step, and its tokens are not counted as decoded."""
