@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -92,3 +93,9 @@ def finished(out_dir: Path) -> int:
     SIGKILL at that moment leaves unfinished."""
     return sum(1 for m in out_dir.glob("*/*/*/metrics.json")
                if not m.parent.name.startswith(".") and is_finished(m.parent))
+
+
+def read_results(path: Path) -> pd.DataFrame:
+    """A results.csv with its hash columns read as text: pandas would read a run_id of digits as an integer
+    (losing leading zeros), and an identity like 95e8404937768391 as a float (inf)."""
+    return pd.read_csv(path, dtype={"run_id": str, "identity": str})

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import pandas as pd
 import pytest
 
 from errors import UserError
@@ -16,7 +15,8 @@ from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
-    )
+    read_results,
+)
 
 
 def fidelity_flags(tiny_dir, out_dir) -> list[str]:
@@ -44,7 +44,7 @@ def test_runs_are_written_next_to_the_baseline_and_skipped_when_finished(tiny_di
     assert config["cache_spec"][0]["max_cache_length"] == 60 and config["identity"]["seed"] == 0
     assert config["versions"]["torch"].startswith("2.13") and "git_commit" in config
     assert len((dirs[1] / "predictions.jsonl").read_text().splitlines()) == 100
-    table = pd.read_csv(tmp_path / "results.csv")
+    table = read_results(tmp_path / "results.csv")
     assert list(table["strategy"]) == ["full", "recent_global"]
     for column in ["task", "budget", "compression_ratio", "cache_bytes", "kl_mean", "kl_p95", "top1_agreement",
                    "perplexity", "perplexity_delta", "decode_tokens_per_second", "peak_memory_mb"]:

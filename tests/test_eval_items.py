@@ -16,7 +16,8 @@ from eval import cli, plot, replay, results
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
-    )
+    read_results,
+)
 
 
 def naive_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -49,7 +50,7 @@ def test_fidelity_intervals_over_windows_and_paired_summary(tiny_dir, tmp_path, 
         list(np.percentile(deltas, [2.5, 97.5])), rel=1e-9)
     assert full["kl_mean_ci_low"] == full["kl_mean_ci_high"] == 0.0
 
-    table = pd.read_csv(tmp_path / "results.csv")
+    table = read_results(tmp_path / "results.csv")
     columns = list(table.columns)
     for metric in ("kl_mean", "top1_agreement", "compression_ratio"):
         i = columns.index(metric)

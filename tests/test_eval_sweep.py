@@ -22,6 +22,7 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     finished,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    read_results,
     single_thread,
 )
 
@@ -39,7 +40,7 @@ def sweep_flags(tiny_dir, out_dir) -> list[str]:
 
 
 def comparable(out_dir) -> pd.DataFrame:
-    return pd.read_csv(out_dir / "results.csv").drop(columns=TIMING_COLUMNS)
+    return read_results(out_dir / "results.csv").drop(columns=TIMING_COLUMNS)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from tests.eval_helpers import (
     PYDOC_EXCERPT,
     finished,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    read_results,
     single_thread,
 )
 
@@ -47,7 +48,7 @@ def sweep_flags(tiny_dir: Path, out_dir: Path) -> list[str]:
 
 def assert_same_rows(out_dir: Path, reference: Path) -> None:
     """Every metric of every run equal to the local backend's, bit for bit (one thread each, same ops)."""
-    ours, theirs = (pd.read_csv(d / "results.csv").drop(columns=TIMING_KEYS) for d in (out_dir, reference))
+    ours, theirs = (read_results(d / "results.csv").drop(columns=TIMING_KEYS) for d in (out_dir, reference))
     assert len(ours) == RUNS
     pd.testing.assert_frame_equal(ours, theirs, check_exact=True)
 
@@ -281,7 +282,7 @@ def test_worker_killed_without_retries_fails_that_run_only_then_resumes(ray_sess
     thread.join(timeout=300)
     assert isinstance(outcome.get("error"), UserError), outcome
     assert str(outcome["error"]).startswith(f"1 of {RUNS} runs failed")
-    assert finished(out_dir) == RUNS - 1 and len(pd.read_csv(out_dir / "results.csv")) == RUNS - 1
+    assert finished(out_dir) == RUNS - 1 and len(read_results(out_dir / "results.csv")) == RUNS - 1
     (failed,) = pd.read_csv(out_dir / "failed.csv").to_dict("records")
     assert failed["attempts"] == 1
     assert failed["error"].startswith("its worker died mid-run (1 attempt, --max_retries 0): ActorDiedError")

@@ -17,6 +17,7 @@ from eval import cli, kvpress_runs, plot, results
 from tests.eval_helpers import (
     byte_tokenizer,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    read_results,
 )
 
 # kvpress's EvaluationConfig fields (evaluation/evaluate.py), in its order, as save_config writes them when
@@ -116,7 +117,7 @@ def test_export_then_import_round_trips_a_run(tiny_dir, tmp_path):
 
     back = tmp_path / "back"
     kvpress_runs.main(["import", str(kv), "--out_dir", str(back)])
-    table = pd.read_csv(back / "results.csv").set_index("strategy")
+    table = read_results(back / "results.csv").set_index("strategy")
     row = table.loc["recent_global"]
     assert row["model"] == "tiny" and row["budget"] == 0.5 and bool(row["query_aware"])
     assert row["score"] == pytest.approx(ours["score"]) and row["score_rescored"] == pytest.approx(ours["score"])
@@ -161,7 +162,7 @@ def test_import_of_a_kvpress_directory_sits_next_to_our_runs(tiny_dir, tmp_path)
     write_kvpress_dir(kv, "longbench__hotpotqa__meta-llama--Meta-Llama-3.1-8B-Instruct__knorm__0.50", lb, 41.5)
     model = tiny_dir.name  # our runs' model name: one table for both
     run_cli(kvpress_runs.main, ["import", str(kv), "--out_dir", str(out), "--model", model])
-    table = pd.read_csv(out / "results.csv")
+    table = read_results(out / "results.csv")
     imported = table[table["source"] == "kvpress"].set_index("imported_from")
     ruler = imported.loc["ruler__4096__meta-llama--Meta-Llama-3.1-8B-Instruct__knorm__0.25"]
     assert ruler["strategy"] == "kvpress:knorm" and ruler["budget"] == 0.75 and ruler["compression_ratio"] == 0.25

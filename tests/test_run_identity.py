@@ -24,6 +24,7 @@ from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    read_results,
     write_tiny_checkpoint,
 )
 
@@ -39,7 +40,7 @@ def run_dirs(out_dir: Path) -> list[Path]:
 
 
 def table(out_dir: Path) -> pd.DataFrame:
-    return pd.read_csv(out_dir / "results.csv")
+    return read_results(out_dir / "results.csv")
 
 
 # ---- content-addressed runs -----------------------------------------------------------------------------
@@ -303,3 +304,24 @@ def test_a_run_with_other_settings_is_another_line_in_tables_and_plots():
         "debug_heavy_hitter snapkv_window=4"
     assert label("--cache_strategy", "l2", "--prompt_compression_strategy", "heavy_hitter", "--snapkv_window", "8") == \
         "l2 snapkv_window=8"
+
+
+def test_hashes_that_look_like_numbers_are_read_back_as_written(tmp_path):
+    """A run_id of digits and an identity of digits around one `e` (both seen: about one run in a hundred) are
+    written verbatim to results.csv, and read back as the same text by read_results (pandas alone reads them
+    as an integer and as inf)."""
+    from tests.eval_helpers import read_results
+
+    out = tmp_path / "out"
+    _, first = cli.main(flags(write_tiny_checkpoint(tmp_path / "model", seed=0), out, PYDOC_EXCERPT, "--baseline"))
+    numeric = {"run_id": "0012345678", "identity": "95e8404937768391"}
+    for run, values in zip(run_dirs(out), [numeric, {"run_id": "0000000001", "identity": "1234567890123456"}],
+                           strict=True):
+        metrics = json.loads((run / "metrics.json").read_text())
+        (run / "metrics.json").write_text(json.dumps({**metrics, **values}))
+    written = (results.write_results_table(out)).read_text()
+    assert "0012345678" in written and "95e8404937768391" in written
+    table = read_results(out / "results.csv")
+    assert sorted(table["run_id"]) == ["0000000001", "0012345678"]
+    assert sorted(table["identity"]) == ["1234567890123456", "95e8404937768391"]
+    assert pd.read_csv(out / "results.csv")["identity"].dtype != object  # what the helper is for
