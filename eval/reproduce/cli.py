@@ -80,12 +80,7 @@ def rerun_command(name: str, args: argparse.Namespace, out_dir: Path, default_ou
         words += ["--out_dir", out_dir.as_posix()]
     if Path(args.runs_dir) != DEFAULT_RUNS:
         words += ["--runs_dir", args.runs_dir]
-    if args.limit is not None:
-        words += ["--limit", str(args.limit)]
-    if args.batch_size is not None:
-        words += ["--batch_size", str(args.batch_size)]
-    if args.checkpoint_path:
-        words += ["--checkpoint_path", args.checkpoint_path]
+    words += overrides(args)  # eval.reproduce takes them under eval's names
     return "OMP_NUM_THREADS=1 " + shlex.join(words) + "   # add --overwrite to replace this report"
 
 
