@@ -200,29 +200,45 @@ void f32_linears(const float *x, long G, const float *const *w, const float *con
 
 
 
+/* The scores of the n <= 8 slots from l, whose keys are k[j * ksl] (j < 8: every row readable), for all R
+ * query rows: p [R, L] gets them scaled, -INFINITY where masked. 8 keys at a time, read once from memory
+ * for all R query rows. */
+static inline __attribute__((always_inline)) void block_scores(
+    const float *qf, const uint16_t *k, long ksl, const uint8_t *mb, long msr, long msl, float *p, long R, long L,
+    long l, long n, long D, float scale) {
+    for (long r = 0; r < R; r++) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (long d = 0; d < D; d += 8) {
+            __m256 qv = _mm256_loadu_ps(qf + r * D + d);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(widen8(k + j * ksl + d), qv, a[j]);
+        }
+        float s[8];
+        _mm256_storeu_ps(s, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
+        for (int j = 0; j < n; j++) p[r * L + l + j] = mb[r * msr + (l + j) * msl] ? s[j] : -INFINITY;
+    }
+}
+
+/* The last n < 8 keys from kb, copied into a block of 8 whose other rows are zero. A slot's score is then
+ * the same arithmetic wherever it falls, so a row's scores do not depend on how many slots follow its own
+ * (a row of a batch has the slots of the batch's largest row). */
+static inline void pad_block(uint16_t *block, const uint16_t *kb, long ksl, long n, long D) {
+    memset(block, 0, sizeof(uint16_t) * 8 * D);
+    for (long j = 0; j < n; j++) memcpy(block + j * D, kb + j * ksl, sizeof(uint16_t) * D);
+}
+
 /* One (row, head)'s scores over the slots [l0, l1): p [R, L] gets the scaled scores, -INFINITY where masked.
- * Inlined with D a constant for the common head sizes, so a query row lives in registers; 8 slots at a
- * time, their keys read once from memory for all R query rows. */
+ * Inlined with D a constant for the common head sizes, so a query row lives in registers. */
 static inline __attribute__((always_inline)) void chunk_scores(
     const float *qf, const uint16_t *kb, long ksl, const uint8_t *mb, long msr, long msl, float *p, long R, long L,
     long l0, long l1, long D, float scale) {
     long l = l0;
-    for (; l + 8 <= l1; l += 8) {
-        for (long r = 0; r < R; r++) {
-            __m256 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (long d = 0; d < D; d += 8) {
-                __m256 qv = _mm256_loadu_ps(qf + r * D + d);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(widen8(kb + (l + j) * ksl + d), qv, a[j]);
-            }
-            float s[8];
-            _mm256_storeu_ps(s, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
-            for (int j = 0; j < 8; j++) p[r * L + l + j] = mb[r * msr + (l + j) * msl] ? s[j] : -INFINITY;
-        }
+    for (; l + 8 <= l1; l += 8) block_scores(qf, kb + l * ksl, ksl, mb, msr, msl, p, R, L, l, 8, D, scale);
+    if (l < l1) {
+        uint16_t block[8 * 256]; /* D <= 256 */
+        pad_block(block, kb + l * ksl, ksl, l1 - l, D);
+        block_scores(qf, block, D, mb, msr, msl, p, R, L, l, l1 - l, D, scale);
     }
-    for (; l < l1; l++)
-        for (long r = 0; r < R; r++)
-            p[r * L + l] = mb[r * msr + l * msl] ? dot_row(qf + r * D, kb + l * ksl, D) * scale : -INFINITY;
 }
 
 /* One (row, head)'s output over the slots [l0, l1): acc [R, D] = sum_j p[r, j] v[j], one output row at a
@@ -266,27 +282,38 @@ AVX512 __m512 widen16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+AVX512 void block_scores_avx512(const float *qf, const uint16_t *k, long ksl, const uint8_t *mb, long msr, long msl,
+                                float *p, long R, long L, long l, long n, long D, float scale) {
+    for (long r = 0; r < R; r++) {
+        __m512 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+        for (long d = 0; d < D; d += 16) {
+            __m512 qv = _mm512_loadu_ps(qf + r * D + d);
+            for (int j = 0; j < 8; j++) a[j] = _mm512_fmadd_ps(widen16(k + j * ksl + d), qv, a[j]);
+        }
+        __m256 h[8];
+        for (int j = 0; j < 8; j++)
+            h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+        float sc[8];
+        _mm256_storeu_ps(sc, _mm256_mul_ps(sum8x8(h), _mm256_set1_ps(scale)));
+        for (int j = 0; j < n; j++) p[r * L + l + j] = mb[r * msr + (l + j) * msl] ? sc[j] : -INFINITY;
+    }
+}
+
 AVX512 void chunk_scores_avx512_body(const float *qf, const uint16_t *kb, long ksl, const uint8_t *mb, long msr, long msl,
                                 float *p, long R, long L, long l0, long l1, long D, float scale) {
-    long l = l0;
-    for (; l + 8 <= l1 && D % 16 == 0; l += 8) {
-        for (long r = 0; r < R; r++) {
-            __m512 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
-            for (long d = 0; d < D; d += 16) {
-                __m512 qv = _mm512_loadu_ps(qf + r * D + d);
-                for (int j = 0; j < 8; j++) a[j] = _mm512_fmadd_ps(widen16(kb + (l + j) * ksl + d), qv, a[j]);
-            }
-            __m256 h[8];
-            for (int j = 0; j < 8; j++)
-                h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
-                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
-            float sc[8];
-            _mm256_storeu_ps(sc, _mm256_mul_ps(sum8x8(h), _mm256_set1_ps(scale)));
-            for (int j = 0; j < 8; j++) p[r * L + l + j] = mb[r * msr + (l + j) * msl] ? sc[j] : -INFINITY;
-        }
+    if (D % 16) {
+        chunk_scores(qf, kb, ksl, mb, msr, msl, p, R, L, l0, l1, D, scale);
+        return;
     }
-    if (l < l1) chunk_scores(qf, kb, ksl, mb, msr, msl, p, R, L, l, l1, D, scale);
+    long l = l0;
+    for (; l + 8 <= l1; l += 8) block_scores_avx512(qf, kb + l * ksl, ksl, mb, msr, msl, p, R, L, l, 8, D, scale);
+    if (l < l1) { /* the last partial block padded, as chunk_scores does */
+        uint16_t block[8 * 256];
+        pad_block(block, kb + l * ksl, ksl, l1 - l, D);
+        block_scores_avx512(qf, block, D, mb, msr, msl, p, R, L, l, l1 - l, D, scale);
+    }
 }
 
 AVX512 void chunk_values_avx512_body(const float *p, const uint16_t *vb, long vsl, float *acc, long R, long L, long l0,

@@ -56,7 +56,9 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* One query row's probabilities in place: p[0..L) holds scaled scores, -INFINITY where masked. A row with
- * every slot masked gives NaN, as torch's softmax does. */
+ * every slot masked gives NaN, as torch's softmax does. The last partial block of 8 is padded with masked
+ * lanes and summed like the others, so masked slots after the row's own (a row of a batch has the slots of
+ * the batch's largest row) add exact zeros to the same lanes: a row's probabilities do not depend on them. */
 static void softmax_row(float *p, long L) {
     float max = -INFINITY;
     for (long l = 0; l < L; l++) max = p[l] > max ? p[l] : max;
@@ -72,14 +74,16 @@ static void softmax_row(float *p, long L) {
         _mm256_storeu_ps(p + l, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = sum8(vsum);
-    for (; l < L; l++) {
-        float tail[8] = {p[l] - max, 0, 0, 0, 0, 0, 0, 0};
-        float e[8];
-        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
-        p[l] = p[l] == -INFINITY ? 0.0f : e[0];
-        sum += p[l];
+    if (l < L) {
+        float tail[8], e[8];
+        for (long j = 0; j < 8; j++) tail[j] = l + j < L ? p[l + j] : -INFINITY;
+        __m256 s = _mm256_loadu_ps(tail);
+        __m256 t = _mm256_andnot_ps(_mm256_cmp_ps(s, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(s, vmax)));
+        _mm256_storeu_ps(e, t);
+        for (long j = 0; l + j < L; j++) p[l + j] = e[j];
+        vsum = _mm256_add_ps(vsum, t);
     }
+    float sum = sum8(vsum);
     float inv = 1.0f / sum;
     for (l = 0; l < L; l++) p[l] *= inv;
 }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import cpu_bf16_kernels
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
 from cache_setup import attach_row_caches, cache_specs, setup_caches
@@ -92,7 +93,8 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Te
 
 
 def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None = None,
-                 rows: list[int] | None = None, prompt_budgets: list[int | None] | None = None) -> Tensor:
+                 rows: list[int] | None = None, prompt_budgets: list[int | None] | None = None,
+                 pack: bool | None = None) -> Tensor:
     """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i): rows of any lengths, each storing and
     compressing only its own tokens at its own budget. Where the prefill can be shared, consecutive prompts go
     through one forward pass packed (packed_prefill.py; with --prefill_chunk, the rows' j-th chunks, one pass
@@ -100,11 +102,12 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
     (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
     time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
     `prompt_budgets`: what each row's prompt is compressed to (KVCache.prompt_budget, the kvpress protocol's
-    per-item budget), set in the row's turn; None leaves the caches' setting as it is. Logits of each row's
-    last position, [len(prompts), vocab]."""
+    per-item budget), set in the row's turn; None leaves the caches' setting as it is. `pack`: whether rows that
+    can share a pass do (None: where the model's products are not batch-invariant, see shares_prefill). Logits
+    of each row's last position, [len(prompts), vocab]."""
     rows = list(range(len(prompts))) if rows is None else rows
     budgets = prompt_budgets or [None] * len(prompts)
-    if not shares_prefill(model, prompts, prefill_lengths):
+    if not shares_prefill(model, prompts, prefill_lengths, pack):
         return torch.cat([prefill_row(model, b, prompt, None if prefill_lengths is None else prefill_lengths[i],
                                       budgets[i]) for i, (b, prompt) in enumerate(zip(rows, prompts, strict=True))])
     if chunk := prefill_chunk_of(model):
@@ -119,12 +122,18 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
     return torch.cat(logits)
 
 
-def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None) -> bool:
-    """Whether the rows' prompts may go through the model packed (their chunks packed, with --prefill_chunk):
-    each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token (--prefill_chunk 1), and
-    no cache uses KVzip's rule (whose prefill is a reconstruction pass over each prompt's own sequence)."""
+def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None,
+                   pack: bool | None = None) -> bool:
+    """Whether the rows' prompts go through the model packed (their chunks packed, with --prefill_chunk). They
+    can where each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token
+    (--prefill_chunk 1), and no cache uses KVzip's rule (whose prefill is a reconstruction pass over each
+    prompt's own sequence). They do if `pack`, or, by default, where the model's products are not
+    batch-invariant: where they are (the CPU kernels, cpu_bf16_kernels.linears), packing would round a row's
+    products as one call over every row's tokens, while each row alone gets exactly its batch-1 caches (what
+    packing gained on the CPU, on short prompts, is given up for that)."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
-    return len(prompts) > 1 and whole and prefill_chunk_of(model) != 1 and not rule_users(model.caches())
+    can = len(prompts) > 1 and whole and prefill_chunk_of(model) != 1 and not rule_users(model.caches())
+    return can and (not cpu_bf16_kernels.batch_invariant(model.output.weight) if pack is None else pack)
 
 
 def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None,

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 import cache_setup
+import cpu_bf16_kernels
 from cache import KVCache
 from cache_spec import LayerCacheSpec
 from model import Transformer
@@ -24,19 +25,21 @@ from tokenizer import Tokenizer
 
 # Strategies whose scores tie exactly across repeats of a token: l2 scores a key by its norm, which RoPE
 # keeps, and a layer-0 key is a function of the token alone. Which of the tied slots is evicted is then
-# decided by the last bit of the norms, and a batched matmul rounds differently from a batch-1 one, so a
-# row would keep other tokens than it keeps alone. Measured on the tiny model and pydoc text: per-window
-# KL differed by up to 0.03 at batch 4, every other strategy by < 1e-6. Runs that use them (to evict,
-# through a debug_ shadow, or as the prompt rule) decode one row at a time, so their records stay a
-# batch-1 run's.
+# decided by the last bit of the norms, so a row keeps other tokens in a batch than alone wherever a batch's
+# products round differently from one row's (per-window KL differed by up to 0.03 at batch 4, on the tiny
+# model and pydoc text, before the CPU's products were batch-invariant). Where they are not
+# (cpu_bf16_kernels.batch_invariant: a GPU, or the CPU without its kernels), runs that use these strategies
+# (to evict, through a debug_ shadow, or as the prompt rule) decode one row at a time, so their records stay
+# a batch-1 run's.
 TIED_SCORES = frozenset({"l2"})
 
 
-def rows_per_batch(specs: list[LayerCacheSpec], asked: int) -> int:
-    """The rows to decode together: `asked`, or 1 when a layer's cache or prompt rule has TIED_SCORES."""
+def rows_per_batch(model: Transformer, specs: list[LayerCacheSpec], asked: int) -> int:
+    """The rows to decode together: `asked`, or 1 when a layer's cache or prompt rule has TIED_SCORES and the
+    model's products are not batch-invariant."""
     tied = any(s.strategy.removeprefix("debug_") in TIED_SCORES or s.prompt_compression in TIED_SCORES
                for s in specs)
-    return 1 if tied else asked
+    return 1 if tied and not cpu_bf16_kernels.batch_invariant(model.output.weight) else asked
 
 
 def longest_first(prompts: list[list[int]], run: Callable[[list[int]], list]) -> list:

@@ -197,6 +197,45 @@ def test_decode_attention_of_a_batch_equals_each_row_alone_on_any_number_of_thre
             assert all(torch.equal(a, b) for a, b in zip(batch, got, strict=True))
 
 
+@pytest.mark.parametrize("length", [1, 13, 37, 256, 301])
+def test_decode_attention_ignores_masked_slots_after_a_rows_own(length, instruction_set):
+    """A row of a batch has the slots of the batch's largest row, the ones past its own empty (masked): its
+    output and probabilities are bit for bit those over its own slots alone, for lengths inside the first block
+    of 8, in a partial last block, at a chunk's end and past it (ATTENTION_CHUNK 256)."""
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, 3, 3, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 3, length + 300, 64, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(1, 3, 1, length, generator=g) > 0.2
+    mask[..., 0] = True
+    wider = torch.cat([mask, torch.zeros(1, 3, 1, 300, dtype=torch.bool)], dim=-1)
+    with torch.inference_mode():
+        own = kernels.decode_attention(q, k[:, :, :length], v[:, :, :length], mask)
+        for extra in (1, 5, 8, 300):
+            out, probs = kernels.decode_attention(q, k[:, :, :length + extra], v[:, :, :length + extra],
+                                                  wider[..., :length + extra])
+            assert torch.equal(out, own[0]), extra
+            assert torch.equal(probs[..., :length], own[1]) and not probs[..., length:].any(), extra
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_batch_of_products_gives_each_sequence_its_own_products(dtype):
+    """linears where the kernels run: every row of a batch gets, bit for bit, what its sequence gets alone (the
+    bundled model's shapes; oneDNN's bf16 product of 4 x 200 rows rounds some rows differently from 200 rows'
+    on an AMX Xeon, and MKL's float32 product of 4 rows differs from one row's), for prompts [B, T] and for
+    decode rows beyond MAX_ROWS."""
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, 576, generator=g).to(dtype) for n in (1536, 1536)]
+    head = torch.randn(4096, 576, generator=g).to(dtype)
+    with torch.inference_mode():
+        for x in (torch.randn(4, 200, 576, generator=g).to(dtype), torch.randn(12, 1, 576, generator=g).to(dtype)):
+            for ws in (weights, [head]):
+                together = kernels.linears(x, ws, [None] * len(ws))
+                alone = [kernels.linears(x[b: b + 1], ws, [None] * len(ws)) for b in range(x.shape[0])]
+                for i, y in enumerate(together):
+                    assert torch.equal(y, torch.cat([a[i] for a in alone])), (tuple(x.shape), i)
+    assert kernels.batch_invariant(head) and not kernels.batch_invariant(head.t().contiguous().t())
+
+
 def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch(instruction_set):
     q = torch.randn(1, 1, 2, 64).bfloat16()
     k, v = torch.randn(1, 1, 10, 64).bfloat16(), torch.randn(1, 1, 10, 64).bfloat16()

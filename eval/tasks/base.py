@@ -285,7 +285,7 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
     static shapes, so a compiled decode step is compiled once. With --batch_size B > 1 they have B rows and
     the jobs go through them longest prompt first (batching.longest_first, rows.greedy_answers); a row's
     answer and statistics are what it gets alone (batch 1)."""
-    rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
+    rows = min(rows_per_batch(rt.model, specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
     attach_caches(rt, specs, capacity, rows)
     bar = tqdm(total=len(jobs), desc=desc, leave=False, disable=rt.progress)
     try:

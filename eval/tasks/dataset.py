@@ -185,7 +185,7 @@ class MultipleChoice(Task):
         """Per job, in order: its options' log-likelihoods, statistics and kept positions. One set of caches for
         all; with --batch_size B > 1, of B rows, the jobs longest prompt first (rows.option_logliks_rows)."""
         timings = Timings()
-        rows = min(rows_per_batch(specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
+        rows = min(rows_per_batch(rt.model, specs, getattr(rt.args, "batch_size", 1) or 1), len(jobs))
         attach_caches(rt, specs, capacity, rows)
         bar = tqdm(total=len(jobs), desc=self.name, leave=False, disable=rt.progress)
         try:

@@ -131,7 +131,7 @@ class Fidelity(Task):
                             f"{offset}; fidelity needs --seq_len {seq_len}")
         timings, got = Timings(), Collected()
         specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolves them
-        batch = rows_per_batch(specs, getattr(rt.args, "batch_size", 1))
+        batch = rows_per_batch(rt.model, specs, getattr(rt.args, "batch_size", 1))
         with tqdm(total=len(windows) * (seq_len - n_prompt), desc="fidelity", unit="tok", leave=False,
                   disable=rt.progress) as bar:
             for start in range(0, len(windows), batch):
