@@ -4,8 +4,9 @@ against the same prompts one row at a time, on this tool's model and caches.
 The bundled model (or `--checkpoint_path`, or `--random_weights` with a real model's shapes, built on
 `--device`) prefills `--prompts` pydoc passages (random token ids without a tokenizer) of `--min_tokens`,
 `--min_tokens` + `--step_tokens`, ... tokens into caches of one row per prompt (each with the budget its
-own length gives): once through generate.prefill_rows (rows together where they can share a forward pass),
-once row by row in each row's context (what generate.py and eval did before). The two alternate for
+own length gives): once through generate.prefill_rows packed (rows together where they can share a forward pass:
+a GPU's default), once row by row in each row's context (the CPU's default, where the products are
+batch-invariant and packing would round a row's products by the batch: generate.shares_prefill). The two alternate for
 `--rounds` rounds, the order rotating every round, in one process. Reported: prompt tokens per second of
 each (median round), the batch's speed-up, and how far each row's last logits and kept positions are from
 its row-by-row prefill (the same within float rounding: a batch's products round differently). With
@@ -80,7 +81,7 @@ def prefilled(model: Transformer, prompts: list[torch.Tensor], together: bool) -
         model.reset_caches()
         t0 = time.perf_counter()
         if together:
-            logits = prefill_rows(model, prompts)
+            logits = prefill_rows(model, prompts, pack=True)
         else:
             logits = torch.cat([prefill_row(model, b, p, None) for b, p in enumerate(prompts)])
         if logits.is_cuda:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import cpu_bf16_kernels
 from cache import KVCache, cache_statistics, row_statistics
 from cache_setup import attach_caches, attach_row_caches, cache_config
-from cpu_bf16_kernels import batch_invariant
 from gates import attach_random_gates
 from generate import (
     compile_decode_step,
@@ -109,7 +109,7 @@ def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=Non
     row_specs = attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
     same_slots = all([s.max_cache_length for s in specs] == [s.max_cache_length for s in row_specs[0]]
                      for specs in row_specs)
-    exact = (not pack and batch_invariant(model.output.weight)
+    exact = (not pack and cpu_bf16_kernels.batch_invariant(model.output.weight)
              and (model.output.weight.dtype == torch.bfloat16 or same_slots))
     feed_lengths = [min(n, *(s.max_cache_length for s in specs)) for n, specs in zip(LENGTHS, row_specs,
                                                                                       strict=True)]
@@ -145,7 +145,7 @@ def test_every_strategy_decodes_rows_bit_for_bit_in_bfloat16(strategy):
     (cpu_bf16_kernels). The bundled model's widths (576, 1536; 9 query heads on 3 KV heads), at which
     oneDNN's bf16 products round by their row count on an AMX Xeon, and rows of different slots."""
     model = tiny_model(dim=576, intermediate_size=1536, n_head=9, n_kv_head=3).to(torch.bfloat16)
-    assert batch_invariant(model.output.weight)
+    assert cpu_bf16_kernels.batch_invariant(model.output.weight)
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"]), model=model)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cpu_bf16_kernels
 from cache import cache_statistics
 from cache_setup import attach_caches, cache_config, cache_specs
 from cache_spec import build_caches
@@ -190,7 +191,7 @@ BATCH_CASES = [(s, ()) for s in ALL] + [("heavy_hitter", ("--cache_bits", "4")),
 @pytest.mark.parametrize(("strategy", "extra"), BATCH_CASES, ids=[f"{s}{''.join(e)}" for s, e in BATCH_CASES])
 def test_batched_fidelity_records_equal_batch_1_records(tiny_dir, strategy, extra):
     alone, together = fidelity_run(tiny_dir, strategy, 1, *extra), fidelity_run(tiny_dir, strategy, 4, *extra)
-    assert together.config["batch_size"] == (1 if "l2" in strategy else 4)  # batching.TIED_SCORES
+    assert together.config["batch_size"] == 4  # l2 too: the CPU's products are batch-invariant (TIED_SCORES)
     assert len(together.items) == len(alone.items) == 4
     for a, b in zip(alone.items, together.items, strict=True):
         assert a["metrics"].keys() == b["metrics"].keys() and a["context_ids"] == b["context_ids"]
@@ -207,10 +208,15 @@ def test_batched_fidelity_records_equal_batch_1_records(tiny_dir, strategy, extr
     assert together.timings.decode_tokens == alone.timings.decode_tokens
 
 
-def test_l2_anywhere_decodes_one_row_at_a_time():
+def test_l2_anywhere_decodes_one_row_at_a_time_where_products_round_by_the_batch(monkeypatch):
+    """l2's exact ties break by the products' last bit: rows batch where the products are batch-invariant (the
+    CPU's kernels), and one at a time where they are not (a GPU, made here by hand)."""
     args = cache_config(["--cache_strategy", "tova", "--max_cache_length", "16",
                          "--prompt_compression_strategy", "l2"])
-    model = make_tiny_model()
-    assert rows_per_batch(cache_specs(args, model.args, PROMPT, NEW), 8) == 1
     plain = cache_config(["--cache_strategy", "tova", "--max_cache_length", "16"])
-    assert rows_per_batch(cache_specs(plain, model.args, PROMPT, NEW), 8) == 8
+    model = make_tiny_model()
+    specs, plain_specs = cache_specs(args, model.args, PROMPT, NEW), cache_specs(plain, model.args, PROMPT, NEW)
+    assert rows_per_batch(model, specs, 8) == rows_per_batch(model, plain_specs, 8) == 8
+    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight: False)
+    assert rows_per_batch(model, specs, 8) == 1
+    assert rows_per_batch(model, plain_specs, 8) == 8

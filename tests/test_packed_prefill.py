@@ -1,12 +1,14 @@
-"""Rows prefilled together, packed into one sequence (packed_prefill.py). Every registered strategy's rows equal
-each row alone through tests/test_batching.py, whose batches go through this path; here: that they do (one
-forward pass), how rows are grouped, rows in later groups and beside one-token prompts, and eval's rows."""
+"""Rows prefilled together, packed into one sequence (packed_prefill.py), as a GPU prefills them. Every registered
+strategy's packed rows equal each row alone through tests/test_batching.py's packed cases; here: that they go
+through one forward pass, how rows are grouped, rows in later groups and beside one-token prompts, and eval's
+rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import cpu_bf16_kernels
 import packed_prefill
 from cache_setup import attach_caches, attach_row_caches
 from generate import prefill, prefill_rows
@@ -17,6 +19,13 @@ from tests.test_batching import LENGTHS, NEW, assert_rows_match, held, sequences
 from tests.test_eval_generation_batching import assert_same_records, qa_file, qa_run
 
 ATOL = 1e-4  # float32 logits: a packed batch's products round differently from one row's
+
+
+@pytest.fixture(autouse=True)
+def packed_as_on_a_gpu(monkeypatch):
+    """The model packs rows by default only where its products are not batch-invariant (a GPU; on the CPU
+    each row is prefilled alone, generate.shares_prefill): these tests make it pack on the CPU too."""
+    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight: False)
 
 
 def test_groups_follow_the_token_limit_and_keep_one_token_prompts_alone(monkeypatch):
