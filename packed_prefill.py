@@ -6,7 +6,8 @@ over the packed tokens, with no padding to waste work on; attention runs over ea
 the row alone would (Attention.attend_packed_rows); and each layer's cache takes each row's tokens in its row
 context (KVCache.row), after that row's token ids and gates, so a row stores, scores and compresses exactly
 what it does alone, at its own budget. Only the products' rounding differs from a row alone (their row count
-does). The logits taken are each row's last token's.
+does), which is why the CPU, whose products are otherwise batch-invariant, prefills rows alone instead
+(generate.shares_prefill). The logits taken are each row's last token's.
 
 Rows are grouped so a group holds at most PREFILL_BATCH_TOKENS tokens: a prompt that long already keeps a
 device busy, and packing more would only raise the prefill's activation peak.

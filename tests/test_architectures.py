@@ -155,10 +155,10 @@ def test_compiled_decode_matches_eager_without_recompiling(arch, tmp_path):
 
 @pytest.mark.parametrize("chunk", [None, "5"])
 def test_packed_rows_prefill_as_each_row_alone(arch_dir, chunk):
-    """Prompts of 24, 17 and 9 tokens packed into one prefill (packed_prefill.py), or with --prefill_chunk 5
-    their chunks packed pass by pass: RoPE at each token's own position (Gemma 3's local tables too), each
-    row's sliding window, each row's cache. Each row's logits and kept positions equal its prefill alone
-    (float32; the packed products round differently)."""
+    """Prompts of 24, 17 and 9 tokens packed into one prefill (packed_prefill.py: a GPU's path, made to run on
+    the CPU here), or with --prefill_chunk 5 their chunks packed pass by pass: RoPE at each token's own
+    position (Gemma 3's local tables too), each row's sliding window, each row's cache. Each row's logits and
+    kept positions equal its prefill alone (float32; the packed products round differently)."""
     _, directory, _ = arch_dir
     model, _ = load_checkpoint(directory, "cpu", torch.float32)
     lengths, new = [24, 17, 9], 8
@@ -173,7 +173,7 @@ def test_packed_rows_prefill_as_each_row_alone(arch_dir, chunk):
     attach_row_caches(model, flags, lengths, new)
     with torch.inference_mode():
         model.reset_caches()
-        together = prefill_rows(model, prompts)
+        together = prefill_rows(model, prompts, pack=True)
         rows_kept = []
         for b in range(len(lengths)):
             with model.cache_row(b):
