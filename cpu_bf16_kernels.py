@@ -261,31 +261,32 @@ def streams(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> bo
             and all(b is None or b.dtype == x.dtype and b.is_contiguous() for b in biases))
 
 
-def batch_invariant(weight: Tensor) -> bool:
-    """Whether products with this weight give every row of a batch, bit for bit, what the row gives alone
-    (see linears). The model's prefill packs prompts only where they do not (generate.shares_prefill)."""
-    return streams(weight.new_empty(1, weight.shape[-1]), [weight], [None])
+def batch_invariant(weight: Tensor, rows: int) -> bool:
+    """Whether products with this weight give each of `rows` sequences decoding together, bit for bit, what the
+    sequence gets alone (see linears): the kernels run, and a decode step's rows fit one kernel call. Beyond
+    MAX_ROWS oneDNN's and MKL's products, faster there, round by the batch: 16 bfloat16 rows of the bundled
+    model took 74 ms a step through oneDNN against 115 ms through the kernel 8 rows at a time (AMX Xeon,
+    2 threads). The model's prefill packs prompts only where the rows are not batch-invariant
+    (generate.shares_prefill)."""
+    return rows <= MAX_ROWS and streams(weight.new_empty(1, weight.shape[-1]), [weight], [None])
 
 
 def linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
     """[F.linear(x, w, b) for each weight], through one kernel call where it is the faster way (see the
     module's docstring): the projections of one input read as one stream of stacked weights.
 
-    Where the kernels run, a batch's rows also get exactly the products they get alone. oneDNN's and MKL's
-    matrix products round a row differently with the number of rows in the call (on an AMX Xeon, bf16 rows
-    of a 4 x 256-token product differ from the 256-token product's), and in bfloat16 that flips which
-    tokens a strategy keeps: a batch of fidelity windows measured a window's KL at 0.082 against 0.072
-    alone. So decode rows beyond MAX_ROWS go through the kernel MAX_ROWS at a time (each row's sums are the
-    kernel's at one row), and x [B, T, dim] with T > 1 (the batch's prompts) one sequence at a time, as each
-    sequence's call alone."""
+    Where the kernels run, the rows of a batch of up to MAX_ROWS sequences also get exactly the products they
+    get alone. oneDNN's and MKL's matrix products round a row differently with the number of rows in the call
+    (on an AMX Xeon, bf16 rows of a 4 x 256-token product differ from the 256-token product's), and in
+    bfloat16 that flips which tokens a strategy keeps: a batch of fidelity windows measured a window's KL at
+    0.082 against 0.072 alone. A decode step's rows go through the kernel, each row's sums its own, and x
+    [B, T, dim] with T > 1 (the batch's prompts) one sequence at a time, as each sequence's call alone."""
     if streams(x, weights, biases):
-        rows = x.numel() // x.shape[-1]
-        if rows <= MAX_ROWS:
+        if x.numel() <= MAX_ROWS * x.shape[-1]:
             y = getattr(torch.ops.kv_eviction, LINEAR_OPS[x.dtype])(x, weights, biases)
             return list(y.split([w.shape[0] for w in weights], dim=-1)) if len(weights) > 1 else [y]
-        if x.dim() == 3 and (x.shape[1] == 1 or x.shape[0] > 1):
-            step = MAX_ROWS if x.shape[1] == 1 else 1
-            parts = [linears(x[b: b + step], weights, biases) for b in range(0, x.shape[0], step)]
+        if x.dim() == 3 and x.shape[0] > 1 and x.shape[1] > 1:
+            parts = [linears(x[b: b + 1], weights, biases) for b in range(x.shape[0])]
             return [torch.cat(outputs) for outputs in zip(*parts, strict=True)]
     return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import cpu_bf16_kernels
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
 from cache_setup import attach_row_caches, cache_specs, setup_caches
@@ -127,13 +126,13 @@ def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: l
     """Whether the rows' prompts go through the model packed (their chunks packed, with --prefill_chunk). They
     can where each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token
     (--prefill_chunk 1), and no cache uses KVzip's rule (whose prefill is a reconstruction pass over each
-    prompt's own sequence). They do if `pack`, or, by default, where the model's products are not
-    batch-invariant: where they are (the CPU kernels, cpu_bf16_kernels.linears), packing would round a row's
+    prompt's own sequence). They do if `pack`, or, by default, where the model's rows are not batch-invariant
+    (Transformer.batch_invariant): where they are (the CPU kernels, up to 8 rows), packing would round a row's
     products as one call over every row's tokens, while each row alone gets exactly its batch-1 caches (what
     packing gained on the CPU, on short prompts, is given up for that)."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
     can = len(prompts) > 1 and whole and prefill_chunk_of(model) != 1 and not rule_users(model.caches())
-    return can and (not cpu_bf16_kernels.batch_invariant(model.output.weight) if pack is None else pack)
+    return can and (not model.batch_invariant() if pack is None else pack)
 
 
 def prefill_row(model: Transformer, b: int, prompt: Tensor, prefill_length: int | None,

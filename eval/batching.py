@@ -27,19 +27,21 @@ from tokenizer import Tokenizer
 # keeps, and a layer-0 key is a function of the token alone. Which of the tied slots is evicted is then
 # decided by the last bit of the norms, so a row keeps other tokens in a batch than alone wherever a batch's
 # products round differently from one row's (per-window KL differed by up to 0.03 at batch 4, on the tiny
-# model and pydoc text, before the CPU's products were batch-invariant). Where they are not
-# (cpu_bf16_kernels.batch_invariant: a GPU, or the CPU without its kernels), runs that use these strategies
-# (to evict, through a debug_ shadow, or as the prompt rule) decode one row at a time, so their records stay
-# a batch-1 run's.
+# model and pydoc text, before the CPU's products were batch-invariant). Runs that use these strategies (to
+# evict, through a debug_ shadow, or as the prompt rule) decode at most MAX_ROWS rows together where the CPU
+# kernels keep that many rows batch-invariant (cpu_bf16_kernels.batch_invariant), and one row at a time where
+# the products are not (a GPU, the CPU without its kernels), so their records stay a batch-1 run's.
 TIED_SCORES = frozenset({"l2"})
 
 
 def rows_per_batch(model: Transformer, specs: list[LayerCacheSpec], asked: int) -> int:
-    """The rows to decode together: `asked`, or 1 when a layer's cache or prompt rule has TIED_SCORES and the
-    model's products are not batch-invariant."""
-    tied = any(s.strategy.removeprefix("debug_") in TIED_SCORES or s.prompt_compression in TIED_SCORES
-               for s in specs)
-    return 1 if tied and not cpu_bf16_kernels.batch_invariant(model.output.weight) else asked
+    """The rows to decode together: `asked`; when a layer's cache or prompt rule has TIED_SCORES, as many as
+    the model's products keep batch-invariant (up to MAX_ROWS with the CPU kernels, else 1)."""
+    if not any(s.strategy.removeprefix("debug_") in TIED_SCORES or s.prompt_compression in TIED_SCORES
+               for s in specs):
+        return asked
+    rows = min(asked, cpu_bf16_kernels.MAX_ROWS)
+    return rows if cpu_bf16_kernels.batch_invariant(model.output.weight, rows) else 1
 
 
 def longest_first(prompts: list[list[int]], run: Callable[[list[int]], list]) -> list:

@@ -22,6 +22,7 @@ from generate import (
     prefill,
     prefill_rows,
     row_stats,
+    shares_prefill,
 )
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
@@ -109,8 +110,7 @@ def assert_rows_match(args, step=decode_one_token, feed: bool = False, model=Non
     row_specs = attach_row_caches(model, args, list(LENGTHS), NEW, classes=TOKEN_CLASSES)
     same_slots = all([s.max_cache_length for s in specs] == [s.max_cache_length for s in row_specs[0]]
                      for specs in row_specs)
-    exact = (not pack and cpu_bf16_kernels.batch_invariant(model.output.weight)
-             and (model.output.weight.dtype == torch.bfloat16 or same_slots))
+    exact = not pack and model.batch_invariant() and (model.output.weight.dtype == torch.bfloat16 or same_slots)
     feed_lengths = [min(n, *(s.max_cache_length for s in specs)) for n, specs in zip(LENGTHS, row_specs,
                                                                                       strict=True)]
     logits, kept = teacher_forced_batch(model, seqs, step, feed_lengths if feed else None, pack=pack)
@@ -145,8 +145,18 @@ def test_every_strategy_decodes_rows_bit_for_bit_in_bfloat16(strategy):
     (cpu_bf16_kernels). The bundled model's widths (576, 1536; 9 query heads on 3 KV heads), at which
     oneDNN's bf16 products round by their row count on an AMX Xeon, and rows of different slots."""
     model = tiny_model(dim=576, intermediate_size=1536, n_head=9, n_kv_head=3).to(torch.bfloat16)
-    assert cpu_bf16_kernels.batch_invariant(model.output.weight)
+    assert cpu_bf16_kernels.batch_invariant(model.output.weight, len(LENGTHS))
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"]), model=model)
+
+
+def test_rows_beyond_one_kernel_call_are_prefilled_packed():
+    """Past MAX_ROWS rows a decode step's products leave the kernel for oneDNN's or MKL's (faster there, and
+    rounded by the batch): rows are then not batch-invariant, and their prompts are packed, as on a GPU."""
+    model = tiny_model()
+    for rows, invariant in ((cpu_bf16_kernels.MAX_ROWS, True), (cpu_bf16_kernels.MAX_ROWS + 1, False)):
+        attach_row_caches(model, cache_args("tova", BUDGETS["absolute"]), [20] * rows, NEW, classes=TOKEN_CLASSES)
+        assert model.batch_invariant() is invariant
+        assert shares_prefill(model, [torch.arange(20)] * rows, None) is not invariant
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

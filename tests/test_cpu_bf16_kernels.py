@@ -221,19 +221,21 @@ def test_decode_attention_ignores_masked_slots_after_a_rows_own(length, instruct
 def test_a_batch_of_products_gives_each_sequence_its_own_products(dtype):
     """linears where the kernels run: every row of a batch gets, bit for bit, what its sequence gets alone (the
     bundled model's shapes; oneDNN's bf16 product of 4 x 200 rows rounds some rows differently from 200 rows'
-    on an AMX Xeon, and MKL's float32 product of 4 rows differs from one row's), for prompts [B, T] and for
-    decode rows beyond MAX_ROWS."""
+    on an AMX Xeon), for prompts [B, T] and for MAX_ROWS decode rows (one kernel call; beyond it, oneDNN's
+    and MKL's products, not batch-invariant)."""
     g = torch.Generator().manual_seed(3)
     weights = [torch.randn(n, 576, generator=g).to(dtype) for n in (1536, 1536)]
     head = torch.randn(4096, 576, generator=g).to(dtype)
     with torch.inference_mode():
-        for x in (torch.randn(4, 200, 576, generator=g).to(dtype), torch.randn(12, 1, 576, generator=g).to(dtype)):
+        prompts, decode_rows = torch.randn(4, 200, 576, generator=g), torch.randn(kernels.MAX_ROWS, 1, 576, generator=g)
+        for x in (prompts.to(dtype), decode_rows.to(dtype)):
             for ws in (weights, [head]):
                 together = kernels.linears(x, ws, [None] * len(ws))
                 alone = [kernels.linears(x[b: b + 1], ws, [None] * len(ws)) for b in range(x.shape[0])]
                 for i, y in enumerate(together):
                     assert torch.equal(y, torch.cat([a[i] for a in alone])), (tuple(x.shape), i)
-    assert kernels.batch_invariant(head) and not kernels.batch_invariant(head.t().contiguous().t())
+    assert kernels.batch_invariant(head, kernels.MAX_ROWS) and not kernels.batch_invariant(head, kernels.MAX_ROWS + 1)
+    assert not kernels.batch_invariant(head.t().contiguous().t(), 1)  # float32's input-major layout: MKL
 
 
 def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch(instruction_set):

@@ -210,13 +210,14 @@ def test_batched_fidelity_records_equal_batch_1_records(tiny_dir, strategy, extr
 
 def test_l2_anywhere_decodes_one_row_at_a_time_where_products_round_by_the_batch(monkeypatch):
     """l2's exact ties break by the products' last bit: rows batch where the products are batch-invariant (the
-    CPU's kernels), and one at a time where they are not (a GPU, made here by hand)."""
+    CPU's kernels, up to MAX_ROWS rows), and one at a time where they are not (a GPU, made here by hand)."""
     args = cache_config(["--cache_strategy", "tova", "--max_cache_length", "16",
                          "--prompt_compression_strategy", "l2"])
     plain = cache_config(["--cache_strategy", "tova", "--max_cache_length", "16"])
     model = make_tiny_model()
     specs, plain_specs = cache_specs(args, model.args, PROMPT, NEW), cache_specs(plain, model.args, PROMPT, NEW)
     assert rows_per_batch(model, specs, 8) == rows_per_batch(model, plain_specs, 8) == 8
-    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight: False)
+    assert rows_per_batch(model, specs, 16) == 8 and rows_per_batch(model, plain_specs, 16) == 16  # one kernel call
+    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: False)
     assert rows_per_batch(model, specs, 8) == 1
     assert rows_per_batch(model, plain_specs, 8) == 8

@@ -25,7 +25,7 @@ ATOL = 1e-4  # float32 logits: a packed batch's products round differently from 
 def packed_as_on_a_gpu(monkeypatch):
     """The model packs rows by default only where its products are not batch-invariant (a GPU; on the CPU
     each row is prefilled alone, generate.shares_prefill): these tests make it pack on the CPU too."""
-    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight: False)
+    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: False)
 
 
 def test_groups_follow_the_token_limit_and_keep_one_token_prompts_alone(monkeypatch):
