@@ -154,6 +154,15 @@ def test_every_strategy_decodes_rows_bit_for_bit_in_bfloat16(strategy):
     assert_rows_match(cache_args(strategy, BUDGETS["fraction"]), model=model)
 
 
+@pytest.mark.parametrize("storage", ["2bit", "4bit", "8bit", "kivi4"])
+@pytest.mark.parametrize("strategy", ["heavy_hitter", "debug_tova"])
+def test_quantized_storages_decode_rows_bit_for_bit_in_bfloat16(strategy, storage):
+    """The CPU's attention from the codes (per-token and KIVI kernels) shares the softmax that ignores a row's
+    trailing empty slots: quantized rows too are their batch-1 rows, bit for bit."""
+    model = tiny_model(dim=576, intermediate_size=1536, n_head=9, n_kv_head=3).to(torch.bfloat16)
+    assert_rows_match(cache_args(strategy, BUDGETS["fraction"], storage), model=model)
+
+
 def test_rows_beyond_one_kernel_call_are_prefilled_packed():
     """Past MAX_ROWS rows a decode step's products leave the kernel for oneDNN's or MKL's (faster there, and
     rounded by the batch): rows are then not batch-invariant, and their prompts are packed, as on a GPU."""
