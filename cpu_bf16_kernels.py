@@ -14,10 +14,10 @@ and rounds the result to bf16 as torch does (docs/performance.md has the measure
 - `linears(x, weights, biases)`, the projections of one input (q, k, v; gate, up) stacked into one call,
   and `linear(x, weight, bias)`, every other linear layer: the kernel for bf16 on the CPU with at most
   MAX_ROWS rows (a decode step of up to that many sequences; a prompt is a matrix product, where oneDNN is
-  fast), else `F.linear`. Same values as torch's bf16 linear up to summation order. float32 row-major
-  weights take the same streaming in float32 (`f32_linears`): MKL's float32 product of 2-8 rows read the
-  weights at about a third of its one-row rate here, and this kernel reads them at the one-row rate or
-  better (docs/performance.md).
+  fast), else `F.linear`, a batch's prompts one sequence per call (`batch_invariant`). Same values as torch's
+  bf16 linear up to summation order. float32 row-major weights take the same streaming in float32
+  (`f32_linears`): MKL's float32 product of 2-8 rows read the weights at about a third of its one-row rate
+  here, and this kernel reads them at the one-row rate or better (docs/performance.md).
 - `decode_attention(q, k, v, mask)`, model.grouped_attention on the CPU in bf16 for at most
   MAX_QUERY_ROWS query rows per KV head: one pass over each head's K and V, scores and probabilities in
   float32 (torch's path rounds the scores and the probabilities to bf16 before each product, so this is
@@ -268,7 +268,7 @@ def batch_invariant(weight: Tensor, rows: int) -> bool:
     model took 74 ms a step through oneDNN against 115 ms through the kernel 8 rows at a time (AMX Xeon,
     2 threads). The model's prefill packs prompts only where the rows are not batch-invariant
     (generate.shares_prefill)."""
-    return rows <= MAX_ROWS and streams(weight.new_empty(1, weight.shape[-1]), [weight], [None])
+    return rows <= MAX_ROWS and streams(weight[:1], [weight], [None])  # one row of the weight's own kind
 
 
 def linears(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:

@@ -565,11 +565,13 @@ class Transformer(nn.Module):
     def caches(self) -> list[KVCache]:
         return [layer.attention.kv_cache for layer in self.layers if layer.attention.kv_cache is not None]
 
-    def batch_invariant(self) -> bool:
-        """Whether every row of the caches' batch gets, bit for bit, the products it gets alone
-        (cpu_bf16_kernels.batch_invariant: the CPU kernels, up to MAX_ROWS rows)."""
-        caches = self.caches()
-        return cpu_bf16_kernels.batch_invariant(self.output.weight, caches[0].pos.shape[0] if caches else 1)
+    def batch_invariant(self, rows: int | None = None) -> bool:
+        """Whether every row of a batch of `rows` (default: the caches' rows) gets, bit for bit, the products it
+        gets alone (cpu_bf16_kernels.batch_invariant: the CPU kernels, up to MAX_ROWS rows)."""
+        if rows is None:
+            caches = self.caches()
+            rows = caches[0].pos.shape[0] if caches else 1
+        return cpu_bf16_kernels.batch_invariant(self.output.weight, rows)
 
     @contextmanager
     def cache_row(self, b: int) -> Iterator[Transformer]:

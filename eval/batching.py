@@ -29,7 +29,7 @@ from tokenizer import Tokenizer
 # products round differently from one row's (per-window KL differed by up to 0.03 at batch 4, on the tiny
 # model and pydoc text, before the CPU's products were batch-invariant). Runs that use these strategies (to
 # evict, through a debug_ shadow, or as the prompt rule) decode at most MAX_ROWS rows together where the CPU
-# kernels keep that many rows batch-invariant (cpu_bf16_kernels.batch_invariant), and one row at a time where
+# kernels keep that many rows batch-invariant (Transformer.batch_invariant), and one row at a time where
 # the products are not (a GPU, the CPU without its kernels), so their records stay a batch-1 run's.
 TIED_SCORES = frozenset({"l2"})
 
@@ -41,7 +41,7 @@ def rows_per_batch(model: Transformer, specs: list[LayerCacheSpec], asked: int) 
                for s in specs):
         return asked
     rows = min(asked, cpu_bf16_kernels.MAX_ROWS)
-    return rows if cpu_bf16_kernels.batch_invariant(model.output.weight, rows) else 1
+    return rows if model.batch_invariant(rows) else 1
 
 
 def longest_first(prompts: list[list[int]], run: Callable[[list[int]], list]) -> list:

@@ -235,7 +235,7 @@ def test_a_batch_of_products_gives_each_sequence_its_own_products(dtype):
                 for i, y in enumerate(together):
                     assert torch.equal(y, torch.cat([a[i] for a in alone])), (tuple(x.shape), i)
     assert kernels.batch_invariant(head, kernels.MAX_ROWS) and not kernels.batch_invariant(head, kernels.MAX_ROWS + 1)
-    assert not kernels.batch_invariant(head.t().contiguous().t(), 1)  # float32's input-major layout: MKL
+    assert not kernels.batch_invariant(head.t().contiguous().t(), 1)  # an input-major weight: torch's product
 
 
 def test_decode_attention_with_every_slot_masked_is_nan_as_in_torch(instruction_set):
