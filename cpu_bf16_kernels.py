@@ -18,7 +18,7 @@ and rounds the result to bf16 as torch does (docs/performance.md has the measure
   bf16 linear up to summation order. float32 row-major weights take the same streaming in float32
   (`f32_linears`): MKL's float32 product of 2-8 rows read the weights at about a third of its one-row rate
   here, and this kernel reads them at the one-row rate or better (docs/performance.md).
-- `decode_attention(q, k, v, mask)`, model.grouped_attention on the CPU in bf16 for at most
+- `decode_attention(q, k, v, mask)`, attention.grouped_attention on the CPU in bf16 for at most
   MAX_QUERY_ROWS query rows per KV head: one pass over each head's K and V, scores and probabilities in
   float32 (torch's path rounds the scores and the probabilities to bf16 before each product, so this is
   the more exact of the two).

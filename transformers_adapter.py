@@ -20,7 +20,7 @@ keys after q/k norm and RoPE, then the attention function with the query):
   (`kwargs=kwargs` to `update`, `**kwargs` to the attention function); without it (another cache, or none)
   the function is plain SDPA with transformers' own mask, so switching a model to it changes nothing else.
 - the attention function: the prompt is causal SDPA (the sliding window where the layer has one), then
-  `prefill`; a decode step is `model.attend_slots` over the slots with their mask, and
+  `prefill`; a decode step is `attention.attend_slots` over the slots with their mask, and
   `update_state(probs [B, n_kv, rep, L])` for caches that need the probabilities: model.Attention's steps.
 - a batch: `make_cache(..., prompt_length=[n_0, n_1, ...])` gives one row per prompt, each with the budgets
   its own length gives (cache_setup.build_row_caches, as generate.py's batches). transformers pads a batch on

@@ -13,10 +13,11 @@ from torch import Tensor
 from transformers import Cache, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import CacheLayerMixin
 
+from attention import attend_slots, follows_window, grouped_attention, prompt_attention
 from cache import KVCache, cache_statistics
 from chunk_attention import chunk_attention
 from errors import UserError
-from model import ModelArgs, attend_slots, follows_window, grouped_attention, prompt_attention
+from model import ModelArgs
 from strategies.debug import attention_loss_curve
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import generate
+from attention import grouped_attention
 from budget_allocation import PooledCache
 from cache import cache_statistics
 from cache_setup import cache_config
@@ -26,7 +27,6 @@ from cache_spec import build_caches, format_cache_spec, resolve_cache_spec
 from errors import UserError, run_cli
 from eval.harness import kept_positions
 from generate import compile_decode_step, decode_one_token, prefill
-from model import grouped_attention
 from prompt_compression import adaptive_prompt_tokens
 from rope import apply_rope
 from strategies import CACHE_STRATEGIES

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from model import ModelArgs, grouped_attention
+from attention import grouped_attention
+from model import ModelArgs
 from rope import apply_rope, rope_tables
 
 LOGIT_ATOL = 1e-3  # float32 on both sides; measured max |Δlogit| ≈ 1e-4

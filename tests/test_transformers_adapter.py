@@ -145,7 +145,7 @@ def test_storages_patterns_and_adakv_match_our_loop(variant, hf_bundled, bundled
 
 @pytest.mark.parametrize("storage", ["4bit", "kivi4"])
 def test_a_quantized_cache_driving_transformers_attends_from_its_codes(storage, hf_bundled, prompt, monkeypatch):
-    # The adapter's decode step reads the slots itself (model.attend_slots): on quantized storage from the codes,
+    # The adapter's decode step reads the slots itself (attention.attend_slots): on quantized storage from the codes,
     # checked at every layer and step against the float64 attention over the K/V rebuilt from them. (The run is
     # not compared with our loop: a ~1e-6 difference in transformers' keys can flip a 4-bit code.)
     from tests.test_quantized_attention import checked_attend
