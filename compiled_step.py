@@ -54,17 +54,20 @@ class CompiledDecodeStep:
     traces and lowers every layer (60-75 s cold for the 30-layer model on 2 cores, against ~32 s for a block).
     """
 
-    def __init__(self, cuda_graph: bool = True, scope: str = "block") -> None:
+    def __init__(self, cuda_graph: bool = True, scope: str = "block", backend: str = "inductor") -> None:
         if scope not in COMPILE_SCOPES:
             raise ValueError(f"compile scope {scope!r}: one of {', '.join(COMPILE_SCOPES)}")
         self.scope = scope
         # Without inductor's stride asserts on the custom ops' outputs: ~25 a block, ~0.55 us each, 750 a CPU
         # step (0.97 of the step time over five in-process pairs, docs/performance.md); on a GPU they run at
         # capture only. The compiled-vs-eager matrices check what they would catch (an op whose output
-        # strides differ from its fake implementation's).
-        options = {"size_asserts": False}
-        self.block = torch.compile(_run_block, fullgraph=True, dynamic=False, options=options)
-        self.whole_step = torch.compile(_run_step, fullgraph=True, dynamic=False, options=options)
+        # strides differ from its fake implementation's). `backend="aot_eager"` (tests only) traces the same
+        # graph through dynamo and AOT autograd and runs it eagerly: one graph, the same guards, no code
+        # generation (a cold inductor compile is ~3-10 s on 2 cores, a trace ~1-2 s).
+        options = {"size_asserts": False} if backend == "inductor" else None
+        self.block = torch.compile(_run_block, fullgraph=True, dynamic=False, backend=backend, options=options)
+        self.whole_step = torch.compile(_run_step, fullgraph=True, dynamic=False, backend=backend,
+                                        options=options)
         self.cuda_graph = cuda_graph
         # Per set of caches (their ids) and positions per step (1 shared, or one per row): the captured graph,
         # its static inputs (token, position) and logits.
@@ -145,5 +148,5 @@ class CompiledDecodeStep:
         return len({(type(c), c.max_cache_length) for c in model.caches()})
 
 
-def compile_decode_step(cuda_graph: bool = True, scope: str = "block") -> CompiledDecodeStep:
-    return CompiledDecodeStep(cuda_graph, scope)
+def compile_decode_step(cuda_graph: bool = True, scope: str = "block", backend: str = "inductor") -> CompiledDecodeStep:
+    return CompiledDecodeStep(cuda_graph, scope, backend)

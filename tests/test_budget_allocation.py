@@ -99,8 +99,8 @@ def test_adakv_matrix_eager(strategy, storage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "storage"), ADAKV_COMPILED_CASES)
-def test_adakv_matrix_compiled_no_recompilation(strategy, storage):
+@pytest.mark.parametrize(("strategy", "storage", "backend"), ADAKV_COMPILED_CASES)
+def test_adakv_matrix_compiled_no_recompilation(strategy, storage, backend):
     """Compiled decode keeps what eager decode keeps, step for step, with one graph and no recompilation."""
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
@@ -114,7 +114,7 @@ def test_adakv_matrix_compiled_no_recompilation(strategy, storage):
     compiled: list = []
     quotas: list = []
     torch._dynamo.reset()
-    step = compile_decode_step()
+    step = compile_decode_step(backend=backend)
 
     def check(p: int) -> None:
         compiled.append(held_positions(caches[0]))

@@ -112,15 +112,15 @@ def test_matrix_eager(strategy, storage, budget):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "storage", "budget"), COMPILED_CASES)
-def test_matrix_compiled_no_recompilation(strategy, storage, budget):
+@pytest.mark.parametrize(("strategy", "storage", "budget", "backend"), COMPILED_CASES)
+def test_matrix_compiled_no_recompilation(strategy, storage, budget, backend):
     """Compiled decode equals eager decode step for step, with one graph and no recompilation. Prepared
     before the prompt as generate.py prepares it, so every step after the first runs with dynamo's guard
     evaluation skipped (CompiledDecodeStep): a cache whose decode changed what a guard reads would show here."""
-    assert_compiled_equals_eager(cache_args(strategy, BUDGETS[budget], storage), storage)
+    assert_compiled_equals_eager(cache_args(strategy, BUDGETS[budget], storage), storage, backend)
 
 
-def assert_compiled_equals_eager(args, storage: str = "dense") -> None:
+def assert_compiled_equals_eager(args, storage: str = "dense", backend: str = "inductor") -> None:
     """test_matrix_compiled_no_recompilation's check for any cache flags (one layer)."""
     model = make_tiny_model(n_layer=1)
     ids = token_ids()
@@ -133,7 +133,7 @@ def assert_compiled_equals_eager(args, storage: str = "dense") -> None:
     caches = attach(model, args)
     compiled_held = []
     torch._dynamo.reset()
-    step = compile_decode_step()
+    step = compile_decode_step(backend=backend)
     with torch.inference_mode():
         step.prepare(model)
 
