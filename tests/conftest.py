@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT))
 from checkpoint import bundled_checkpoint_path, load_checkpoint  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
+# transformers' from_pretrained arguments for the bundled GGUF: its folder and gguf_file.
+HF_BUNDLED_ARGS = (str(bundled_checkpoint_path().parent), bundled_checkpoint_path().name)
 TINY_ARGS = dict(n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128, vocab_size=256,
                  rope_base=10000.0, context_length=1024)
 
@@ -50,9 +52,17 @@ def hf_bundled_session():
     independent reference of the parity and adapter tests. Loaded once (about a minute here)."""
     import transformers  # a test dependency (requirements-dev.txt), never used by the tool
 
-    path = bundled_checkpoint_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    folder, name = HF_BUNDLED_ARGS
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_bundled_tokenizer():
+    """transformers' tokenizer of the bundled GGUF (read from its metadata, ~6 s here), loaded once."""
+    import transformers
+
+    folder, name = HF_BUNDLED_ARGS
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 @pytest.fixture

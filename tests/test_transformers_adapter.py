@@ -644,13 +644,33 @@ def test_more_tokens_than_the_cache_was_built_for_is_refused(arch_models):
 
 
 @pytest.mark.slow
-def test_the_readme_examples_run_and_the_batch_row_equals_the_prompt_alone(capsys):
+def test_the_readme_examples_run_and_the_batch_row_equals_the_prompt_alone(capsys, monkeypatch, hf_bundled,
+                                                                            hf_bundled_tokenizer):
     """The two code blocks of the README's "Use from transformers", executed as written (the bundled model
     through transformers' GGUF loader): the single prompt answers with text, and the batch's row 1, the same
-    prompt left-padded beside a longer one, gives the same tokens."""
+    prompt left-padded beside a longer one, gives the same tokens. The blocks' from_pretrained calls are the
+    session fixtures' own calls (HF_BUNDLED_ARGS, float32), so they are answered with those objects (a copy of
+    the tokenizer, which the example sets to pad on the left) instead of reading the GGUF again (~30 s)."""
+    import copy
     import re
     from pathlib import Path
 
+    import transformers
+
+    from tests.conftest import HF_BUNDLED_ARGS
+
+    def loaded(real, same):
+        def from_pretrained(*args, **kwargs):
+            if (*args, kwargs.get("gguf_file")) == (HF_BUNDLED_ARGS[0], HF_BUNDLED_ARGS[1]) and \
+                    kwargs.get("dtype", torch.float32) == torch.float32:
+                return same()
+            return real(*args, **kwargs)
+        return from_pretrained
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        loaded(transformers.AutoModelForCausalLM.from_pretrained, lambda: hf_bundled))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        loaded(transformers.AutoTokenizer.from_pretrained, lambda: copy.deepcopy(hf_bundled_tokenizer)))
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     section = readme.split("### Use from transformers", 1)[1].split("\n## ", 1)[0]
     single, batch = re.findall(r"```python\n(.*?)```", section, flags=re.S)
@@ -666,23 +686,42 @@ def test_the_readme_examples_run_and_the_batch_row_equals_the_prompt_alone(capsy
     assert "KV cache" in printed and "compression_ratio" in printed
 
 
-@pytest.fixture(scope="module")
-def gguf_in_transformers():
-    """transformers' model and tokenizer of the bundled GGUF, loaded once for the benchmark's runs."""
-    from benchmarks import adapter_batching
+def test_load_gguf_model_makes_the_reference_fixtures_call(monkeypatch, tmp_path):
+    """load_gguf_model (the benchmarks' loader) reads the bundled GGUF with the reference fixtures' call (the
+    file's folder and name, float32) and returns the model in eval mode; a path that is not a GGUF file is one
+    UserError."""
+    import transformers
 
-    return adapter_batching.load_model()
+    from errors import UserError
+    from tests.conftest import HF_BUNDLED_ARGS
+
+    calls = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: calls.append(("model", a, k)) or torch.nn.Dropout().train())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append(("tokenizer", a, k)) or "tokenizer")
+    model, tokenizer = ta.load_gguf_model()
+    folder, name = HF_BUNDLED_ARGS
+    assert calls == [("model", (folder,), {"gguf_file": name, "dtype": torch.float32}),
+                     ("tokenizer", (folder,), {"gguf_file": name})]
+    assert not model.training and tokenizer == "tokenizer"
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(UserError, match="not a GGUF file"):
+        ta.load_gguf_model(str(tmp_path / "weights.bin"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [None, 24])
-def test_the_adapter_batching_benchmark_reports_rows_equal_alone(tmp_path, chunk, gguf_in_transformers, monkeypatch):
+def test_the_adapter_batching_benchmark_reports_rows_equal_alone(tmp_path, chunk, hf_bundled, hf_bundled_tokenizer,
+                                                                 monkeypatch):
     """benchmarks.adapter_batching end to end, tiny: its report's fields, and every batched row's tokens equal
     to its prompt's alone (the benchmark compares them itself), with the prompts at once and in transformers'
-    chunks of 24 (which cut the padded rows of 64 and 80 tokens off their own chunk boundaries)."""
+    chunks of 24 (which cut the padded rows of 64 and 80 tokens off their own chunk boundaries). The model and
+    tokenizer are the session's, loaded by the call the benchmark's load_model makes
+    (test_load_gguf_model_makes_the_reference_fixtures_call)."""
     from benchmarks import adapter_batching
 
-    monkeypatch.setattr(adapter_batching, "load_model", lambda: gguf_in_transformers)
+    monkeypatch.setattr(adapter_batching, "load_model", lambda: (hf_bundled, hf_bundled_tokenizer))
     out = tmp_path / "adapter_batching.json"
     rounds = 1 if chunk else 2  # what rounds add is checked once
     chunked = ["--prefill_chunk", str(chunk)] if chunk else []
