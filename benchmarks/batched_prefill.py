@@ -11,7 +11,12 @@ batch-invariant and packing would round a row's products by the batch: generate.
 each (median round), the batch's speed-up, and how far each row's last logits and kept positions are from
 its row-by-row prefill (the same within float rounding: a batch's products round differently). With
 `--prefill_chunk N` every prompt is prefilled N tokens at a time: the rows' chunks packed pass by pass
-against each row's chunks alone. Numbers are reported, never asserted.
+against each row's chunks alone. With `--decode_steps K`, a batch's rows are compared with batch-1 runs end to
+end: each prompt alone (batch-1 caches) prefilled and decoded K greedy steps, then the batch prefilled as the
+tool prefills one (generate.prefill_rows' default: packed on a GPU, rows alone on the CPU) and decoded K steps at
+one position per row, fed each row's own tokens; reported: the steps whose greedy token differs, the largest
+logit difference, and whether every row and layer holds the positions its batch-1 run holds. Numbers are
+reported, never asserted.
 
     OMP_NUM_THREADS=2 python -m benchmarks.batched_prefill --prompts 8 --min_tokens 128 --dtype bfloat16
     python -m benchmarks.batched_prefill --device cuda --random_weights llama-3.1-8b --dtype bfloat16 --prompts 16
@@ -26,12 +31,12 @@ import time
 import torch
 
 from atomic_files import check_writable, write_json_atomic
-from cache_setup import attach_row_caches, cache_config
+from cache_setup import attach_caches, attach_row_caches, cache_config
 from checkpoint import add_checkpoint_argument, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval.bench.measure import RANDOM_SHAPES, check_model_source, load_model
 from flag_types import count, real
-from generate import prefill_row, prefill_rows
+from generate import decode_one_token, prefill, prefill_row, prefill_rows
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -54,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill_chunk", type=count(2), default=None,
                         help="prefill every prompt this many tokens at a time (the rows' chunks packed together)")
     parser.add_argument("--rounds", type=count(), default=3, help="batched and row-by-row runs, alternating")
+    parser.add_argument("--decode_steps", type=count(0), default=0,
+                        help="then decode this many steps as a batch and each row alone, and compare (0: none)")
     parser.add_argument("--out", default=None, help="JSON report")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
@@ -91,11 +98,49 @@ def prefilled(model: Transformer, prompts: list[torch.Tensor], together: bool) -
     return seconds, logits.float(), kept
 
 
+def held(cache: torch.nn.Module, b: int) -> list[list[int]]:
+    """The positions row b of a cache holds, per KV head, in order (slots differ between a batch and a row alone)."""
+    return [sorted(p[p >= 0].tolist()) for p in cache.pos[b]]
+
+
+def decode_against_alone(model: Transformer, flags: argparse.Namespace, prompts: list[torch.Tensor], steps: int,
+                         max_new_tokens: int, tokenizer: Tokenizer | None) -> dict:
+    """`steps` greedy steps of each prompt alone, then of the batch fed the same tokens (see the module's
+    docstring): whether a batch's rows are their batch-1 runs."""
+    alone_logits, alone_tokens, alone_held = [], [], []
+    with torch.inference_mode():
+        for p in prompts:
+            attach_caches(model, flags, len(p), max_new_tokens, tokenizer)
+            logits, row_logits = prefill(model, p[None]), []
+            for i in range(steps):
+                row_logits.append(logits[0].float())
+                logits = decode_one_token(model, logits.argmax(-1, keepdim=True), torch.tensor([len(p) + i]).to(p))
+            alone_logits.append(torch.stack(row_logits))
+            alone_tokens.append(alone_logits[-1].argmax(-1))
+            alone_held.append([held(c, 0) for c in model.caches()])
+        alone_logits, tokens = torch.stack(alone_logits), torch.stack(alone_tokens)  # [B, steps, vocab], [B, steps]
+        attach_row_caches(model, flags, [len(p) for p in prompts], max_new_tokens, tokenizer)
+        logits, batch_logits = prefill_rows(model, prompts), []
+        positions = torch.tensor([len(p) for p in prompts]).to(prompts[0])
+        for i in range(steps):
+            batch_logits.append(logits.float())
+            logits = decode_one_token(model, tokens[:, i : i + 1], positions + i)
+    batch_logits = torch.stack(batch_logits, dim=1)
+    batch_held = [[held(c, b) for c in model.caches()] for b in range(len(prompts))]
+    return {"steps": steps, "steps_with_another_token": int((batch_logits.argmax(-1) != tokens).sum()),
+            "max_logit_difference": float((batch_logits - alone_logits).abs().max()),
+            "same_kept_positions": batch_held == alone_held,
+            "rows_with_other_kept_positions": sum(b != a for b, a in zip(batch_held, alone_held, strict=True))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.out:
         check_writable(args.out, args.overwrite, "--out")
     check_model_source(args)
+    if args.decode_steps > args.max_new_tokens:
+        raise UserError(f"--decode_steps {args.decode_steps}: at most --max_new_tokens ({args.max_new_tokens}), "
+                        "the tokens each row's cache plans for")
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     model, tokenizer = load_model(argparse.Namespace(**vars(args), allow_non_finite_weights=False), device, dtype)
@@ -119,6 +164,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r}: batched {batched_s:.3f} s, row by row {rows_s:.3f} s, logits within "
               f"{rounds[-1]['max_logit_difference']:.2g}, same kept positions {rounds[-1]['same_kept_positions']}",
               flush=True)
+    decode = decode_against_alone(model, flags, prompts, args.decode_steps, args.max_new_tokens, tokenizer) \
+        if args.decode_steps else None
+    if decode:
+        print(f"decoded {decode['steps']} steps as a batch and each row alone: {decode['steps_with_another_token']} "
+              f"steps of {decode['steps'] * len(prompts)} with another greedy token, logits within "
+              f"{decode['max_logit_difference']:.2g}, {decode['rows_with_other_kept_positions']} rows of "
+              f"{len(prompts)} holding other positions", flush=True)
     tokens = sum(len(p) for p in prompts)
     report = {"cache_strategy": args.cache_strategy, "max_cache_length": args.max_cache_length,
               "prefill_chunk": args.prefill_chunk, "dtype": args.dtype, "device": device,
@@ -128,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
               "batched_tok_s": tokens / statistics.median(r["batched_s"] for r in rounds),
               "row_by_row_tok_s": tokens / statistics.median(r["row_by_row_s"] for r in rounds),
               "median_speedup": statistics.median(r["row_by_row_s"] / r["batched_s"] for r in rounds),
-              "rounds": rounds}
+              "rounds": rounds, "decode": decode}
     chunked = f", chunks of {args.prefill_chunk}" if args.prefill_chunk else ""
     print(f"{args.cache_strategy} at {args.max_cache_length}{chunked}, {args.dtype} on {device}, {len(prompts)} "
           f"prompts of {min(report['prompt_tokens'])}-{max(report['prompt_tokens'])} tokens: batched "

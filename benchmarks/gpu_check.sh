@@ -8,6 +8,9 @@
 #   1b. H2O's received attention (heavy_hitter's prefill) at the 8B heads: the blocks against the fused passes;
 #   1c. prompts of different lengths prefilled packed into one forward pass against row by row (8B shapes,
 #      16 prompts of 64-544 tokens, heavy_hitter at 0.25): prefill tokens/s, kept positions and logits equal;
+#      then the batch decoded 16 steps against each prompt's batch-1 run (greedy tokens, held positions,
+#      logits): whether a GPU batch's bf16 rows keep what they keep alone (cuBLAS picks its kernels by the
+#      batch's shape, so they may not; never measured);
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: ours eager and compiled, the full
 #      cache at 4k and 32k and recent_global at 10% at 32k, then the strategies whose prefill needs the
 #      prompt's attention or whose step was the slowest (heavy_hitter, hybrid, duo_attention, qfilters,
@@ -24,7 +27,7 @@
 #   4. chunked vs one-shot prefill of 32k and 128k-token prompts at a budget of 8192 (benchmarks.prefill_memory):
 #      peak CUDA memory and prefill tokens/s, and the 32k rows' kernel time by kind (torch.profiler, one more
 #      prefill each: where the chunked prefill's time goes, unprofiled so far).
-# The timeouts sum to 670 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
+# The timeouts sum to 685 s; on 2026-12-04 (second run) the parts took 92 s, 188 s, 34 s and over 100 s (the chunked
 # prefill's last row, heavy_hitter at 128k, still running when a 110 s limit cut it in the follow-up); the
 # received-attention part (after the tests) came later, estimated at 20-30 s, unmeasured.
 # The bench's rows come in order of importance, so a run cut by its timeout keeps the first.
@@ -100,17 +103,18 @@ start=$(date +%s)
 
 # Prompts of different lengths prefilled packed into one forward pass against row by row (heavy_hitter at 0.25).
 start=$(date +%s)
-timeout 60 $PY -m benchmarks.batched_prefill --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
-  --prompts 16 --min_tokens 64 --step_tokens 32 --rounds 3 --out "$OUT_DIR/batched_prefill.json" --overwrite \
+timeout 75 $PY -m benchmarks.batched_prefill --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
+  --prompts 16 --min_tokens 64 --step_tokens 32 --rounds 3 --decode_steps 16 \
+  --out "$OUT_DIR/batched_prefill.json" --overwrite \
   > "$OUT_DIR/batched_prefill.txt" 2>&1
 packed_rc=$?
 {
   echo
-  echo "## benchmarks.batched_prefill, llama-3.1-8b shapes, bf16, 16 prompts of 64-544 tokens (exit $packed_rc, \
+  echo "## benchmarks.batched_prefill, llama-3.1-8b shapes, bf16, 16 prompts of 64-544 tokens, 16 steps decoded (exit $packed_rc, \
 $(( $(date +%s) - start )) s)"
   echo
   echo '```'
-  tail -5 "$OUT_DIR/batched_prefill.txt"
+  tail -6 "$OUT_DIR/batched_prefill.txt"
   echo '```'
 } >> "$REPORT"
 

@@ -11,6 +11,8 @@ records what it does alone.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -35,13 +37,32 @@ TIED_SCORES = frozenset({"l2"})
 
 
 def rows_per_batch(model: Transformer, specs: list[LayerCacheSpec], asked: int) -> int:
-    """The rows to decode together: `asked`; when a layer's cache or prompt rule has TIED_SCORES, as many as
-    the model's products keep batch-invariant (up to MAX_ROWS with the CPU kernels, else 1)."""
-    if not any(s.strategy.removeprefix("debug_") in TIED_SCORES or s.prompt_compression in TIED_SCORES
-               for s in specs):
+    """The rows to decode together: `asked`, or fewer where more rows would not be batch-invariant
+    (Transformer.batch_invariant) and that rounding would change what a row keeps: in bfloat16 and float16,
+    where the last bit of a product flips which tokens a strategy keeps (on the CPU, 12 bfloat16 rows of the
+    bundled model each held other positions than alone after 16 steps, benchmarks.batched_prefill
+    --decode_steps), and for TIED_SCORES in any dtype. Then as many rows as stay batch-invariant (MAX_ROWS with
+    the CPU kernels), so the records stay a batch-1 run's; where none do (a GPU, the CPU without its kernels),
+    TIED_SCORES decode one row at a time and the others `asked` rows, with a note."""
+    tied = any(s.strategy.removeprefix("debug_") in TIED_SCORES or s.prompt_compression in TIED_SCORES
+               for s in specs)
+    dtype = model.tok_embeddings.weight.dtype
+    if asked == 1 or not (tied or dtype in (torch.bfloat16, torch.float16)) or model.batch_invariant(asked):
         return asked
     rows = min(asked, cpu_bf16_kernels.MAX_ROWS)
-    return rows if model.batch_invariant(rows) else 1
+    if model.batch_invariant(rows):
+        return rows
+    if tied:
+        return 1
+    note_rows_round_by_batch(asked, str(dtype).removeprefix("torch."), model.tok_embeddings.weight.device.type)
+    return asked
+
+
+@functools.cache
+def note_rows_round_by_batch(rows: int, dtype: str, device: str) -> None:
+    print(f"note: {rows} rows in {dtype} on {device} round their products by the batch, so a row may keep other "
+          "tokens than in a batch-1 run (the run is reused at any --batch_size; --batch_size 1 for batch-1 "
+          "records)", file=sys.stderr)
 
 
 def longest_first(prompts: list[list[int]], run: Callable[[list[int]], list]) -> list:

@@ -21,8 +21,10 @@ is the current one; otherwise it is run again and replaced.
 1e-5 on every per-item metric (the rows' matmuls round differently; tests/test_eval_batching.py); a
 generation or multiple-choice item the same answer, scores, kept positions and discrete statistics, its
 attention sums and option log-likelihoods within 1e-5 (tests/test_eval_generation_batching.py); and the
-strategies whose decisions would depend on that rounding decode alone (eval/batching.py), so a run finished
-at one batch size is reused at another. Its timings are per run and differ; a fidelity run's config.json
+strategies whose decisions would depend on that rounding decode alone, and in bfloat16 and float16 no
+strategy decodes more rows together than stay batch-invariant (eval/batching.py rows_per_batch: 8 on the CPU;
+on a GPU, where none are, a note says a row may keep other tokens), so a run finished at one batch size is
+reused at another. Its timings are per run and differ; a fidelity run's config.json
 records the batch.
 
 A run is written into a hidden directory beside its final place and swapped in only when complete, so an

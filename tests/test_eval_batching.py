@@ -221,3 +221,25 @@ def test_l2_anywhere_decodes_one_row_at_a_time_where_products_round_by_the_batch
     monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: False)
     assert rows_per_batch(model, specs, 8) == 1
     assert rows_per_batch(model, plain_specs, 8) == 8
+
+
+def test_low_precision_rows_batch_only_as_far_as_they_stay_batch_invariant(monkeypatch, capsys):
+    """In bfloat16 a product's last bit flips which tokens a strategy keeps: every strategy decodes at most as
+    many rows together as stay batch-invariant (8 with the CPU kernels; 16 asked are decoded 8 at a time), so
+    the records stay a batch-1 run's; where no batch is (a GPU, made here by hand) the rows asked, with one note
+    per setting. float32 batches whatever was asked."""
+    from eval.batching import note_rows_round_by_batch
+
+    note_rows_round_by_batch.cache_clear()  # noted once per process: another test may have said it
+    plain = cache_config(["--cache_strategy", "tova", "--max_cache_length", "16"])
+    for dtype, asked_16 in ((torch.bfloat16, 8), (torch.float16, 8), (torch.float32, 16)):
+        model = make_tiny_model().to(dtype)
+        specs = cache_specs(plain, model.args, PROMPT, NEW)
+        monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: rows <= 8)
+        assert rows_per_batch(model, specs, 8) == 8 and rows_per_batch(model, specs, 16) == asked_16
+        monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: False)
+        assert rows_per_batch(model, specs, 4) == 4 and rows_per_batch(model, specs, 4) == 4
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [f"note: 4 rows in {d} on cpu round their products by the batch, so a row may keep other tokens "
+                     "than in a batch-1 run (the run is reused at any --batch_size; --batch_size 1 for batch-1 records)"
+                     for d in ("bfloat16", "float16")]

@@ -11,6 +11,7 @@ import torch
 import cpu_bf16_kernels
 import packed_prefill
 from cache_setup import attach_caches, attach_row_caches
+from errors import UserError
 from generate import prefill, prefill_rows
 from model import Transformer
 from packed_prefill import packed_groups
@@ -130,14 +131,23 @@ def test_eval_items_that_start_together_prefill_together(tiny_dir, tmp_path, mon
 
 def test_the_batched_prefill_benchmark_reports_rows_equal_alone(tiny_dir, tmp_path):
     """benchmarks.batched_prefill end to end on the tiny model: its report's fields, and every round's packed
-    rows within float rounding of the rows prefilled one by one, with the same kept positions."""
+    rows within float rounding of the rows prefilled one by one, with the same kept positions; with
+    --decode_steps, the batch's rows decoded (packed prefill, as on a GPU) against each prompt's batch-1 run:
+    the same greedy tokens and held positions, logits within float rounding. More steps than the caches plan
+    for is one UserError."""
     from benchmarks import batched_prefill
 
     out = tmp_path / "batched_prefill.json"
-    report = batched_prefill.main(["--checkpoint_path", str(tiny_dir), "--prompts", "3", "--min_tokens", "40",
-                                   "--step_tokens", "6", "--max_new_tokens", "4", "--max_cache_length", "0.5",
-                                   "--rounds", "2", "--out", str(out)])
+    argv = ["--checkpoint_path", str(tiny_dir), "--prompts", "3", "--min_tokens", "40", "--step_tokens", "6",
+            "--max_new_tokens", "4", "--max_cache_length", "0.5", "--rounds", "2"]
+    report = batched_prefill.main([*argv, "--decode_steps", "4", "--out", str(out)])
     assert report["prompt_tokens"] == [52, 46, 40] and len(report["rounds"]) == 2
     assert all(r["same_kept_positions"] and r["max_logit_difference"] < ATOL for r in report["rounds"])
     assert report["batched_tok_s"] > 0 and report["row_by_row_tok_s"] > 0
+    decode = report["decode"]
+    assert decode["steps"] == 4 and decode["steps_with_another_token"] == 0
+    assert decode["same_kept_positions"] and decode["rows_with_other_kept_positions"] == 0
+    assert 0 <= decode["max_logit_difference"] < ATOL
     assert out.exists()
+    with pytest.raises(UserError, match="--decode_steps 5: at most --max_new_tokens"):
+        batched_prefill.main([*argv, "--decode_steps", "5"])
