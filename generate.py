@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -497,6 +498,20 @@ def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, 
     return stats | (result.cache_statistics or row_cache_statistics(model, row))
 
 
+def note_if_rows_round_by_batch(model: Transformer, rows: int, suffix: str = "") -> None:
+    """A note on stderr (once per setting) where `rows` rows in bfloat16 or float16 are not batch-invariant
+    (Transformer.batch_invariant): there the last bit of a product flips which tokens a strategy keeps."""
+    weight = model.tok_embeddings.weight
+    if rows > 1 and weight.dtype in (torch.bfloat16, torch.float16) and not model.batch_invariant(rows):
+        _note_rows(rows, str(weight.dtype).removeprefix("torch."), weight.device.type, suffix)
+
+
+@functools.cache
+def _note_rows(rows: int, dtype: str, device: str, suffix: str) -> None:
+    print(f"note: {rows} rows in {dtype} on {device} round their products by the batch, so a row may keep other "
+          f"tokens than in a batch-1 run{suffix}", file=sys.stderr)
+
+
 def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, prompts: list[list[int]],
               load_seconds: float) -> dict:
     """Several prompts: decoded in batches of --batch_size rows (generate_batch), each row with the caches
@@ -516,6 +531,7 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
                                       quiet=k > 0)
         if args.print_cache_spec and k == 0:
             print(format_cache_spec(row_specs[0]))
+        note_if_rows_round_by_batch(model, len(batch), " (up to 8 rows on the CPU are bit for bit)")
         lengths = [prefill_length_for(s, len(ids), args.feed_long_prompts) for s, ids in zip(row_specs, batch,
                                                                                               strict=True)]
         results = generate_batch(model, batch, args.max_new_tokens, eos_ids, step, args.temperature, args.top_k,

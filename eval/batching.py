@@ -11,8 +11,6 @@ records what it does alone.
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable
 
 import torch
@@ -22,6 +20,7 @@ import cache_setup
 import cpu_bf16_kernels
 from cache import KVCache
 from cache_spec import LayerCacheSpec
+from generate import note_if_rows_round_by_batch
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -54,15 +53,9 @@ def rows_per_batch(model: Transformer, specs: list[LayerCacheSpec], asked: int) 
         return rows
     if tied:
         return 1
-    note_rows_round_by_batch(asked, str(dtype).removeprefix("torch."), model.tok_embeddings.weight.device.type)
+    note_if_rows_round_by_batch(model, asked, " (the run is reused at any --batch_size; --batch_size 1 for "
+                                              "batch-1 records)")
     return asked
-
-
-@functools.cache
-def note_rows_round_by_batch(rows: int, dtype: str, device: str) -> None:
-    print(f"note: {rows} rows in {dtype} on {device} round their products by the batch, so a row may keep other "
-          "tokens than in a batch-1 run (the run is reused at any --batch_size; --batch_size 1 for batch-1 "
-          "records)", file=sys.stderr)
 
 
 def longest_first(prompts: list[list[int]], run: Callable[[list[int]], list]) -> list:

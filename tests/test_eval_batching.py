@@ -228,9 +228,9 @@ def test_low_precision_rows_batch_only_as_far_as_they_stay_batch_invariant(monke
     many rows together as stay batch-invariant (8 with the CPU kernels; 16 asked are decoded 8 at a time), so
     the records stay a batch-1 run's; where no batch is (a GPU, made here by hand) the rows asked, with one note
     per setting. float32 batches whatever was asked."""
-    from eval.batching import note_rows_round_by_batch
+    import generate
 
-    note_rows_round_by_batch.cache_clear()  # noted once per process: another test may have said it
+    generate._note_rows.cache_clear()  # noted once per process: another test may have said it
     plain = cache_config(["--cache_strategy", "tova", "--max_cache_length", "16"])
     for dtype, asked_16 in ((torch.bfloat16, 8), (torch.float16, 8), (torch.float32, 16)):
         model = make_tiny_model().to(dtype)

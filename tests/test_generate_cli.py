@@ -101,6 +101,27 @@ def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys
            f"{rows[2]['compression_ratio']})" in out
 
 
+def test_a_bfloat16_batch_past_its_batch_invariant_rows_says_so(tiny_dir, capsys, monkeypatch):
+    """Past the rows the model keeps batch-invariant (8 with the CPU kernels; 2 here, set by hand) a bfloat16
+    batch notes once that a row may keep other tokens than alone; a batch-invariant batch and float32 say
+    nothing."""
+    import cpu_bf16_kernels
+    import generate
+
+    monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: rows <= 2)
+    generate._note_rows.cache_clear()  # noted once per process: another test may have said it
+    prompts = [arg for p in ("Hello there, how are you", "Hi", "What is a KV cache?") for arg in ("--prompt", p)]
+    common = [*prompts, "--checkpoint_path", str(tiny_dir), "--no-chat", "--max_new_tokens", "6",
+              "--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--global_tokens", "1",
+              "--recent_window", "2"]
+    generate.main([*common, "--batch_size", "3", "--dtype", "bfloat16"])
+    assert capsys.readouterr().err.count("note: 3 rows in bfloat16 on cpu round their products by the batch, so a "
+                                         "row may keep other tokens than in a batch-1 run") == 1
+    for extra in (["--batch_size", "2", "--dtype", "bfloat16"], ["--batch_size", "3", "--dtype", "float32"]):
+        generate.main([*common, *extra])
+        assert "note:" not in capsys.readouterr().err
+
+
 def test_batched_debug_rows_report_their_attention_loss(tiny_dir, capsys):
     """A debug_ twin over several prompts: each row's line gives its own attention loss, and the batch's
     statistics their mean over the rows (the row means of its per-row statistics, computed by hand)."""
