@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import cpu_bf16_kernels
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics, finite_float
 from cache_setup import attach_row_caches, cache_specs, setup_caches
@@ -498,11 +499,16 @@ def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, 
     return stats | (result.cache_statistics or row_cache_statistics(model, row))
 
 
+# Where the last bit of a product flips which tokens a strategy keeps, so a batch's rows keep their batch-1
+# tokens only where the rows are batch-invariant (Transformer.batch_invariant).
+ROUNDING_SENSITIVE_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def note_if_rows_round_by_batch(model: Transformer, rows: int, suffix: str = "") -> None:
-    """A note on stderr (once per setting) where `rows` rows in bfloat16 or float16 are not batch-invariant
-    (Transformer.batch_invariant): there the last bit of a product flips which tokens a strategy keeps."""
+    """A note on stderr (once per setting) where `rows` rows in ROUNDING_SENSITIVE_DTYPES are not
+    batch-invariant."""
     weight = model.tok_embeddings.weight
-    if rows > 1 and weight.dtype in (torch.bfloat16, torch.float16) and not model.batch_invariant(rows):
+    if rows > 1 and weight.dtype in ROUNDING_SENSITIVE_DTYPES and not model.batch_invariant(rows):
         _note_rows(rows, str(weight.dtype).removeprefix("torch."), weight.device.type, suffix)
 
 
@@ -531,7 +537,8 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
                                       quiet=k > 0)
         if args.print_cache_spec and k == 0:
             print(format_cache_spec(row_specs[0]))
-        note_if_rows_round_by_batch(model, len(batch), " (up to 8 rows on the CPU are bit for bit)")
+        note_if_rows_round_by_batch(model, len(batch),
+                                    f" (up to {cpu_bf16_kernels.MAX_ROWS} rows on the CPU are bit for bit)")
         lengths = [prefill_length_for(s, len(ids), args.feed_long_prompts) for s, ids in zip(row_specs, batch,
                                                                                               strict=True)]
         results = generate_batch(model, batch, args.max_new_tokens, eos_ids, step, args.temperature, args.top_k,

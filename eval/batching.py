@@ -20,7 +20,7 @@ import cache_setup
 import cpu_bf16_kernels
 from cache import KVCache
 from cache_spec import LayerCacheSpec
-from generate import note_if_rows_round_by_batch
+from generate import ROUNDING_SENSITIVE_DTYPES, note_if_rows_round_by_batch
 from model import Transformer
 from tokenizer import Tokenizer
 
@@ -45,8 +45,8 @@ def rows_per_batch(model: Transformer, specs: list[LayerCacheSpec], asked: int) 
     TIED_SCORES decode one row at a time and the others `asked` rows, with a note."""
     tied = any(s.strategy.removeprefix("debug_") in TIED_SCORES or s.prompt_compression in TIED_SCORES
                for s in specs)
-    dtype = model.tok_embeddings.weight.dtype
-    if asked == 1 or not (tied or dtype in (torch.bfloat16, torch.float16)) or model.batch_invariant(asked):
+    sensitive = model.tok_embeddings.weight.dtype in ROUNDING_SENSITIVE_DTYPES
+    if asked == 1 or not (tied or sensitive) or model.batch_invariant(asked):
         return asked
     rows = min(asked, cpu_bf16_kernels.MAX_ROWS)
     if model.batch_invariant(rows):
