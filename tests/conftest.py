@@ -65,6 +65,22 @@ def hf_bundled_tokenizer():
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """{arch: (transformers model, our model, tokenizer)} for every architecture the adapter supports
+    (tests/adapter_helpers.ARCHS): tiny random checkpoints written by transformers and loaded by us, float32;
+    written once per test module (under a second)."""
+    from tests.adapter_helpers import ARCHS
+    from tests.arch_helpers import save_tiny_model
+
+    models = {}
+    for arch in ARCHS:
+        directory = tmp_path_factory.mktemp(arch)
+        hf = save_tiny_model(arch, directory)
+        models[arch] = (hf, *load_checkpoint(str(directory), "cpu", torch.float32))
+    return models
+
+
 @pytest.fixture
 def hf_bundled(hf_bundled_session):
     """The transformers reference with its default attention back (the adapter tests switch it)."""

@@ -207,7 +207,7 @@ def adapter_batch_run(hf, strategy: str, device: str) -> tuple[list, list]:
     """A left-padded batch of three prompts through transformers' generate on `device` with the adapter's cache:
     (each row's greedy tokens, each row's kept positions per layer and KV head)."""
     import transformers_adapter as ta
-    from tests.test_transformers_adapter import BATCH_LENGTHS, cache_flags, distinct_prompt
+    from tests.adapter_helpers import BATCH_LENGTHS, cache_flags, distinct_prompt
 
     hf = hf.to(device)
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(BATCH_LENGTHS)]
