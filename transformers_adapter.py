@@ -175,20 +175,8 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         return
     ids = kwargs.get("input_ids", args[0] if args else None)
     B, T = ids.shape[:2] if ids is not None else kwargs["inputs_embeds"].shape[:2]
-    if B != cache.batch_size:
-        raise UserError(f"the eviction cache was built for {cache.batch_size} sequence(s) (one per prompt length "
-                        f"given to make_cache), got {B}; beam search and num_return_sequences > 1 are not supported")
+    _refuse_unsupported_feeds(module, cache, B, T)
     prompt = T > 1 and not cache.layers[0].prefilled  # static shapes under compile: decode never enters
-    if T == 1 and cache.prefill_chunk == 1 and len(set(cache.prompt_lengths)) > 1:
-        # Fed token by token (prefill_chunk_size=1), a padded batch's padding would enter its rows as tokens.
-        raise UserError("a padded batch fed token by token (--prefill_chunk 1) is not supported: feed its prompts "
-                        "one at a time, or use chunks of 2 tokens or more (prefill_chunk_size)")
-    if T > 1 and cache.prefill_chunk and (torch.compiler.is_compiling() or
-                                          hasattr(module.forward, "_torchdynamo_orig_callable")):
-        # A chunk's prefill and re-prefill read the cache's counts on the host (cache_chunking.py): not traceable.
-        # Under compile_config this hook is traced too; with `model.forward = torch.compile(...)` it runs eager.
-        raise UserError("a chunked prefill (--prefill_chunk) runs eager: transformers compiles the prompt's chunks "
-                        "under compile_config or a compiled forward; compile without chunks, or drop --prefill_chunk")
     row_chunk = cache.row_chunking and not cache.prompt_fed()  # a padded batch's chunk, which may be one token
     if prompt:
         cache.begin_prompt(_prompt_lengths(kwargs.get("attention_mask"), B, T, empty_rows=bool(cache.prefill_chunk)), T)
@@ -219,15 +207,37 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if T == 1 and ids is not None:
             cache.note_stopped_rows(ids[:, 0], seen)
     if cache.needs_token_ids:
-        if ids is None:
-            raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")
-        for layer in cache.layers:
-            if not layer.cache.needs_token_ids:
-                continue
-            if prompt and cache.prompt_rows != [T]:
-                layer.prompt_ids = ids  # each row's own, in its row context just before its prefill (attend)
-            else:
-                layer.cache.observe_tokens(ids)
+        _give_token_ids(cache, ids, prompt)
+
+
+def _refuse_unsupported_feeds(module: torch.nn.Module, cache: EvictionCache, B: int, T: int) -> None:
+    """A batch other than the cache's rows, a padded batch fed token by token, a chunked prefill under compile."""
+    if B != cache.batch_size:
+        raise UserError(f"the eviction cache was built for {cache.batch_size} sequence(s) (one per prompt length "
+                        f"given to make_cache), got {B}; beam search and num_return_sequences > 1 are not supported")
+    if T == 1 and cache.prefill_chunk == 1 and len(set(cache.prompt_lengths)) > 1:
+        # Fed token by token (prefill_chunk_size=1), a padded batch's padding would enter its rows as tokens.
+        raise UserError("a padded batch fed token by token (--prefill_chunk 1) is not supported: feed its prompts "
+                        "one at a time, or use chunks of 2 tokens or more (prefill_chunk_size)")
+    if T > 1 and cache.prefill_chunk and (torch.compiler.is_compiling() or
+                                          hasattr(module.forward, "_torchdynamo_orig_callable")):
+        # A chunk's prefill and re-prefill read the cache's counts on the host (cache_chunking.py): not traceable.
+        # Under compile_config this hook is traced too; with `model.forward = torch.compile(...)` it runs eager.
+        raise UserError("a chunked prefill (--prefill_chunk) runs eager: transformers compiles the prompt's chunks "
+                        "under compile_config or a compiled forward; compile without chunks, or drop --prefill_chunk")
+
+
+def _give_token_ids(cache: EvictionCache, ids: Tensor | None, prompt: bool) -> None:
+    """The token ids to the caches that read them (hybrid's policies), as model.Transformer.forward gives them."""
+    if ids is None:
+        raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")
+    for layer in cache.layers:
+        if not layer.cache.needs_token_ids:
+            continue
+        if prompt and cache.prompt_rows != [ids.shape[1]]:
+            layer.prompt_ids = ids  # each row's own, in its row context just before its prefill (attend)
+        else:
+            layer.cache.observe_tokens(ids)
 
 
 def _prompt_lengths(mask: Tensor | dict | None, B: int, T: int, empty_rows: bool = False) -> list[int]:
