@@ -1,0 +1,85 @@
+"""The documentation against the code: every flag README.md and docs/*.md name is one a command of this tool
+defines (or another tool's, listed here), and every relative link points at a file that exists and, with an
+anchor, at one of its headings (GitHub's anchors: the heading lowercased, punctuation but `-` and `_` dropped,
+spaces made `-`, a repeated heading numbered). A renamed or removed flag, file or heading fails here until the
+docs follow."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from eval import compare, kvpress_runs
+from tests.bad_input_matrix import ENTRY_POINTS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Flags of other tools the docs show commands of, and DESIGN.md's example of a strategy's own setting.
+OTHER_TOOLS_FLAGS = {
+    "--dist": "pytest-xdist", "--no-deps": "pip",
+    "--head": "ray start", "--port": "ray start", "--num-cpus": "ray start", "--address": "ray start",
+    "--odd_weight": "docs/DESIGN.md's example of a hypothetical strategy setting",
+}
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def defined_flags() -> set[str]:
+    flags: set[str] = set()
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            flags.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+
+    for parser in [e.parser() for e in ENTRY_POINTS.values()] + [compare.build_parser(), kvpress_runs.build_parser()]:
+        walk(parser)
+    return flags
+
+
+def heading_anchors(path: Path) -> set[str]:
+    anchors, seen, in_code = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        heading = None if in_code else re.match(r"#{1,6} (.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_every_flag_the_docs_name_is_defined():
+    defined = defined_flags()
+    assert {"--cache_strategy", "--max_cache_length", "--batch_size", "--prefill_chunk"} <= defined
+    unknown = {(flag, doc.name) for doc in DOCS for flag in FLAG.findall(doc.read_text())
+               if flag not in defined and flag not in OTHER_TOOLS_FLAGS}
+    assert not unknown, sorted(unknown)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_reaches_its_file_and_heading(doc):
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path) if path else doc
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file):
+            broken.append(f"{target}: no such heading")
+    assert not broken, broken
+
+
+def test_heading_anchors_follow_githubs_rule(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text("# Batches (`--batch_size`)\n```\n# not a heading\n```\n## GPU\n## GPU\n")
+    assert heading_anchors(doc) == {"batches---batch_size", "gpu", "gpu-1"}
