@@ -1,5 +1,6 @@
 """The documentation against the code: every flag README.md and docs/*.md name is one a command of this tool
-defines (or another tool's, listed here), and every relative link points at a file that exists and, with an
+defines (or another tool's, listed here), every cache flag (cache_spec.add_cache_arguments, every strategy's
+settings included) is in docs/strategies.md, and every relative link points at a file that exists and, with an
 anchor, at one of its headings (GitHub's anchors: the heading lowercased, punctuation but `-` and `_` dropped,
 spaces made `-`, a repeated heading numbered). A renamed or removed flag, file or heading fails here until the
 docs follow."""
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cache_spec import add_cache_arguments
 from eval import compare, kvpress_runs
 from tests.bad_input_matrix import ENTRY_POINTS
 
@@ -62,6 +64,16 @@ def test_every_flag_the_docs_name_is_defined():
     unknown = {(flag, doc.name) for doc in DOCS for flag in FLAG.findall(doc.read_text())
                if flag not in defined and flag not in OTHER_TOOLS_FLAGS}
     assert not unknown, sorted(unknown)
+
+
+def test_every_cache_flag_is_in_the_strategies_doc():
+    """docs/cli.md sends a reader there for "every cache flag"; a strategy's new setting joins the check."""
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    assert "--cache_strategy" in flags and "--snapkv_pooling" in flags
+    text = (ROOT / "docs" / "strategies.md").read_text()
+    assert [f for f in flags if f != "--help" and not re.search(re.escape(f) + r"(?![\w-])", text)] == []
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
