@@ -1,6 +1,7 @@
 """The documentation against the code: every flag README.md and docs/*.md name is one a command of this tool
-defines (or another tool's, listed here), every cache flag (cache_spec.add_cache_arguments, every strategy's
-settings included) is in docs/strategies.md, and every relative link points at a file that exists and, with an
+defines (or another tool's, listed here), every flag of the tool's commands is in them (the benchmark scripts'
+in their --help only), every cache flag (cache_spec.add_cache_arguments, every strategy's settings included) is
+in docs/strategies.md, and every relative link points at a file that exists and, with an
 anchor, at one of its headings (GitHub's anchors: the heading lowercased, punctuation but `-` and `_` dropped,
 spaces made `-`, a repeated heading numbered). A renamed or removed flag, file or heading fails here until the
 docs follow."""
@@ -66,6 +67,25 @@ def test_every_flag_the_docs_name_is_defined():
     assert not unknown, sorted(unknown)
 
 
+def mentioned(flag: str, text: str) -> bool:
+    return re.search(re.escape(flag) + r"(?![\w-])", text) is not None
+
+
+def test_every_flag_of_the_tools_commands_is_documented():
+    """generate.py, python -m eval and its subcommands, train_gates.py and the calibrations: each flag is named
+    in README.md or docs/*.md (an on/off pair by either of its two forms)."""
+    text = "\n".join(doc.read_text() for doc in DOCS)
+    missing = []
+    for command, entry in ENTRY_POINTS.items():
+        if command.startswith("python -m benchmarks."):
+            continue
+        for action in entry.parser()._actions:
+            flags = [f for f in action.option_strings if f.startswith("--") and f != "--help"]
+            if flags and action.help != argparse.SUPPRESS and not any(mentioned(f, text) for f in flags):
+                missing.append((command, flags[0]))
+    assert missing == []
+
+
 def test_every_cache_flag_is_in_the_strategies_doc():
     """docs/cli.md sends a reader there for "every cache flag"; a strategy's new setting joins the check."""
     parser = argparse.ArgumentParser()
@@ -73,7 +93,7 @@ def test_every_cache_flag_is_in_the_strategies_doc():
     flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
     assert "--cache_strategy" in flags and "--snapkv_pooling" in flags
     text = (ROOT / "docs" / "strategies.md").read_text()
-    assert [f for f in flags if f != "--help" and not re.search(re.escape(f) + r"(?![\w-])", text)] == []
+    assert [f for f in flags if f != "--help" and not mentioned(f, text)] == []
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
