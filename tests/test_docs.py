@@ -1,15 +1,16 @@
-"""The documentation against the code: every flag README.md and docs/*.md name is one a command of this tool
-defines (or another tool's, listed here), every flag of the tool's commands is in them (the benchmark scripts'
-in their --help only), every cache flag (cache_spec.add_cache_arguments, every strategy's settings included) is
-in docs/strategies.md, and every relative link points at a file that exists and, with an
-anchor, at one of its headings (GitHub's anchors: the heading lowercased, punctuation but `-` and `_` dropped,
-spaces made `-`, a repeated heading numbered). A renamed or removed flag, file or heading fails here until the
-docs follow."""
+"""The documentation against the code. Every flag README.md and docs/*.md name is one a command of this tool
+defines (or another tool's, listed here); every flag of the tool's commands is in them (the benchmark scripts' in
+their --help only); every cache flag (cache_spec.add_cache_arguments, every strategy's settings included) is in
+docs/strategies.md; every file of the repository they name in backticks exists; and every relative link points
+at a file that exists and, with an anchor, at one of its headings (GitHub's anchors: the heading lowercased,
+punctuation but `-` and `_` dropped, spaces made `-`, a repeated heading numbered). A renamed or removed flag,
+file or heading fails here until the docs follow."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,26 @@ def test_every_cache_flag_is_in_the_strategies_doc():
     assert "--cache_strategy" in flags and "--snapkv_pooling" in flags
     text = (ROOT / "docs" / "strategies.md").read_text()
     assert [f for f in flags if f != "--help" and not mentioned(f, text)] == []
+
+
+# A file path in backticks (`tests/test_docs.py`, `generate.py`), not a placeholder (`configs/NAME.yaml`).
+PATH_IN_BACKTICKS = re.compile(r"`([a-z0-9_./-]+\.(?:py|md|sh|yaml|yml|json|toml|txt))`")
+
+
+def test_every_repository_file_the_docs_name_exists():
+    """A path under one of the repository's folders must be a tracked file; a bare file name (`runner.py`, in a
+    section on eval/reproduce) the name of one. Output files the docs show (`results/summary.md`) are under no
+    folder of the repository and are not checked."""
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    folders = {path.split("/")[0] for path in tracked if "/" in path}
+    names = {path.rsplit("/", 1)[-1] for path in tracked}
+    missing = set()
+    for doc in DOCS:
+        for path in PATH_IN_BACKTICKS.findall(doc.read_text()):
+            in_repo = path.split("/")[0] in folders if "/" in path else path.endswith(".py")
+            if in_repo and path not in tracked and ("/" in path or path not in names):
+                missing.add((path, doc.name))
+    assert not missing, sorted(missing)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
