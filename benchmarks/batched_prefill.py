@@ -35,6 +35,7 @@ from cache_setup import attach_caches, attach_row_caches, cache_config
 from checkpoint import add_checkpoint_argument, parse_dtype, resolve_device
 from errors import CliParser, UserError, run_cli
 from eval.bench.measure import RANDOM_SHAPES, check_model_source, load_model
+from eval.harness import kept_positions
 from flag_types import count, real
 from generate import decode_one_token, prefill, prefill_row, prefill_rows
 from model import Transformer
@@ -98,9 +99,9 @@ def prefilled(model: Transformer, prompts: list[torch.Tensor], together: bool) -
     return seconds, logits.float(), kept
 
 
-def held(cache: torch.nn.Module, b: int) -> list[list[int]]:
-    """The positions row b of a cache holds, per KV head, in order (slots differ between a batch and a row alone)."""
-    return [sorted(p[p >= 0].tolist()) for p in cache.pos[b]]
+def held(model: Transformer, b: int) -> list[list[list[int]]]:
+    """The positions row b holds per layer and KV head, in order (slots differ between a batch and a row alone)."""
+    return [layer.tolist() for layer in kept_positions(model.caches(), b)]
 
 
 def decode_against_alone(model: Transformer, flags: argparse.Namespace, prompts: list[torch.Tensor], steps: int,
@@ -117,7 +118,7 @@ def decode_against_alone(model: Transformer, flags: argparse.Namespace, prompts:
                 logits = decode_one_token(model, logits.argmax(-1, keepdim=True), torch.tensor([len(p) + i]).to(p))
             alone_logits.append(torch.stack(row_logits))
             alone_tokens.append(alone_logits[-1].argmax(-1))
-            alone_held.append([held(c, 0) for c in model.caches()])
+            alone_held.append(held(model, 0))
         alone_logits, tokens = torch.stack(alone_logits), torch.stack(alone_tokens)  # [B, steps, vocab], [B, steps]
         attach_row_caches(model, flags, [len(p) for p in prompts], max_new_tokens, tokenizer)
         logits, batch_logits = prefill_rows(model, prompts), []
@@ -126,7 +127,7 @@ def decode_against_alone(model: Transformer, flags: argparse.Namespace, prompts:
             batch_logits.append(logits.float())
             logits = decode_one_token(model, tokens[:, i : i + 1], positions + i)
     batch_logits = torch.stack(batch_logits, dim=1)
-    batch_held = [[held(c, b) for c in model.caches()] for b in range(len(prompts))]
+    batch_held = [held(model, b) for b in range(len(prompts))]
     return {"steps": steps, "steps_with_another_token": int((batch_logits.argmax(-1) != tokens).sum()),
             "max_logit_difference": float((batch_logits - alone_logits).abs().max()),
             "same_kept_positions": batch_held == alone_held,
