@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.resident_memory import peak_since, reset_peak
 from errors import CliParser, run_cli  # no torch: the measured child imports it after its baseline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,13 +86,6 @@ def write_checkpoint(directory: Path, size: str) -> int:
     return total
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measure(directory: Path, dtype_name: str) -> dict:
     """Run in a fresh process: load the checkpoint and report the peak RSS the load added."""
     import torch
@@ -100,18 +94,16 @@ def measure(directory: Path, dtype_name: str) -> dict:
     from checkpoint_hf import total_bytes, weight_files
 
     size = total_bytes(weight_files(directory))
-    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark after the imports
-    cold = _status_kb("VmRSS") * 1024
+    cold = reset_peak()  # after the imports
     # The first module built on the meta device imports torch's meta kernels (~75 MB of code, whatever
     # the model's size). Built once here, so the ratio measures what grows with the checkpoint; the
     # cold ratio, with it, is reported too.
     torch.nn.Embedding(2, 2, device="meta")
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kb("VmRSS") * 1024
+    before = reset_peak()
     start = time.perf_counter()
     model, _ = load_checkpoint(directory, "cpu", getattr(torch, dtype_name))
     seconds = time.perf_counter() - start
-    peak = _status_kb("VmHWM") * 1024
+    peak = peak_since(before)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"checkpoint_bytes": size, "model_bytes": params, "rss_before_bytes": before, "peak_rss_bytes": peak,
             "peak_rss_increase_ratio": round((peak - before) / size, 3),

@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from atomic_files import check_writable, write_json_atomic
+from benchmarks.resident_memory import peak_since, reset_peak
 from cache_setup import attach_caches, cache_config
 from checkpoint import add_model_arguments, checkpoint_model_args, parse_dtype, resolve_device
 from checkpoint_hf import hf_model_args
@@ -48,13 +49,6 @@ from generate import prefill
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("ours", "transformers")
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class PeakMemory:
@@ -69,16 +63,14 @@ class PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated()
-        Path("/proc/self/clear_refs").write_text("5")
-        # The reset high-water mark (the resident size at the reset), not a VmRSS read after it: pages touched
-        # between the two reads would put "before" above a peak that never rises past it.
-        return _status_kb("VmHWM") * 1024
+        self.start = reset_peak()
+        return self.start
 
     def peak(self) -> int:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
-        return _status_kb("VmHWM") * 1024
+        return peak_since(self.start)
 
 
 def cache_flags(spec: dict) -> list[str]:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from benchmarks.prefill_memory import build_parser, context_length, plan, profile_table, targets
+from benchmarks.resident_memory import peak_since, reset_peak, status_bytes
 from errors import UserError
 from eval.bench.profile import KIND_NAMES
 from tests.conftest import ROOT
@@ -71,6 +72,18 @@ def test_context_is_read_from_the_config_or_header():
     assert context_length(build_parser().parse_args([])) == 8192  # the bundled GGUF's header
 
 
+def test_the_peak_since_a_reset_sees_memory_touched_and_freed_in_between():
+    start = reset_peak()
+    touched = bytearray(b"\x01") * (64 << 20)  # written, so resident (a zeroed allocation may not be)
+    held = status_bytes("VmRSS")
+    del touched
+    assert held - start > 60 << 20
+    # the freed block is gone from the resident size but not from the peak
+    assert status_bytes("VmRSS") < held - (32 << 20) and peak_since(start) - start > 60 << 20
+    # a new reset forgets it
+    assert peak_since(reset_peak()) < held - (32 << 20)
+
+
 @pytest.mark.slow
 def test_a_small_run_end_to_end(tmp_path):
     out = tmp_path / "rows.json"
@@ -81,7 +94,9 @@ def test_a_small_run_end_to_end(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["prompt_tokens"], r["prefill_chunk"], r["memory"]) for r in rows] == [
         (48, None, "RSS"), (48, 32, "RSS"), (96, None, "RSS"), (96, 32, "RSS")]
-    assert all(r["peak_bytes"] >= r["before_bytes"] > 0 and r["prefill_tokens_per_second"] > 0 for r in rows)
+    # the peak never below the start: the kernel's counters are read in per-CPU batches, and a 48-token
+    # prefill after the warm-up may add less than their error
+    assert all(r["peak_bytes"] >= r["before_bytes"] > 100 << 20 and r["prefill_tokens_per_second"] > 0 for r in rows)
     # The 96-token rows profiled: the weights' products and attention both recorded, the kinds summing to the
     # recorded total.
     assert [r["profile"] is not None for r in rows] == [False, False, True, True]
@@ -123,7 +138,9 @@ def test_a_small_run_through_transformers_end_to_end(tmp_path):
     # One row, chunked (each row is a process loading transformers and the GGUF: ~20-30 s): a one-shot row
     # differs only in the prefill_chunk_size it passes (None); the lengths' loop is test_a_small_run_end_to_end's.
     assert [(r["prompt_tokens"], r["prefill_chunk"], r["engine"]) for r in rows] == [(48, 32, "transformers")]
-    assert all(r["peak_bytes"] >= r["before_bytes"] > 0 and r["prefill_tokens_per_second"] > 0 for r in rows)
+    # the peak never below the start: the kernel's counters are read in per-CPU batches, and a 48-token
+    # prefill after the warm-up may add less than their error
+    assert all(r["peak_bytes"] >= r["before_bytes"] > 100 << 20 and r["prefill_tokens_per_second"] > 0 for r in rows)
     assert "chunks of 32, transformers' generate" in proc.stdout
 
 
