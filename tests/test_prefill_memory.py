@@ -5,6 +5,7 @@ an existing file refused without --overwrite)."""
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 
@@ -73,10 +74,14 @@ def test_context_is_read_from_the_config_or_header():
 
 
 def test_the_peak_since_a_reset_sees_memory_touched_and_freed_in_between():
+    # Fresh pages from the kernel, each written, so resident (malloc may hand back pages already resident, and
+    # an untouched mapping holds none), and unmapped by close().
     start = reset_peak()
-    touched = bytearray(b"\x01") * (64 << 20)  # written, so resident (a zeroed allocation may not be)
+    touched = mmap.mmap(-1, 64 << 20)
+    for offset in range(0, 64 << 20, mmap.PAGESIZE):
+        touched[offset] = 1
     held = status_bytes("VmRSS")
-    del touched
+    touched.close()
     assert held - start > 60 << 20
     # the freed block is gone from the resident size but not from the peak
     assert status_bytes("VmRSS") < held - (32 << 20) and peak_since(start) - start > 60 << 20
