@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Flags of other tools the docs show commands of, and DESIGN.md's example of a strategy's own setting.
 OTHER_TOOLS_FLAGS = {
-    "--dist": "pytest-xdist", "--no-deps": "pip",
+    "--dist": "pytest-xdist", "--durations": "pytest", "--no-deps": "pip",
     "--head": "ray start", "--port": "ray start", "--num-cpus": "ray start", "--address": "ray start",
     "--odd_weight": "docs/DESIGN.md's example of a hypothetical strategy setting",
 }
