@@ -30,7 +30,7 @@ from errors import CliParser, UserError, run_cli
 from ignored_flags import check_typed_flags
 from model import Transformer
 from packed_prefill import packed_groups, prefill_packed, prefill_packed_chunks
-from prompts import collect_prompts, read_prompt  # noqa: F401  (read_prompt: still importable from here)
+from prompts import collect_prompts
 from strategies.debug import attention_loss_curve
 from strategies.kvzip import reconstruct_and_prefill, rule_users
 from tokenizer import Tokenizer

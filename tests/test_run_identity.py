@@ -20,6 +20,7 @@ from atomic_files import atomic_write, check_writable
 from cache_spec import parse_args_with_preset
 from errors import UserError
 from eval import cli, plot, results, sweep
+from prompts import read_prompt
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
@@ -253,13 +254,13 @@ def test_grid_values_are_typed_and_the_command_line_wins(tmp_path):
 def test_prompt_is_a_file_when_it_names_one_and_text_otherwise(tmp_path, monkeypatch):
     notes = tmp_path / "notes.md"
     notes.write_text("Kurze Notiz über Caches.\n")
-    assert generate.read_prompt(str(notes)) == "Kurze Notiz über Caches.\n"
+    assert read_prompt(str(notes)) == "Kurze Notiz über Caches.\n"
     monkeypatch.chdir(tmp_path)
-    assert generate.read_prompt("summarize notes.txt") == "summarize notes.txt"
-    assert generate.read_prompt("notes.md") == "Kurze Notiz über Caches.\n"
-    assert generate.read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
+    assert read_prompt("summarize notes.txt") == "summarize notes.txt"
+    assert read_prompt("notes.md") == "Kurze Notiz über Caches.\n"
+    assert read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
     with pytest.raises(UserError, match="not found"):
-        generate.read_prompt("missing.txt")
+        read_prompt("missing.txt")
 
 
 def test_a_source_moved_into_a_package_still_changes_the_identity(tmp_path):
