@@ -38,9 +38,11 @@ def test_special_files_are_refused_as_prompts(fifo):
         read_prompts_file(fifo)
 
 
-def test_read_prompt_keeps_its_rules(tmp_path):
+def test_read_prompt_keeps_its_rules(tmp_path, monkeypatch):
     notes = write(tmp_path / "notes.md", "Kurze Notiz.\n")
     assert read_prompt(notes) == "Kurze Notiz.\n"
+    monkeypatch.chdir(tmp_path)
+    assert read_prompt("notes.md") == "Kurze Notiz.\n"  # a relative name, from the working directory
     assert read_prompt("summarize notes.txt") == "summarize notes.txt"
     assert read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
     assert read_prompt("a\0b") == "a\0b"

@@ -20,7 +20,6 @@ from atomic_files import atomic_write, check_writable
 from cache_spec import parse_args_with_preset
 from errors import UserError
 from eval import cli, plot, results, sweep
-from prompts import read_prompt
 from tests.conftest import ROOT
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
@@ -246,21 +245,6 @@ def test_grid_values_are_typed_and_the_command_line_wins(tmp_path):
     parsed = cli.parse_args(rest)
     assert args.budgets == [0.25] and parsed.chat is False and parsed.query_aware is False
     assert args.strategies == ["recent_global"]  # from the grid; the default is full
-
-
-# ---- prompts --------------------------------------------------------------------------------------------
-
-
-def test_prompt_is_a_file_when_it_names_one_and_text_otherwise(tmp_path, monkeypatch):
-    notes = tmp_path / "notes.md"
-    notes.write_text("Kurze Notiz über Caches.\n")
-    assert read_prompt(str(notes)) == "Kurze Notiz über Caches.\n"
-    monkeypatch.chdir(tmp_path)
-    assert read_prompt("summarize notes.txt") == "summarize notes.txt"
-    assert read_prompt("notes.md") == "Kurze Notiz über Caches.\n"
-    assert read_prompt("x" * 5000) == "x" * 5000  # too long for a file name: text
-    with pytest.raises(UserError, match="not found"):
-        read_prompt("missing.txt")
 
 
 def test_a_source_moved_into_a_package_still_changes_the_identity(tmp_path):
