@@ -4,7 +4,7 @@ Linux keeps a process's RSS in per-CPU counters that reach the total read here i
 Python's own reads allocate, so two reads a moment apart can disagree by a few hundred KiB (more on a host
 with many CPUs). A high-water mark read at the end can then fall below the resident size read at the start
 when what was measured added less than that; `peak_since` keeps the peak at least the start, as the true
-peak is. No torch here: checkpoint_load_memory's child reads its baseline before importing it.
+peak is. No torch here: checkpoint_load_memory keeps torch out of its module's imports.
 """
 
 from __future__ import annotations
