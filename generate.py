@@ -96,16 +96,13 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Te
 def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None = None,
                  rows: list[int] | None = None, prompt_budgets: list[int | None] | None = None,
                  pack: bool | None = None) -> Tensor:
-    """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i): rows of any lengths, each storing and
-    compressing only its own tokens at its own budget. Where the prefill can be shared, consecutive prompts go
-    through one forward pass packed (packed_prefill.py; with --prefill_chunk, the rows' j-th chunks, one pass
-    for each j); otherwise each is prefilled in its row context
-    (Transformer.cache_row), and tokens past its prefill length (--feed_long_prompts) are fed there one at a
-    time by the eager step (a row context is a batch-1 model: a compiled step would recompile for it).
-    `prompt_budgets`: what each row's prompt is compressed to (KVCache.prompt_budget, the kvpress protocol's
-    per-item budget), set in the row's turn; None leaves the caches' setting as it is. `pack`: whether rows that
-    can share a pass do (None: where the model's products are not batch-invariant, see shares_prefill). Logits
-    of each row's last position, [len(prompts), vocab]."""
+    """Prefill prompts[i] [T_i] into cache row rows[i] (default: row i), each row storing and compressing only
+    its own tokens at its own budget. Where the prefill can be shared (shares_prefill; `pack` forces it or not),
+    consecutive prompts go through one forward pass packed (packed_prefill.py; with --prefill_chunk, one pass
+    for the rows' j-th chunks); otherwise each is prefilled in its row context (Transformer.cache_row), where
+    tokens past its prefill length (--feed_long_prompts) go through the eager step (a compiled one would
+    recompile for a batch-1 model). `prompt_budgets`: each row's KVCache.prompt_budget (the kvpress protocol's
+    per-item budget), None to keep the caches' own. Logits of each row's last position, [len(prompts), vocab]."""
     rows = list(range(len(prompts))) if rows is None else rows
     budgets = prompt_budgets or [None] * len(prompts)
     if not shares_prefill(model, prompts, prefill_lengths, pack):
@@ -125,13 +122,12 @@ def prefill_rows(model: Transformer, prompts: list[Tensor], prefill_lengths: lis
 
 def shares_prefill(model: Transformer, prompts: list[Tensor], prefill_lengths: list[int] | None,
                    pack: bool | None = None) -> bool:
-    """Whether the rows' prompts go through the model packed (their chunks packed, with --prefill_chunk). They
-    can where each is prefilled whole, not cut for --feed_long_prompts, and not fed token by token
-    (--prefill_chunk 1), and no cache uses KVzip's rule (whose prefill is a reconstruction pass over each
-    prompt's own sequence). They do if `pack`, or, by default, where the model's rows are not batch-invariant
-    (Transformer.batch_invariant): where they are (the CPU kernels, up to 8 rows), packing would round a row's
-    products as one call over every row's tokens, while each row alone gets exactly its batch-1 caches (what
-    packing gained on the CPU, on short prompts, is given up for that)."""
+    """Whether the rows' prompts (their chunks, with --prefill_chunk) go through the model packed. They can
+    where each is prefilled whole (not cut for --feed_long_prompts, not fed token by token by --prefill_chunk
+    1) and no cache uses KVzip's rule (a reconstruction pass over each prompt's own sequence). They do if
+    `pack`, or by default where the rows are not batch-invariant (Transformer.batch_invariant): where they are
+    (the CPU kernels, up to 8 rows), packing would round a row's products over every row's tokens, while a row
+    alone gets exactly its batch-1 caches (packing's gain on short CPU prompts is given up for that)."""
     whole = prefill_lengths is None or all(n >= len(p) for p, n in zip(prompts, prefill_lengths, strict=True))
     can = len(prompts) > 1 and whole and prefill_chunk_of(model) != 1 and not rule_users(model.caches())
     return can and (not model.batch_invariant() if pack is None else pack)
@@ -214,11 +210,7 @@ def generate(
     if temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else 0)
-    compile_seconds = 0.0
-    if hasattr(decode_step, "prepare"):
-        before = decode_step.compile_seconds
-        decode_step.prepare(model)
-        compile_seconds = decode_step.compile_seconds - before
+    compile_seconds = prepare_step(decode_step, model)
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
     check_every = 1 if device.type == "cpu" else EOS_CHECK_INTERVAL
@@ -277,7 +269,7 @@ def generate_batch(
     generators = None
     if temperature > 0:
         generators = [torch.Generator(device=device).manual_seed(seed if seed is not None else 0) for _ in prompts]
-    compile_seconds = prepare_rows(decode_step, model, B)
+    compile_seconds = prepare_step(decode_step, model, B, per_row_positions=True)
     eos = torch.tensor(eos_ids or [-1], dtype=torch.long, device=device)
     check_every = 1 if device.type == "cpu" else EOS_CHECK_INTERVAL
     model.reset_caches()
@@ -310,13 +302,13 @@ def generate_batch(
             for b, row in enumerate(out[:, :n].tolist())]
 
 
-def prepare_rows(decode_step, model: Transformer, batch_size: int) -> float:
-    """A compiled step compiled (and on CUDA captured) for `batch_size` rows at one position each; its
-    seconds (0 for the eager step)."""
+def prepare_step(decode_step, model: Transformer, batch_size: int = 1, per_row_positions: bool = False) -> float:
+    """A compiled step compiled (and on CUDA captured) before the prompt (CompiledDecodeStep.prepare); its
+    seconds (0 for the eager step, or one already prepared)."""
     if not hasattr(decode_step, "prepare"):
         return 0.0
     before = decode_step.compile_seconds
-    decode_step.prepare(model, batch_size, per_row_positions=True)
+    decode_step.prepare(model, batch_size, per_row_positions)
     return decode_step.compile_seconds - before
 
 
@@ -476,11 +468,17 @@ def main(argv: list[str] | None = None) -> dict:
              "compile_seconds": round(result.compile_seconds, 2) if args.compile else None}
     print_stats_block(stats)
     if args.stats_json:
-        config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
-        payload = {**stats, "text": text, "tokens": result.tokens, "config": config,
-                   "model": model.args.to_dict(), "cache_spec": [s.to_dict() for s in specs]}
-        write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
+        write_stats_json(args, model, {**stats, "text": text, "tokens": result.tokens},
+                         [s.to_dict() for s in specs])
     return stats
+
+
+def write_stats_json(args: argparse.Namespace, model: Transformer, payload: dict, cache_spec: list) -> None:
+    """--stats_json: the run's statistics, its flags (less the prompts' text), the model's config and the
+    cache spec."""
+    config = {k: v for k, v in vars(args).items() if k != "prompt"}
+    write_json_atomic(args.stats_json, {**payload, "config": config, "model": model.args.to_dict(),
+                                        "cache_spec": cache_spec}, overwrite=args.overwrite)
 
 
 def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, row: int | None,
@@ -530,7 +528,7 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
     batches = [order[first : first + args.batch_size] for first in range(0, len(order), args.batch_size)]
     rows, specs_of = [None] * len(prompts), [None] * len(prompts)
-    decode_seconds, decoded, compile_seconds, batch_bytes, prefill_seconds = 0.0, 0, 0.0, 0, 0.0
+    firsts, cache_bytes = [], 0  # each batch's first row (its timings are the batch's) and its largest caches
     for k, indices in enumerate(batches):
         batch = [prompts[i] for i in indices]
         row_specs = attach_row_caches(model, args, [len(ids) for ids in batch], args.max_new_tokens, tokenizer,
@@ -543,11 +541,8 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
                                                                                               strict=True)]
         results = generate_batch(model, batch, args.max_new_tokens, eos_ids, step, args.temperature, args.top_k,
                                  args.seed, progress=sys.stderr.isatty(), prefill_lengths=lengths)
-        decode_seconds += results[0].decode_seconds
-        prefill_seconds += results[0].prefill_seconds
-        decoded += sum(len(r.tokens) - 1 for r in results)
-        compile_seconds += results[0].compile_seconds
-        batch_bytes = max(batch_bytes, sum(c.nbytes() for c in model.caches()))
+        firsts.append(results[0])
+        cache_bytes = max(cache_bytes, sum(c.nbytes() for c in model.caches()))
         for b in sorted(range(len(indices)), key=indices.__getitem__):  # within a batch, in the prompts' order
             i, result = indices[b], results[b]
             text = tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -555,29 +550,38 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
                        "tokens": result.tokens}
             print(f"---- row {i} ----\n{text}\n{row_summary(rows[i])}")
             specs_of[i] = row_specs[b]
+    stats = {"load_seconds": round(load_seconds, 3), **batches_stats(args, rows, batches, firsts, cache_bytes)}
+    print_stats_block(stats)
+    if args.stats_json:
+        write_stats_json(args, model, {**stats, "row_statistics": rows},
+                         [[s.to_dict() for s in specs] for specs in specs_of])
+    return stats
+
+
+def batches_stats(args: argparse.Namespace, rows: list[dict], batches: list[list[int]],
+                  firsts: list[GenerationResult], cache_bytes: int) -> dict:
+    """The statistics of main_rows' batches: `rows` each prompt's row_stats, `firsts` each batch's first
+    result (whose timings are its batch's), `cache_bytes` the largest batch's caches, every row together."""
+    prefill_seconds = sum(r.prefill_seconds for r in firsts)
+    decode_seconds = sum(r.decode_seconds for r in firsts)
+    decoded = sum(r["generated_tokens"] - 1 for r in rows)  # the first token of a row comes from its prefill
     stats = {
-        "load_seconds": round(load_seconds, 3),
         "batch_size": args.batch_size,
         "batches": batches,  # the prompts' indices decoded together, longest prompts first
         "rows": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "generated_tokens": sum(r["generated_tokens"] for r in rows),
         # Prompt tokens over the batches' prefill time: rows of a batch share forward passes (packed_prefill.py).
-        "prefill_tokens_per_second": round(sum(map(len, prompts)) / prefill_seconds, 2) if prefill_seconds else None,
+        "prefill_tokens_per_second": round(sum(r["prompt_tokens"] for r in rows) / prefill_seconds, 2)
+        if prefill_seconds else None,
         # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
         "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,
-        "compile_seconds": round(compile_seconds, 2) if args.compile else None,
-        "cache_bytes": batch_bytes,  # the largest batch's caches, every row together
+        "compile_seconds": round(sum(r.compile_seconds for r in firsts), 2) if args.compile else None,
+        "cache_bytes": cache_bytes,
         "compression_ratio": round(sum(r["compression_ratio"] for r in rows) / len(rows), 4),
     }
     if all("attention_loss_mean" in r for r in rows):  # debug_ twins: the rows' means (each over its own steps)
         stats["attention_loss_mean"] = round(sum(r["attention_loss_mean"] for r in rows) / len(rows), 5)
-    print_stats_block(stats)
-    if args.stats_json:
-        config = {k: v for k, v in vars(args).items() if k not in ("prompt",)}
-        payload = {**stats, "row_statistics": rows, "config": config, "model": model.args.to_dict(),
-                   "cache_spec": [[s.to_dict() for s in specs] for specs in specs_of]}
-        write_json_atomic(args.stats_json, payload, overwrite=args.overwrite)
     return stats
 
 

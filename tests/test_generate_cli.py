@@ -86,13 +86,18 @@ def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys
     batched = tmp_path / "batched.json"
     stats = generate.main([arg for p in prompts for arg in ("--prompt", p)] + ["--batch_size", "2",
                           "--stats_json", str(batched), *common])
-    rows = json.loads(batched.read_text())["row_statistics"]
+    payload = json.loads(batched.read_text())
+    rows = payload["row_statistics"]
     assert stats["rows"] == len(rows) == 3 and stats["batch_size"] == 2 and stats["batches"] == [[0, 2], [1]]
-    for prompt, row in zip(prompts, rows, strict=True):
+    for key in ("prompt_tokens", "generated_tokens"):  # the batches' totals: their rows'
+        assert stats[key] == sum(r[key] for r in rows), key
+    assert stats["decode_tokens_per_second"] > 0 and stats["prefill_tokens_per_second"] > 0
+    assert payload["config"]["batch_size"] == 2 and "prompt" not in payload["config"]  # the prompts' text: rows
+    for prompt, row, spec in zip(prompts, rows, payload["cache_spec"], strict=True):
         alone = tmp_path / "alone.json"
         generate.main(["--prompt", prompt, "--stats_json", str(alone), "--overwrite", *common])
         single = json.loads(alone.read_text())
-        assert row["tokens"] == single["tokens"] and row["text"] == single["text"]
+        assert row["tokens"] == single["tokens"] and row["text"] == single["text"] and spec == single["cache_spec"]
         for key in ("prompt_tokens", "compression_ratio", "tokens_held_per_head", "cache_budget_per_layer"):
             assert row[key] == single[key], key
     out = capsys.readouterr().out
