@@ -194,3 +194,28 @@ def test_gguf_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
     digits = [ours.decode([i]) for i in ours.encode("1234567")]
     assert digits == {"llama-bpe": ["123", "4", "5", "6", "7"], "qwen2": list("1234567"),
                       "default": ["123", "4", "5", "6", "7"]}[pre]
+
+
+QUANTIZED_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_TYPES)
+def test_the_loaders_dequantizer_equals_gguf_s_bit_for_bit(kind, monkeypatch):
+    """checkpoint_gguf.dequantize_rows (gguf's per-type code over groups of rows, a last group shorter) against
+    gguf's `dequantize` (16 rows at a time) on random bytes: every code and scale a block can hold, NaN and
+    infinite scales included."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    import checkpoint_gguf
+
+    qtype = GGMLQuantizationType[kind]
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, row_values = 37, 2 * max(block, 256)  # two K-quant superblocks a row
+    data = np.random.default_rng(0).integers(0, 256, (rows, row_values // block * block_bytes), dtype=np.uint8)
+    monkeypatch.setattr(checkpoint_gguf, "DEQUANTIZE_GROUP_VALUES", 5 * row_values)  # groups of 5 rows, then 2
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and infinite scales: random bytes hold them
+        ours = checkpoint_gguf.dequantize_rows(data, qtype)
+        reference = dequantize(data, qtype).reshape(-1)
+    assert ours.dtype == np.float32 and ours.shape == (rows * row_values,)
+    assert np.array_equal(ours, reference, equal_nan=True)
