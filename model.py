@@ -402,7 +402,11 @@ class Transformer(nn.Module):
         self.cache_epoch = 0
         # On the CPU, the buffer holding every weight in step order (weight_arena.py; set by the loaders).
         self.weight_arena = None
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # On the meta device (the loaders build the model there and assign the checkpoint's weights) the table
+        # is not initialised: a meta tensor's normal_ runs a Python decomposition that imports torch._dynamo,
+        # 1.2 s of every eager run's start.
+        table = torch.empty(args.vocab_size, args.dim)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=table if table.is_meta else None)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = Linear(args.dim, args.vocab_size, bias=False)
@@ -438,11 +442,16 @@ class Transformer(nn.Module):
         """(Re)build the RoPE tables in float32 on the embedding's device; call after `.to(dtype)`,
         which would otherwise round the angles of late positions."""
         device = self.tok_embeddings.weight.device
-        cos, sin = rope_tables(self.args)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.rope_cos, self.rope_sin = self._rope_tables_on(device)
         if self.args.local_rope_base:
-            cos, sin = rope_tables(self.args, local=True)
-            self.rope_local_cos, self.rope_local_sin = cos.to(device), sin.to(device)
+            self.rope_local_cos, self.rope_local_sin = self._rope_tables_on(device, local=True)
+
+    def _rope_tables_on(self, device: torch.device, local: bool = False) -> tuple[Tensor, Tensor]:
+        if device.type == "meta":  # shapes only: see the embedding's table in __init__ (and nothing to compute)
+            shape = (self.args.context_length, 2 * len(range(0, self.args.rope_dim, 2)))
+            return torch.empty(shape, device=device), torch.empty(shape, device=device)
+        cos, sin = rope_tables(self.args, local=local)
+        return cos.to(device), sin.to(device)
 
     def setup_caches(self, caches: list[KVCache]) -> None:
         """Attach one cache per layer (built by cache_spec.build_caches)."""

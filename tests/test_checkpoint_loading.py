@@ -206,3 +206,14 @@ def test_wide_projections_are_input_major_on_the_cpu_in_float32_and_change_no_lo
     assert torch.equal(column.argmax(-1), row.argmax(-1))
     bf16, _ = load_checkpoint(tmp_path, "cpu", torch.bfloat16)
     assert all(p.is_contiguous() for p in bf16.parameters())
+
+
+def test_an_eager_run_of_the_bundled_model_never_imports_the_compiler():
+    """Loading the bundled GGUF (the model built on the meta device) and an eager generation import no
+    torch._dynamo: a meta tensor's arithmetic (an embedding's normal_, the RoPE tables) runs Python
+    decompositions that import it, which cost 1.2 s of every eager run's start here."""
+    code = ("import sys, generate; generate.main(['--prompt', 'Hi', '--max_new_tokens', '2', '--cache_strategy', "
+            "'heavy_hitter', '--max_cache_length', '0.5']); "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

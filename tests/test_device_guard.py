@@ -17,6 +17,7 @@ import torch
 from cache_setup import attach_row_caches
 from gates import attach_random_gates
 from generate import decode_one_token, prefill, prefill_rows
+from model import Transformer
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,
@@ -86,3 +87,17 @@ def test_rows_of_their_own_lengths_stay_on_the_model_device(strategy, storage, a
     for cache in model.caches():
         on_cpu = [name for name, buf in cache.named_buffers() if buf.device.type != "meta"]
         assert not on_cpu, f"{strategy}: buffers left on the host: {on_cpu}"
+
+
+@pytest.mark.parametrize("overrides", [{}, {"partial_rotary_factor": 0.5}, {"local_rope_base": 10.0}])
+def test_a_model_built_on_the_meta_device_has_rope_tables_of_the_real_shapes(overrides):
+    """Built on `meta` (as the loaders build it) the model's RoPE tables are shapes only, not computed there
+    (a meta tensor's arithmetic imports torch._dynamo): every table has the shape a real model's has."""
+    real = make_tiny_model(**overrides)
+    with torch.device("meta"):
+        meta = Transformer(real.args)
+    names = ["rope_cos", "rope_sin"] + (["rope_local_cos", "rope_local_sin"] if real.args.local_rope_base else [])
+    for name in names:
+        table, expected = getattr(meta, name), getattr(real, name)
+        assert table.is_meta and table.shape == expected.shape and table.dtype == expected.dtype, name
+        assert expected.numel() > 0, name
