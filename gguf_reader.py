@@ -53,6 +53,25 @@ class _HeaderCursor:
         except UnicodeDecodeError:
             raise UserError(f"{self.path}: GGUF {what} is not valid UTF-8 (before byte {self.pos})") from None
 
+    def texts(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row (a vocabulary, its merges): text()'s reads and checks in one loop, without
+        its three calls per string (0.44 s of the bundled model's load went to its 98k strings)."""
+        buf, size, pos, length = self.buf, len(self.buf), self.pos, struct.Struct(self.order + "Q").unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > size:
+                self.take(pos + 8 - self.pos)  # raises: a truncation
+            end = pos + 8 + length(buf, pos)[0]
+            if end > size:
+                self.take(end - self.pos)
+            try:
+                out.append(buf[pos + 8:end].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise UserError(f"{self.path}: GGUF {what} is not valid UTF-8 (before byte {end})") from None
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, kind: int, key: str) -> object:
         if kind == _STRING:
             return self.text(f"key {key}")
@@ -62,6 +81,8 @@ class _HeaderCursor:
                 dtype = np.dtype(_NUMPY_TYPES[item]).newbyteorder(self.order)
                 start = self.take(dtype.itemsize * count)
                 return np.frombuffer(self.buf, dtype, count, start).tolist()
+            if item == _STRING:
+                return self.texts(count, f"key {key}")
             return [self.value(item, key) for _ in range(count)]
         if kind in _SCALAR_FORMATS:
             fmt = self.order + _SCALAR_FORMATS[kind]

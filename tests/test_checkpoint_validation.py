@@ -171,6 +171,25 @@ def test_a_truncated_gguf_says_where_it_ends(tmp_path, cut):
         assert f"is truncated at byte {keep} of at least" in refused(path, "inside its header")
 
 
+def test_a_vocabulary_cut_or_not_utf8_is_refused_where_it_breaks(tmp_path):
+    """The vocabulary's strings, read in one loop (gguf_reader's texts): a file cut within a token's length or
+    bytes says where, a token that is not UTF-8 names its key and the byte it ends before."""
+    path = write_gguf(tmp_path / "m.gguf")
+    content = path.read_bytes()
+    key = b"tokenizer.ggml.tokens"
+    first = content.index(key) + len(key) + 4 + 4 + 8  # past the value type, the item type and the count
+    token = 10  # each token: an 8-byte length and one 2-byte character
+    sixth = first + 5 * token
+    for keep, needed in ((sixth + 3, sixth + 8), (sixth + 9, sixth + 10)):  # within its length, then its bytes
+        path.write_bytes(content[:keep])
+        assert f"is truncated at byte {keep} of at least {needed} " in refused(path, "inside its header")
+    damaged = bytearray(content)
+    damaged[sixth + 8 : sixth + token] = b"\xff\xff"
+    path.write_bytes(bytes(damaged))
+    assert refused(path, "not valid UTF-8").endswith(
+        f"GGUF key tokenizer.ggml.tokens is not valid UTF-8 (before byte {sixth + token})")
+
+
 def test_an_empty_or_foreign_file_named_gguf_is_one_line(tmp_path):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"")
