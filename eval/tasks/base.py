@@ -220,6 +220,11 @@ class GenerationTask(Task):
     metrics = ("string_match",)
     reads = Task.reads + ("protocol",)
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        if is_kvpress(self.options["protocol"]):
+            check_kvpress_flags(args)
+
     def examples(self, rt: Runtime) -> list[Example]:
         raise NotImplementedError
 
@@ -303,15 +308,23 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
         rt.model.remove_caches()
 
 
+def check_kvpress_flags(args: argparse.Namespace) -> None:
+    """The cache flags the kvpress protocols cannot take; checked as a run is planned (GenerationTask), before
+    any model loads, and again where a run is replayed. Flags a namespace lacks are their defaults (a task is
+    built from the flags it reads)."""
+    if getattr(args, "decode_first_token", False) or getattr(args, "feed_long_prompts", False):
+        raise UserError("--protocol kvpress compresses the prompt once and answers without evicting: it does not "
+                        "combine with --decode_first_token or --feed_long_prompts")
+    budgets = getattr(args, "max_cache_length", None) or [None]
+    if len(budgets) != 1 or getattr(args, "cache_length_pattern", "tile") not in ("tile", "repeat"):
+        raise UserError("--protocol kvpress takes one --max_cache_length (per item, of its context) and no "
+                        "funnel / pyramid pattern")
+
+
 def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int]]) -> list[int]:
     """Each item's context budget under the kvpress protocol: --max_cache_length as a fraction of that
     item's context (or tokens), as kvpress sizes a press per input. The full cache keeps every token."""
-    if args.decode_first_token or getattr(args, "feed_long_prompts", False):
-        raise UserError("--protocol kvpress compresses the prompt once and answers without evicting: it does not "
-                        "combine with --decode_first_token or --feed_long_prompts")
-    if len(args.max_cache_length) != 1 or args.cache_length_pattern not in ("tile", "repeat"):
-        raise UserError("--protocol kvpress takes one --max_cache_length (per item, of its context) and no "
-                        "funnel / pyramid pattern")
+    check_kvpress_flags(args)
     if any(n_context == 0 or n_context == len(ids) for ids, n_context in encoded):
         raise UserError("--protocol kvpress needs items with a context and a question after it")
     if all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):

@@ -13,6 +13,7 @@ or the `--text_column` of a `--dataset`; `--limit` consecutive windows from `--t
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,6 +85,15 @@ class Fidelity(Task):
              "split", "text_column", "decode_first_token")
     defaults = {"limit": 1, "seq_len": 2048, "prefill_tokens": 128, "text_offset": 0, "split": "train"}
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)  # checked as the run is planned: before any model loads or any run of a sweep
+        o = self.options
+        if not 1 + bool(o["decode_first_token"]) <= o["prefill_tokens"] < o["seq_len"]:
+            raise UserError(f"--prefill_tokens must be in [{1 + bool(o['decode_first_token'])}, --seq_len "
+                            f"{o['seq_len']}), got {o['prefill_tokens']}")
+        if o["dataset"] and not o["text_column"]:
+            raise UserError("fidelity with --dataset needs --text_column")
+
     def derived_intervals(self, items: list[dict]) -> dict:
         """Perplexities are exp(mean NLL) over the pooled positions, i.e. (equal windows) of the mean of
         the windows' mean NLLs: resampling windows and recomputing gives their intervals."""
@@ -102,8 +112,6 @@ class Fidelity(Task):
         if o["text_file"]:
             return read_text_file(o["text_file"]), o["text_file"]
         if o["dataset"]:
-            if not o["text_column"]:
-                raise UserError("fidelity with --dataset needs --text_column")
             rows = load_rows(o["dataset"], o["dataset_config"], o["split"])
             check_columns(rows, {"text_column": o["text_column"]}, o["dataset"])
             parts, size = [], 0
@@ -118,8 +126,6 @@ class Fidelity(Task):
     def run(self, rt: Runtime) -> TaskResult:
         o = self.options
         seq_len, n_prompt, offset = o["seq_len"], o["prefill_tokens"], o["text_offset"]
-        if not 1 + o["decode_first_token"] <= n_prompt < seq_len:
-            raise UserError(f"--prefill_tokens must be in [{1 + o['decode_first_token']}, --seq_len), got {n_prompt}")
         if seq_len > rt.model.args.context_length:
             raise UserError(f"--seq_len {seq_len} exceeds the model's context of {rt.model.args.context_length}")
         text, source = self.text(offset + o["limit"] * seq_len)
