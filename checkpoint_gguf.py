@@ -266,12 +266,12 @@ DEQUANTIZE_GROUP_VALUES = 1 << 20
 def dequantize_rows(data: np.ndarray, qtype: object) -> np.ndarray:
     """A GGUF tensor's rows of bytes `data` [rows, row bytes] as float32 values, flat: gguf's own dequantizer
     for `qtype`, over groups of about DEQUANTIZE_GROUP_VALUES values."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import _type_traits, dequantize
+    from gguf import GGML_QUANT_SIZES, quants
 
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-        return dequantize(data, qtype).reshape(-1)
-    quant = _type_traits[qtype]
+    # The per-type classes are gguf's internals: a version without them dequantizes in its own groups.
+    quant = getattr(quants, "_type_traits", {}).get(qtype)
+    if quant is None or not hasattr(quant, "dequantize_rows"):  # also F32, F16, BF16: views, nothing to group
+        return quants.dequantize(data, qtype).reshape(-1)
     quant.init_grid()
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     rows = max(1, DEQUANTIZE_GROUP_VALUES // max(1, data.shape[1] // block_bytes * block))
