@@ -239,10 +239,12 @@ def test_grid_values_are_typed_and_the_command_line_wins(tmp_path):
                     "args: {chat: true, query_aware: true, seq_len: 64, feed_long_prompts: true}\n")
     args, rest = sweep.parse_sweep(["--grid", str(grid)])
     assert args.strategies == ["recent_global"] and args.budgets == [0.5] and args.seeds == [1]
-    parsed = cli.parse_args(rest)
+    # each run of the sweep names its task (grid_jobs); without one, fidelity would refuse --seq_len 64 with its
+    # default --prefill_tokens 128
+    parsed = cli.parse_args([*rest, "--tasks", "niah_single"])
     assert parsed.chat is True and parsed.query_aware is True and parsed.seq_len == 64 and parsed.feed_long_prompts
     args, rest = sweep.parse_sweep(["--grid", str(grid), "--budgets", "0.25", "--no-chat", "--no-query_aware"])
-    parsed = cli.parse_args(rest)
+    parsed = cli.parse_args([*rest, "--tasks", "niah_single"])
     assert args.budgets == [0.25] and parsed.chat is False and parsed.query_aware is False
     assert args.strategies == ["recent_global"]  # from the grid; the default is full
 
