@@ -274,13 +274,11 @@ def dequantize_rows(data: np.ndarray, qtype: object) -> np.ndarray:
         return quants.dequantize(data, qtype).reshape(-1)
     quant.init_grid()
     block, block_bytes = GGML_QUANT_SIZES[qtype]
-    rows = max(1, DEQUANTIZE_GROUP_VALUES // max(1, data.shape[1] // block_bytes * block))
-    out = np.empty(data.shape[0] * data.shape[1] // block_bytes * block, dtype=np.float32)
-    step = data.shape[1] // block_bytes * block * rows
-    for i, first in enumerate(range(0, data.shape[0], rows)):
-        part = quant.dequantize_rows(np.asarray(data[first:first + rows]))
-        out[i * step:i * step + part.size] = part.reshape(-1)
-    return out
+    out = np.empty((data.shape[0], data.shape[1] // block_bytes * block), dtype=np.float32)
+    rows = max(1, DEQUANTIZE_GROUP_VALUES // max(1, out.shape[1]))
+    for first in range(0, data.shape[0], rows):
+        out[first:first + rows] = quant.dequantize_rows(np.asarray(data[first:first + rows]))
+    return out.reshape(-1)
 
 
 def read_gguf(path: Path, *, allow_non_finite: bool = False

@@ -405,8 +405,9 @@ class Transformer(nn.Module):
         # On the meta device (the loaders build the model there and assign the checkpoint's weights) the table
         # is not initialised: a meta tensor's normal_ runs a Python decomposition that imports torch._dynamo,
         # 1.2 s of every eager run's start.
-        table = torch.empty(args.vocab_size, args.dim)
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=table if table.is_meta else None)
+        on_meta = torch.get_default_device().type == "meta"
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
+                                           _weight=torch.empty(args.vocab_size, args.dim) if on_meta else None)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = Linear(args.dim, args.vocab_size, bias=False)

@@ -309,9 +309,9 @@ def answer_jobs(rt: Runtime, specs: list, jobs: list[AnswerJob], capacity: int, 
 
 
 def check_kvpress_flags(args: argparse.Namespace) -> None:
-    """The cache flags the kvpress protocols cannot take; checked as a run is planned (GenerationTask), before
-    any model loads, and again where a run is replayed. Flags a namespace lacks are their defaults (a task is
-    built from the flags it reads)."""
+    """The cache flags the kvpress protocols cannot take; checked where a generation task is built (as a run is
+    planned, before any model loads, or replayed). Flags a namespace lacks are their defaults (a task is built
+    from the flags it reads)."""
     if getattr(args, "decode_first_token", False) or getattr(args, "feed_long_prompts", False):
         raise UserError("--protocol kvpress compresses the prompt once and answers without evicting: it does not "
                         "combine with --decode_first_token or --feed_long_prompts")
@@ -323,8 +323,8 @@ def check_kvpress_flags(args: argparse.Namespace) -> None:
 
 def kvpress_budgets(args: argparse.Namespace, encoded: list[tuple[list[int], int]]) -> list[int]:
     """Each item's context budget under the kvpress protocol: --max_cache_length as a fraction of that
-    item's context (or tokens), as kvpress sizes a press per input. The full cache keeps every token."""
-    check_kvpress_flags(args)
+    item's context (or tokens), as kvpress sizes a press per input (its flags checked as the task was built:
+    check_kvpress_flags). The full cache keeps every token."""
     if any(n_context == 0 or n_context == len(ids) for ids, n_context in encoded):
         raise UserError("--protocol kvpress needs items with a context and a question after it")
     if all(s.removeprefix("debug_") == "full" for s in args.cache_strategy):
