@@ -26,6 +26,7 @@ from errors import UserError
 from flag_types import count, real
 from kv_storage import DENSE, SCHEMES, THINK_FIELDS, StorageSpec
 from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
+from strategies.paper_names import paper_name_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
@@ -155,7 +156,9 @@ def _preset_path(name: str) -> Path:
         if candidate.is_file():
             return candidate
     available = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-    raise UserError(f"cache config not found: {name} (a file, or one of: {available})")
+    hint = paper_name_hint(name, sorted(CACHE_STRATEGIES))
+    raise UserError(f"cache config not found: {name}" + (f" ({hint})" if hint else "")
+                    + f"; a file, or one of: {available}")
 
 
 # ---- one typed schema for presets, grids and the command line --------------------------------------------
@@ -294,8 +297,9 @@ def check_cache_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--max_cache_length must be positive, got {value:g}")
     for name in args.prompt_compression_strategy:
         if name != "auto" and name not in prompt_rules():
-            raise UserError(f"unknown prompt compression strategy {name!r}; available: auto, "
-                            f"{', '.join(prompt_rules())}")
+            hint = paper_name_hint(name, prompt_rules(), "--prompt_compression_strategy")
+            raise UserError(f"unknown prompt compression strategy {name!r}" + (f" ({hint})" if hint else "")
+                            + f"; available: auto, {', '.join(prompt_rules())}")
     for _, setting in strategy_settings():
         setting.check(getattr(args, setting.name))
     storage_spec(args)

@@ -38,6 +38,7 @@ from strategies import (
     tova,
 )
 from strategies.debug import debug_strategy
+from strategies.paper_names import paper_name_hint
 
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
@@ -59,7 +60,9 @@ def get_strategy(name: str) -> type[KVCache]:
         raise UserError(f"{name}: a debug cache cannot shadow another debug cache")
     if base not in CACHE_STRATEGIES:
         names = sorted(CACHE_STRATEGIES) + ["debug_<strategy>"]
-        raise UserError(f"unknown cache strategy {name!r}; available: {', '.join(names)}")
+        hint = paper_name_hint(name, sorted(CACHE_STRATEGIES))
+        raise UserError(f"unknown cache strategy {name!r}" + (f" ({hint})" if hint else "")
+                        + f"; available: {', '.join(names)}")
     return debug_strategy(CACHE_STRATEGIES[base]) if name != base else CACHE_STRATEGIES[base]
 
 

@@ -53,6 +53,7 @@ def long_prompt_file(tmp_path_factory):
 
 BAD_INPUTS = {
     "unknown strategy": (["--prompt", "Hi", "--cache_strategy", "nonsense"], "unknown cache strategy"),
+    "a paper's name": (["--prompt", "Hi", "--cache_strategy", "SnapKV"], "runs here as --cache_strategy heavy_hitter"),
     "missing checkpoint": (["--prompt", "Hi", "--checkpoint_path", "/nonexistent/model.gguf"], "not found"),
     "empty prompt": (["--prompt", "   "], "empty"),
     "missing prompt file": (["--prompt", "/nonexistent/prompt.txt"], "not found"),
