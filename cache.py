@@ -81,6 +81,9 @@ class Setting:
     # Read by the strategy's prompt rule, so every cache that uses the rule (--prompt_compression_strategy)
     # gets it, through `prompt_settings`, rather than only caches of this strategy.
     prompt_rule: bool = False
+    # Read only while another setting of the strategy has this value (SnapKV's window under the SnapKV prompt
+    # rule): typed otherwise, the flag is refused as ignored (ignored_flags.py).
+    read_if: tuple[str, object] | None = None
     check_value: Callable[[object], object] | None = None  # raises UserError (e.g. a parser of the value)
 
     def add_argument(self, group: argparse._ArgumentGroup, owner: str) -> None:

@@ -29,6 +29,8 @@ def cache_flags_read(args: argparse.Namespace) -> set[str]:
         rules |= {getattr(cls, "shadow_class", cls).name for cls in strategies}
     read = {h for cls in strategies for h in cls.hyperparameters}
     read |= {st.name for rule in rules for st in get_strategy(rule).settings if st.prompt_rule}
+    read -= {st.name for cls in CACHE_STRATEGIES.values() for st in cls.settings
+             if st.read_if and getattr(args, st.read_if[0], st.read_if[1]) != st.read_if[1]}
     return read | ({"adakv_floor"} if getattr(args, "budget_allocation", "uniform") == "adakv" else set())
 
 
@@ -36,6 +38,10 @@ def readers_of(flag: str) -> str:
     """Who reads a strategy flag, in words (for the refusal of one no cache reads)."""
     if flag == "adakv_floor":
         return "--budget_allocation adakv"
+    condition = next((st.read_if for cls in CACHE_STRATEGIES.values() for st in cls.settings
+                      if st.name == flag and st.read_if), None)
+    if condition:
+        return f"--{condition[0]} {condition[1]}"
     names = [n for n, cls in CACHE_STRATEGIES.items() if flag in cls.hyperparameters and not n.startswith("debug_")]
     rules = [n for n, cls in CACHE_STRATEGIES.items() if any(st.prompt_rule and st.name == flag for st in cls.settings)]
     others = [n for n in CACHE_STRATEGIES if n not in names and not n.startswith("debug_")]

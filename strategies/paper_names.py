@@ -13,7 +13,9 @@ import re
 
 # normalised paper or kvpress name -> (the method as its paper writes it, the flags that run it here)
 PAPER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "h2o": ("H2O", ("--cache_strategy", "heavy_hitter")),
+    "h2o": ("H2O", ("--cache_config", "h2o")),
+    "observedattention": ("kvpress's ObservedAttentionPress (H2O's prompt score)",
+                          ("--cache_strategy", "heavy_hitter", "--heavy_hitter_prompt_rule", "h2o")),
     "scissorhands": ("Scissorhands", ("--cache_strategy", "heavy_hitter")),
     "snapkv": ("SnapKV", ("--cache_strategy", "heavy_hitter")),
     "streamingllm": ("StreamingLLM", ("--cache_config", "streaming_llm")),
@@ -53,6 +55,6 @@ def paper_name_hint(name: str, registered: list[str], flag: str = "--cache_strat
     if key not in PAPER_NAMES:
         return None
     method, flags = PAPER_NAMES[key]
-    if flags[0] == "--cache_strategy" and len(flags) == 2 and flags[1] in registered:
-        flags = (flag, prefix + flags[1])  # the strategy, under the flag it was typed for
+    if flags[0] == "--cache_strategy" and flags[1] in registered:
+        flags = (flag, prefix + flags[1], *flags[2:])  # the strategy, under the flag it was typed for
     return f"{method} runs here as {' '.join(flags)}; see docs/strategies.md, \"Paper and kvpress names\""

@@ -16,7 +16,9 @@ from strategies.paper_names import PAPER_NAMES, normalise
 
 # name -> (the strategy that runs its method, a setting that makes it that method, or None)
 EXPECTED = {
-    "h2o": ("heavy_hitter", None), "scissorhands": ("heavy_hitter", None), "snapkv": ("heavy_hitter", None),
+    "h2o": ("heavy_hitter", ("heavy_hitter_prompt_rule", "h2o")),
+    "observedattention": ("heavy_hitter", ("heavy_hitter_prompt_rule", "h2o")),
+    "scissorhands": ("heavy_hitter", None), "snapkv": ("heavy_hitter", None),
     "streamingllm": ("recent_global", ("rerotate_positions", True)),
     "attentionsinks": ("recent_global", None), "sinks": ("recent_global", None),
     "slidingwindow": ("recent_global", None), "knorm": ("l2", None), "fastgen": ("hybrid", None),
@@ -72,7 +74,8 @@ def test_our_name_spelt_as_a_press_is_answered_with_ours(strategy: str) -> None:
 
 
 def test_the_answer_follows_the_flag_it_was_typed_for() -> None:
-    assert suggested_flags(refusal(get_strategy, "debug_h2o")) == ["--cache_strategy", "debug_heavy_hitter"]
+    assert suggested_flags(refusal(get_strategy, "debug_h2o")) == ["--cache_config", "h2o"]
+    assert suggested_flags(refusal(get_strategy, "debug_snapkv")) == ["--cache_strategy", "debug_heavy_hitter"]
     get_strategy("debug_heavy_hitter")
     message = refusal(cache_config, ["--prompt_compression_strategy", "SnapKV"])
     assert suggested_flags(message) == ["--prompt_compression_strategy", "heavy_hitter"]
