@@ -14,15 +14,17 @@ from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, attach, cache_args, run, token_ids
 
-# Strategies whose prompt rule is on purpose not their decode rule, and why.
+# Strategies whose prompt rule is on purpose not their decode rule by default, and why; and the flags that
+# make it their decode rule.
 OTHER_PROMPT_RULE = {"heavy_hitter": "SnapKV's observation window at prefill, H2O's accumulated attention after"}
+SAME_RULE_FLAGS = {"heavy_hitter": ("--heavy_hitter_prompt_rule", "h2o")}
 WITH_PROMPT_RULE = [n for n, c in sorted(CACHE_STRATEGIES.items()) if not c.profiles_prompt and n != "full"]
 
 
-def prompt_cache(name: str) -> tuple:
+def prompt_cache(name: str, *flags: str) -> tuple:
     """Layer 0's cache of `name` after a full-size prefill of the prompt (nothing evicted), and its K/Q."""
     model = make_tiny_model(n_layer=1)
-    caches = attach(model, cache_args(name, "1.0"))
+    caches = attach(model, cache_args(name, "1.0", "dense", *flags))
     seen = {}
     layer = model.layers[0].attention
     prefill_fn = caches[0].prefill
@@ -63,11 +65,11 @@ def test_prompt_selection_equals_repeated_decode_eviction_on_the_same_scores(nam
         assert set(kept[min(h, kept.shape[0] - 1)].tolist()) == held
 
 
-@pytest.mark.parametrize("name", [n for n in WITH_PROMPT_RULE if n not in OTHER_PROMPT_RULE])
+@pytest.mark.parametrize("name", [n for n in WITH_PROMPT_RULE if n not in OTHER_PROMPT_RULE or n in SAME_RULE_FLAGS])
 def test_prompt_rule_is_the_decode_rule(name):
     """After a prefill that keeps everything, the decode scores of the held prompt tokens order them as the
     prompt rule does (for the next position, the one a decode step would insert)."""
-    cache, seen = prompt_cache(name)
+    cache, seen = prompt_cache(name, *SAME_RULE_FLAGS.get(name, ()))
     if cache.needs_gates:
         cache.prompt_log_gates = seen["log_gates"]
     prompt = type(cache).prompt_scores(cache, seen["k"], seen["q"]).float()[0]  # [heads, T]
