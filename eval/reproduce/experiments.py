@@ -174,6 +174,28 @@ register(Experiment(
 ))
 
 register(Experiment(
+    name="snapkv_h2o",
+    paper="SnapKV (Li et al., arXiv 2404.14469), against H2O's prompt scores (Zhang et al., arXiv 2306.14048)",
+    claim="Choosing the prompt's KV entries by the attention of the last prompt queries (SnapKV's observation "
+          "window, which holds the question) retrieves a needle more often than choosing them by the attention "
+          "each entry received from every prompt query (H2O's score), at the same budget.",
+    task="niah_single", metric="string_match", higher_is_better=True,
+    # Half the sequence per layer, as pyramidkv: the budget where SnapKV's selection is off the floor here.
+    common=("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.5", "--query_aware"),
+    arms=(Arm("snapkv", ("--heavy_hitter_prompt_rule", "snapkv")),
+          Arm("h2o", ("--heavy_hitter_prompt_rule", "h2o")),
+          FULL_QUERY_AWARE),
+    comparisons=(Comparison("snapkv", "h2o"),),
+    varies=frozenset({"heavy_hitter_prompt_rule"}),
+    profiles=NEEDLES,
+    notes=("Only the prompt rule differs: SnapKV's window of 32 queries, max-pooled over 7 keys, or H2O's average "
+           "attention received from every prompt query at or after a token (kvpress's ObservedAttentionPress). "
+           "Both arms then evict by H2O's accumulated attention while answering, the same sinks and recent window.",
+           "SnapKV's paper compares its selection with H2O's on LongBench and the needle test; this is the needle "
+           "half, on a 135M model."),
+))
+
+register(Experiment(
     name="pyramidkv",
     paper="PyramidKV (Cai et al., arXiv 2406.02069)",
     claim="At the same total budget, giving lower layers more KV slots and upper layers fewer (a pyramid) "
