@@ -216,15 +216,32 @@ def random_seed(cache) -> int:
     return int(cache.hparams.get("seed", 0)) * 1_000_003 + cache.layer_idx
 
 
-def hashed_scores(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
-    """Pseudo-random scores in [0, 2^32) from (position, step, seed): a murmur-style integer finaliser.
+def hashed_bits(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
+    """Pseudo-random integers in [0, 2^32) (int64) from (position, step, seed): a murmur-style integer finaliser.
 
     Deterministic for a seed, the same eager and compiled, and free of generator state in the graph.
     """
     x = (pos * 0x9E3779B1 + step * 0x85EBCA77 + seed) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
     x = ((x ^ (x >> 12)) * 0x297A2D39) & 0xFFFFFFFF
-    return (x ^ (x >> 15)).float()
+    return x ^ (x >> 15)
+
+
+def hashed_scores(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
+    """hashed_bits as float scores (random eviction's)."""
+    return hashed_bits(pos, step, seed).float()
+
+
+def hashed_uniform(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
+    """Uniforms strictly inside (0, 1), (2m + 1) / 2^24 exactly in float32, m hashed_bits' top 23 bits, computed in 32-bit
+    arithmetic (int32, wrapping: the same bits as hashed_bits' int64 form, tested), about four times faster
+    outside a compiled graph, for noise drawn for every query-key pair of a prompt."""
+    seed = ((seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000  # the same 32 bits as a signed int32
+    x = pos.int() * -0x61C8864F + step.int() * -0x7A143589 + (seed.int() if isinstance(seed, Tensor) else seed)
+    x = (x ^ ((x >> 15) & 0x1FFFF)) * 0x2C1B3C6D
+    x = (x ^ ((x >> 12) & 0xFFFFF)) * 0x297A2D39
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    return (((x >> 9) & 0x7FFFFF) * 2 + 1).float() / (1 << 24)
 
 
 def prompt_positions(k: Tensor) -> Tensor:

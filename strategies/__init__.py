@@ -26,6 +26,7 @@ from strategies import (
     hybrid,
     keep_it_odd,
     keydiff,
+    keyformer,
     kvzip,
     l2,
     lagkv,
@@ -43,7 +44,7 @@ from strategies.paper_names import paper_name_hint
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv, curdkv, capkv, cam)
+                   simlayerkv, curdkv, capkv, cam, keyformer)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

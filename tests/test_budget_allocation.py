@@ -169,7 +169,7 @@ def test_kept_positions_after_prefill_equal_the_naive_selection_on_the_strategys
     """The positions each head holds after prefill are the naive selection over the rule's own prompt scores
     (heavy_hitter with SnapKV pooling off: max-pooling makes plateaus of equal votes, i.e. ties)."""
     counts = set()
-    for seed in range(3):
+    for seed in range(4):  # keyformer's quotas come out equal for the first three
         model = make_tiny_model(seed, n_layer=1)
         cache = attach(model, adakv_args(strategy, "12", "dense", "--snapkv_kernel", "1"))[0]
         seen = {}
