@@ -233,9 +233,9 @@ def hashed_scores(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
 
 
 def hashed_uniform(pos: Tensor, step: Tensor, seed: int | Tensor) -> Tensor:
-    """Uniforms strictly inside (0, 1), (2m + 1) / 2^24 exactly in float32, m hashed_bits' top 23 bits, computed in 32-bit
-    arithmetic (int32, wrapping: the same bits as hashed_bits' int64 form, tested), about four times faster
-    outside a compiled graph, for noise drawn for every query-key pair of a prompt."""
+    """Uniforms strictly inside (0, 1): (2m + 1) / 2^24, exact in float32, m hashed_bits' top 23 bits. Computed
+    in 32-bit arithmetic (int32, wrapping: the same bits as hashed_bits' int64 form, tested), about four times
+    faster outside a compiled graph, for noise drawn for every query-key pair of a prompt."""
     seed = ((seed & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000  # the same 32 bits as a signed int32
     x = pos.int() * -0x61C8864F + step.int() * -0x7A143589 + (seed.int() if isinstance(seed, Tensor) else seed)
     x = (x ^ ((x >> 15) & 0x1FFFF)) * 0x2C1B3C6D
