@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import strategies.keyformer as keyformer
-from generate import decode_one_token, prefill
+from generate import chunked_prefill, decode_one_token, prefill
 from prompt_compression import hashed_bits, hashed_uniform
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
+from tests.test_chunked_prefill import layer0_qkv
+from tests.test_h2o_prompt_rule import naive_top
 from tests.test_strategies import layer0_queries, reference_kv
 
 BUDGET = 16
@@ -126,3 +128,41 @@ def test_one_pass_over_the_prompts_attention_scores_and_seeds(monkeypatch):
         model.reset_caches()
         prefill(model, token_ids()[:, :PROMPT])
     assert len(calls) == len(caches)
+
+
+def naive_chunked(q, k, chunk: int, budget: int) -> list[list[set[int]]]:
+    """Layer 0's kept positions per KV head after every chunk: each held token's sum goes on from the queries it
+    met in earlier chunks (over what was held then); the chunk's queries add theirs over held + the chunk."""
+    n_kv, rep = k.shape[0], q.shape[0] // k.shape[0]
+    held: list[list[int]] = [[] for _ in range(n_kv)]
+    sums: list[dict[int, float]] = [{} for _ in range(n_kv)]
+    history = []
+    for start in range(0, PROMPT, chunk):
+        new = list(range(start, min(start + chunk, PROMPT)))
+        for h in range(n_kv):
+            cand = held[h] + new
+            for i, query in enumerate(new):
+                seen = cand[: len(held[h]) + i + 1]
+                for j in range(h * rep, (h + 1) * rep):
+                    for p, w in naive_weights(q[j, query].double(), k[h].double(), seen, query, j, 1.0).items():
+                        sums[h][p] = sums[h].get(p, 0.0) + w / rep
+            held[h] = cand if len(cand) <= budget else naive_top(sums[h], cand, budget)
+            sums[h] = {p: sums[h][p] for p in held[h]}
+        history.append([set(x) for x in held])
+    return history
+
+
+@pytest.mark.parametrize("chunk", [5, 9])
+def test_a_chunked_prefill_carries_the_sums_on(chunk):
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, cache_args("keyformer", "10", "dense", "--prefill_chunk", str(chunk)))
+    with torch.inference_mode():
+        q, k, _ = layer0_qkv(model, ids[:, :PROMPT])
+        expected = naive_chunked(q, k, chunk, 10)
+        got = []
+        for n in range(chunk, PROMPT + chunk, chunk):  # the same prompt cut after each chunk
+            model.reset_caches()
+            chunked_prefill(model, ids[:, : min(n, PROMPT)], chunk, decode_one_token)
+            got.append(held_positions(caches[0]))
+    assert got == expected
