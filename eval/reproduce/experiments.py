@@ -145,6 +145,26 @@ register(Experiment(
 ))
 
 register(Experiment(
+    name="keyformer",
+    paper="Keyformer (Adnan et al., MLSys 2024, arXiv 2403.09054)",
+    claim="Scoring tokens by their accumulated Gumbel softmax (noise on each query's logits, a temperature rising "
+          "with the steps) rather than by their accumulated attention (H2O) keeps the next-token distribution closer "
+          "to the full cache, at the same budget and recent window.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # Keyformer's split: 30% of the cache recent, no sinks, in both arms; a fifth of each window, as h2o.
+    common=("--max_cache_length", "0.2", "--global_tokens", "0", "--recent_window", "0.3"),
+    arms=(Arm("keyformer", ("--cache_strategy", "keyformer")),
+          Arm("heavy hitters", ("--cache_strategy", "heavy_hitter"))),
+    comparisons=(Comparison("keyformer", "heavy hitters"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The prompt (32 tokens) fits the budget, so only the decode-time scores are compared: Keyformer's sums "
+           "(the reference code's τ 1.0 + 0.01 a step) against H2O's average attention since a token entered.",
+           "The paper measures ROUGE on summarization and conversation against H2O; this is the next-token "
+           "distribution on pydoc text."),
+))
+
+register(Experiment(
     name="snapkv",
     paper="SnapKV (Li et al., arXiv 2404.14469)",
     claim="Choosing the prompt's KV entries by the attention of an observation window at the end of the prompt, "
