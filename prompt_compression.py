@@ -376,9 +376,10 @@ class LayerSeed:
 
 class ScoredOnce:
     """Mixed in by a strategy whose prompt rule computes statistics its `after_prefill` needs too (compactor's
-    whitening map, capkv's capacity matrix): `scoring(cache, k, q)` -> (scores, statistics). What the rule
-    computed for its own cache is kept there and taken back by `scored_prompt` for the same keys, so a
-    compressed prompt is scored once; a prompt that fitted, or that another rule chose, is scored there."""
+    whitening map, capkv's capacity matrix, H2O's and Keyformer's sums): `scoring(cache, k, q)` -> (scores,
+    statistics). What the rule computed for its own cache is kept there and taken back by `scored_prompt` for the
+    same keys, so a compressed prompt is scored once; a prompt that fitted, or that another rule chose, is scored
+    there. Statistics None: nothing for after_prefill (heavy_hitter's SnapKV votes), nothing kept."""
 
     @classmethod
     def scoring(cls, cache, k: Tensor, q: Tensor) -> tuple[Tensor, dict]:
@@ -387,7 +388,7 @@ class ScoredOnce:
     @classmethod
     def prompt_scores(cls, cache, k: Tensor, q: Tensor) -> Tensor:
         scores, statistics = cls.scoring(cache, k, q)
-        if isinstance(cache, cls):
+        if isinstance(cache, cls) and statistics is not None:
             cache.__dict__["prompt_scoring"] = (k, scores, statistics)
         return scores
 

@@ -10,6 +10,7 @@ from cache import KVCache, Setting, grouped_mean, register_strategy
 from kv_storage import scatter_slots
 from prompt_compression import (
     SNAPKV_POOLINGS,
+    ScoredOnce,
     above_uniform,
     attention_since_entry,
     prompt_attention,
@@ -22,7 +23,7 @@ SNAPKV_RULE = ("heavy_hitter_prompt_rule", "snapkv")
 
 
 @register_strategy
-class HeavyHitterCache(KVCache):
+class HeavyHitterCache(ScoredOnce, KVCache):
     """H2O (arXiv 2306.14048) / ScissorHands: evict the token with the lowest average attention received
     since it entered the cache. `history_window_size` W > 1 averages over the last W steps only;
     `attn_thresholding` counts the steps where a token got at least uniform attention instead of summing.
@@ -84,18 +85,17 @@ class HeavyHitterCache(KVCache):
         return self.attn_sum / self.attn_steps.clamp(min=1)
 
     @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor] | None]:
         """SnapKV (arXiv 2404.14469): the attention the last `snapkv_window` prompt queries give each key,
         pooled over neighbouring keys; the prompt-time form of "the most attended tokens stay". Or, under
-        the h2o rule, H2O's own score over the prompt (observed_attention)."""
+        the h2o rule, H2O's own score over the prompt (observed_attention), whose sums after_prefill seeds the
+        decode statistics with (ScoredOnce: one pass)."""
         if cache.setting(cls.PROMPT_RULE) == "h2o":
             received, steps = cls.observed_attention(cache, k, q)
-            if isinstance(cache, cls):  # after_prefill seeds the sums from the same pass
-                cache.__dict__["observed_prompt"] = (k, received, steps)
-            return received / steps
+            return received / steps, {"received": received, "steps": steps}
         return snapkv_votes(q, k, cache.setting(cls.SNAPKV_WINDOW), cache.setting(cls.SNAPKV_KERNEL),
                             cache.setting(cls.SNAPKV_POOLING), bool(cache.setting(cls.SNAPKV_PER_HEAD)),
-                            bool(cache.setting(cls.SNAPKV_PREFIX)))
+                            bool(cache.setting(cls.SNAPKV_PREFIX))), None
 
     @classmethod
     def observed_attention(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -137,18 +137,19 @@ class HeavyHitterCache(KVCache):
     carried_attn_sum: Tensor | None = None
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        stashed = self.__dict__.pop("observed_prompt", None)
+        h2o_rule = self.setting(self.PROMPT_RULE) == "h2o"
         # The h2o prompt rule reads the sums in a chunked prefill's next chunk, even where nothing is evicted
         # after the prompt (the kvpress protocols).
-        if not self.evicts_after_prompt and self.setting(self.PROMPT_RULE) != "h2o":
+        if not self.evicts_after_prompt and not h2o_rule:
             return
         # H2O's sums accumulate over every query: in a chunked prefill's re-prefill (held tokens + the chunk) a
         # held token keeps its sum from the earlier chunks and gains what the chunk's queries give it, rather
         # than what the held tokens' own queries give it over the held tokens (recomputing would re-score them
         # with attention restricted to what survived). The history window (W > 1) is the latest W queries' and
         # is recomputed: exact when the chunk has at least W tokens.
-        if stashed is not None and stashed[0] is k:
-            received, steps = stashed[1:]
+        if h2o_rule:
+            statistics = self.scored_prompt(k, q)[1]
+            received, steps = statistics["received"], statistics["steps"]
         else:
             received, steps = attention_since_entry(self, k, q, self.carried_attn_sum, self.thresholding)
         T, n = k.shape[2], keep.shape[-1]

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, register_strategy, row_positions
 from kv_storage import scatter_slots
-from prompt_compression import LayerSeed, causal_attention_blocks, hashed_uniform, random_seed
+from prompt_compression import LayerSeed, ScoredOnce, causal_attention_blocks, hashed_uniform, random_seed
 
 HEAD_STRIDE = 0x632BE5AB  # spreads the query heads' seeds apart in the hash
 
@@ -51,7 +51,7 @@ def gumbel_softmax(probs: Tensor, u: Tensor, tau: float | Tensor) -> Tensor:
 
 
 @register_strategy
-class KeyformerCache(LayerSeed, KVCache):
+class KeyformerCache(ScoredOnce, LayerSeed, KVCache):
     name = "keyformer"
     hyperparameters = ("global_tokens", "recent_window", "seed")
     settings = (
@@ -76,10 +76,11 @@ class KeyformerCache(LayerSeed, KVCache):
         return self.score
 
     @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        """The Gumbel softmax at τ_init summed over the prompt's queries, the group's mean: [B, n_kv, T]. For its
-        own cache's chunked re-prefill, the chunk's queries' on top of the held tokens' earlier sums; as another
-        cache's rule, the held tokens and the chunk scored as one prompt by their own queries."""
+    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict]:
+        """The Gumbel softmax at τ_init summed over the prompt's queries, the group's mean: [B, n_kv, T], both the
+        scores and the sums after_prefill seeds (ScoredOnce: one pass). For its own cache's chunked re-prefill,
+        the chunk's queries' on top of the held tokens' earlier sums; as another cache's rule, the held tokens
+        and the chunk scored as one prompt by their own queries."""
         own = isinstance(cache, cls)
         first = cache.scored_held_tokens(k) if own else 0
         B, n_kv, T = k.shape[:3]
@@ -95,17 +96,10 @@ class KeyformerCache(LayerSeed, KVCache):
             total[:, :, :end] += gumbel_softmax(probs, u, tau).sum(dim=3).mean(dim=2)
         if first and cache.carried_score is not None:
             total[:, :, :first] += cache.carried_score
-        if own:  # after_prefill seeds the decode scores from the same pass
-            cache.__dict__["scored_prompt"] = (k, total)
-        return total
+        return total, {}
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
-        stashed = self.__dict__.pop("scored_prompt", None)
-        if stashed is not None and stashed[0] is k:
-            total = stashed[1]
-        else:
-            total = KeyformerCache.prompt_scores(self, k, q)
-            self.__dict__.pop("scored_prompt", None)
+        total = self.scored_prompt(k, q)[0]
         n = keep.shape[-1]
         self.score[:, :, :n] = total.gather(2, keep)
         self.step.zero_()
