@@ -188,7 +188,8 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.register_buffer("row_budget", torch.full((B, 1), L, dtype=torch.long, **kw))  # [B, 1]: against [B, heads]
         self.row_budgets, self.row_capacities = [L] * B, [self.capacity_needed] * B
         self.never_full = self.rows_never_full()
-        self.row_chunk_queries: dict[int, Tensor | None] = {}  # chunk_queries of each row, between its turns
+        # chunk_queries and chunk_keys of each row, between its turns
+        self.row_chunk_state: dict[int, tuple[Tensor | None, Tensor | None]] = {}
 
     # ---- rows ---------------------------------------------------------------------------------------------
 
@@ -223,22 +224,22 @@ class KVCache(ChunkedPrefill, nn.Module):
                     module._buffers[name] = buf[b : b + 1]
             if isinstance(module, KVCache):
                 limits.append((module, module.max_cache_length, module.capacity_needed, module.row_budgets,
-                               module.row_capacities, module.chunk_queries))
+                               module.row_capacities, (module.chunk_queries, module.chunk_keys)))
                 module.max_cache_length, module.capacity_needed = module.row_budgets[b], module.row_capacities[b]
                 module.row_budgets, module.row_capacities = [module.row_budgets[b]], [module.row_capacities[b]]
                 module.never_full = module.rows_never_full()
                 # A chunked prefill's held queries are the row's own: rows prefilled chunk by chunk together
                 # (packed_prefill.prefill_packed_chunks) take turns within each chunk.
-                module.chunk_queries = module.row_chunk_queries.get(b)
+                module.chunk_queries, module.chunk_keys = module.row_chunk_state.get(b, (None, None))
         try:
             yield self
         finally:
             for module, name, buf in swapped:
                 module._buffers[name] = buf
-            for module, *values, batch_queries in limits:
-                module.row_chunk_queries[b] = module.chunk_queries
+            for module, *values, batch_state in limits:
+                module.row_chunk_state[b] = (module.chunk_queries, module.chunk_keys)
                 module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities = values
-                module.chunk_queries = batch_queries
+                module.chunk_queries, module.chunk_keys = batch_state
                 module.never_full = module.rows_never_full()  # a layer setting made inside the row holds after it
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
@@ -335,7 +336,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         caches; called before `prefill` / `insert` with the same tokens."""
 
     def reset(self) -> None:
-        self.chunk_queries = None
+        self.chunk_queries = self.chunk_keys = None
         for name, buf in self.named_buffers(recurse=False):
             if name != "row_budget":  # a setting, not state
                 buf.fill_(-1) if name == "pos" else buf.zero_()

@@ -20,6 +20,13 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
   ranks, so the prompt may run past the model's context at a fixed budget.
 - Strategies whose prefill cannot take a virtual prompt declare `chunked_prefill_refusal` (FastGen's
   hybrid profiles the whole prompt; KVzip scores it with a reconstruction pass).
+- A storage that prunes keys at rest (ThinK's channels: `Storage.prunes_keys`) would hand a re-prefill keys
+  it has pruned, and a new channel set would prune them again. The cache keeps the held tokens' whole keys
+  beside their queries (`chunk_keys`, until `end_chunked_prefill`): the chunk attends over them and the
+  re-prefill scores and stores from them, so each re-prefill is the one-shot prefill of its virtual prompt
+  (ThinK's channels chosen over its kept keys and last window) and the last chunk's channel set is the one
+  decoding reads. A cache that never compresses (full, a debug_ twin's own part) re-chooses its channels
+  at each chunk over every key it holds, whole, and the chunk's queries.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class ChunkedPrefill:
     # During a chunked prefill: the held tokens' queries (prefill_chunk_tokens), and the true positions of
     # the virtual prompt a re-prefill scores (scored_positions), its end and its held tokens' count.
     chunk_queries: Tensor | None = None
+    # The held tokens' whole keys [B, n_kv, n, D] in slot order, kept only where the storage prunes keys.
+    chunk_keys: Tensor | None = None
     scored_pos: Tensor | None = None
     scored_end: int | None = None
     scored_held: int = 0
@@ -73,13 +82,15 @@ class ChunkedPrefill:
             kept = q if rerotation is None else rerotation.q_plain
             for cache in self.modules():
                 if isinstance(cache, ChunkedPrefill):
-                    cache.keep_chunk_queries(kept, input_pos.view(1, 1, -1).expand(k.shape[0], cache.pos.shape[1], -1))
+                    positions = input_pos.view(1, 1, -1).expand(k.shape[0], cache.pos.shape[1], -1)
+                    cache.keep_chunk_queries(kept, positions)
+                    cache.keep_chunk_keys(k, positions)
             return
         shadows = [c for c in self.children() if isinstance(c, ChunkedPrefill)]
         for shadow in shadows:  # a debug cache's shadow compresses as it would alone
             shadow.prefill_chunk_tokens(input_pos, k, v, q, rerotation)
         if shadows or self.name == "full":  # never compresses: the chunk goes into the next empty slots
-            self.write_chunk(input_pos, k if rerotation is None else rerotation.k_plain, v)
+            self.write_chunk(input_pos, k if rerotation is None else rerotation.k_plain, v, q)
             return
         self.reprefill(input_pos, k, v, q, rerotation)
 
@@ -93,7 +104,7 @@ class ChunkedPrefill:
                              "count after a chunk")
         P = self.pos.shape[1]
         held_pos = self.pos[:, :, :n]
-        stored_k, held_v = self.keys()[:, :, :n], self.values()[:, :, :n]
+        stored_k, held_v = self.chunk_held_keys()[:, :, :n], self.values()[:, :, :n]
         # The virtual prompt, copied out of the buffers before the reset clears them.
         positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, P, T)], dim=2)
         values = torch.cat([held_v, v], 2)
@@ -115,6 +126,7 @@ class ChunkedPrefill:
             self.scored_pos, self.scored_end, self.scored_held = None, None, 0
         self.inserted.copy_(seen)
         self.keep_chunk_queries(queries if kept is None else kept, positions)
+        self.keep_chunk_keys(keys, positions)
 
     def keep_chunk_queries(self, q: Tensor, positions: Tensor) -> None:
         """The queries of the tokens this cache now holds (found by position in `positions` [B, pos_heads, T],
@@ -124,26 +136,54 @@ class ChunkedPrefill:
             self.chunk_queries = q[:, :, :0]
             return
         B, H, T, D = q.shape
-        n = int(self.filled.max())
-        index = torch.searchsorted(positions.contiguous(), self.pos[:, :, :n].contiguous())  # [B, pos_heads, n]
+        index = self.held_index(positions)
+        n = index.shape[-1]
         grouped = q.reshape(B, self.n_kv_heads, H // self.n_kv_heads, T, D)
         index = index[:, :, None, :, None].expand(B, self.n_kv_heads, H // self.n_kv_heads, n, D)
         self.chunk_queries = grouped.gather(3, index).reshape(B, H, n, D)
+
+    def keep_chunk_keys(self, k: Tensor, positions: Tensor) -> None:
+        """The whole keys of the tokens this cache now holds, found in k [B, n_kv, T, D] as the queries are, where
+        the storage prunes keys at rest (kept until `end_chunked_prefill`); nothing otherwise."""
+        if not self.storage.prunes_keys:
+            return
+        index = self.held_index(positions)
+        B, H, n, D = k.shape[0], k.shape[1], index.shape[-1], k.shape[-1]
+        self.chunk_keys = k.gather(2, index[..., None].expand(B, H, n, D))
+
+    def held_index(self, positions: Tensor) -> Tensor:
+        """Where each held token (slots 0..n−1) is in `positions` [B, pos_heads, T] (sorted): [B, pos_heads, n]."""
+        n = int(self.filled.max())
+        return torch.searchsorted(positions.contiguous(), self.pos[:, :, :n].contiguous())
+
+    def chunk_held_keys(self) -> Tensor:
+        """The keys a later chunk attends over and re-prefills from, [B, n_kv, L, D]: the stored ones, whole
+        where the storage prunes keys at rest (`chunk_keys` over slots 0..n−1, which a prefill fills)."""
+        keys = self.keys()
+        if self.chunk_keys is None:
+            return keys
+        return torch.cat([self.chunk_keys, keys[:, :, self.chunk_keys.shape[2] :]], dim=2)
 
     def end_chunked_prefill(self) -> None:
         """The prompt is in: drop the held tokens' queries (decoding never reads them)."""
         for cache in self.modules():
             if isinstance(cache, ChunkedPrefill):
-                cache.chunk_queries = None
+                cache.chunk_queries = cache.chunk_keys = None
 
-    def write_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """The chunk into the next empty slots, nothing evicted (a cache that never compresses)."""
+    def write_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
+        """The chunk into the next empty slots, nothing evicted (a cache that never compresses). A storage that
+        prunes keys is rewritten whole from the held tokens' whole keys and the chunk's queries (its channels
+        chosen again over every key it holds)."""
         B, H, T, _ = k.shape
         start = int(self.filled.max())
         if start + T > self.pos.shape[-1]:
             raise ValueError(f"a {self.name} cache of {self.pos.shape[-1]} slots has no room for a chunk of {T}")
-        slots = torch.arange(start, start + T, device=k.device).view(1, 1, T).expand(B, H, T)
-        self.storage.write(slots, k, v)
+        if self.chunk_keys is not None:
+            self.chunk_keys = torch.cat([self.chunk_keys, k], dim=2)
+            self.storage.write_prefix(self.chunk_keys, torch.cat([self.values()[:, :, :start], v], dim=2), q)
+        else:
+            slots = torch.arange(start, start + T, device=k.device).view(1, 1, T).expand(B, H, T)
+            self.storage.write(slots, k, v)
         self.pos[:, :, start : start + T] = input_pos
         self.mask[:, :, 0, start : start + T] = True
         self.inserted += T

@@ -354,13 +354,10 @@ def check_think(args: argparse.Namespace, spec: StorageSpec) -> None:
         "--cache_bits": spec.bits != 16,  # ThinK + KIVI is in the paper; not here
         "--budget_allocation adakv": getattr(args, "budget_allocation", "uniform") != "uniform",
         "--rerotate_positions": bool(getattr(args, "rerotate_positions", False)),
-        "--prefill_chunk": getattr(args, "prefill_chunk", None) is not None,
     }
     why = {"--cache_bits": "its pruned keys are stored in the cache dtype",
            "--budget_allocation adakv": "a pool mixes the heads, each with its own channels",
-           "--rerotate_positions": "it prunes post-RoPE keys, as the paper; re-rotation stores them before RoPE",
-           "--prefill_chunk": "its channels are chosen once, at the prompt's write; a re-prefill would prune "
-                              "pruned keys again"}
+           "--rerotate_positions": "it prunes post-RoPE keys, as the paper; re-rotation stores them before RoPE"}
     for flag, conflict in conflicts.items():
         if conflict:
             raise UserError(f"--think_ratio with {flag}: {why[flag]}")

@@ -91,6 +91,9 @@ def make_storage(spec: StorageSpec, batch_size: int, n_kv_heads: int, slots: int
 
 
 class Storage(nn.Module):
+    # Stored keys lose what a later choice may need (ThinK's channels): a chunked prefill keeps them whole.
+    prunes_keys = False
+
     def reset(self) -> None:
         for buf in self.buffers():
             buf.zero_()
@@ -495,7 +498,8 @@ class ChannelPrunedKeyStorage(Storage):
     (the paper's q·(S k) with S the channel mask). Keys are post-RoPE, as in the paper and kvpress (both prune
     the rotated keys); `--rerotate_positions` (pre-RoPE keys) is refused. The channel set is chosen once per
     sequence, from the keys the prompt rule kept (the authors prune after SnapKV/H2O compression) and the
-    prompt's last `think_window` queries.
+    prompt's last `think_window` queries. A chunked prefill writes the prompt again at every chunk, from whole
+    keys the cache keeps meanwhile (`prunes_keys`), so the last chunk's channel set is the one kept.
 
     New tokens: the paper's method stores every key thin with the prompt's channel set, which is the default
     (think_recent 0). The authors' implementation keeps the newest prompt tokens (recent_size 32) and every
@@ -512,6 +516,7 @@ class ChannelPrunedKeyStorage(Storage):
     """
 
     bits = 16
+    prunes_keys = True
 
     def __init__(self, shape: tuple[int, ...], spec: StorageSpec, dtype: torch.dtype,
                  device: torch.device | str) -> None:

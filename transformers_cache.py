@@ -138,7 +138,7 @@ class EvictionLayer(CacheLayerMixin):
     def _attend_held(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """A chunk's queries (at input_pos) over the held tokens and the chunk itself, causally."""
         cache = self.cache
-        held, held_v = cache.keys(), cache.values()
+        held, held_v = cache.chunk_held_keys(), cache.values()
         if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
             held, held_v = (t.expand(-1, k.shape[1], -1, -1) for t in (held, held_v))
         return chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)
@@ -223,7 +223,7 @@ class EvictionLayer(CacheLayerMixin):
         self.cache.reset()
         for cache in self.cache.modules():  # a chunked prefill cut short leaves no row's held queries behind
             if isinstance(cache, KVCache):
-                cache.row_chunk_queries.clear()
+                cache.row_chunk_state.clear()
         self.prefilled = self.chunking = False
         self.row_chunk_plan, self.pending = None, []
         self.padding.zero_()

@@ -45,6 +45,7 @@ VARIANTS = {
     "kivi4_debug_l2": ["--cache_strategy", "debug_l2", *STORAGES["kivi4"]],
     "2bit_debug_heavy_hitter": ["--cache_strategy", "debug_heavy_hitter", *STORAGES["2bit"]],
     "adakv_debug_tova": ["--cache_strategy", "debug_tova", "--budget_allocation", "adakv"],
+    "think_heavy_hitter": ["--cache_strategy", "heavy_hitter", *STORAGES["think"]],
     "adakv_8bit_debug_keydiff": ["--cache_strategy", "debug_keydiff", "--budget_allocation", "adakv",
                                  *STORAGES["8bit"]],
     "budgets_repeat": ["--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "32",

@@ -146,7 +146,6 @@ BAD = {
     "think with adakv": (["--cache_strategy", "heavy_hitter", "--think_ratio", "0.5", "--budget_allocation",
                           "adakv"], "pool"),
     "think with re-rotation": (["--think_ratio", "0.5", "--rerotate_positions"], "post-RoPE"),
-    "think with chunked prefill": (["--think_ratio", "0.5", "--prefill_chunk", "8"], "re-prefill"),
     "head-specific compressor on shared cache": (["--cache_strategy", "recent_global", "--max_cache_length", "0.1",
                                                   "--prompt_compression_strategy", "heavy_hitter"],
                                                  "shared across heads"),

@@ -46,8 +46,9 @@ from tests.test_curdkv import naive_window_shares, squared_norms
 
 ATOL = 1e-5
 # Every chunkable strategy and twin on dense storage; the strategies (a twin's shadow is the same cache) on
-# 4-bit per-token and KIVI storage, whose held K/V are read back dequantized into the next chunk's prompt.
-STORAGE_CASES = [(s, "dense") for s in CHUNKABLE] + [(s, st) for st in ("4bit", "kivi4") for s in CHUNKABLE
+# 4-bit per-token and KIVI storage, whose held K/V are read back dequantized into the next chunk's prompt, and
+# on ThinK's pruned keys, whose held keys the cache keeps whole until the prompt is in.
+STORAGE_CASES = [(s, "dense") for s in CHUNKABLE] + [(s, st) for st in ("4bit", "kivi4", "think") for s in CHUNKABLE
                                                       if not s.startswith("debug_")]
 BUDGET = "10"  # of a 24-token prompt: chunks of 6 compress from the second one on
 
