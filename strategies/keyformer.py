@@ -10,6 +10,10 @@ also attend, and the rising temperature flattens it as generation goes on. The l
 evicted; the recent window is protected (Keyformer's `recent`, 30% of the cache in its code: the preset's
 `--recent_window 0.3`). The scores are summed, not averaged, as the reference code sums them.
 
+`--keyformer_noise none` drops the noise (an ablation, not Keyformer): the temperature's softmax of the
+attention alone, and with `--keyformer_tau_delta 0` H2O's accumulated attention as its paper sums it, where
+heavy_hitter averages it since each token's entry; so the noise and the sum can be measured apart.
+
 One rule, used twice, per KV head (the query heads of a group averaged, as heavy_hitter does; Keyformer's models
 are multi-head):
 - prompt: the same sum over every prompt query at τ_init (the reference scores the prompt's causal attention so,
@@ -35,19 +39,22 @@ from kv_storage import scatter_slots
 from prompt_compression import LayerSeed, ScoredOnce, causal_attention_blocks, hashed_uniform, random_seed
 
 HEAD_STRIDE = 0x632BE5AB  # spreads the query heads' seeds apart in the hash
+NOISES = ("gumbel", "none")
 
 
 def head_seeds(seed: Tensor | int, heads: Tensor) -> Tensor:
     return seed + heads * HEAD_STRIDE
 
 
-def gumbel_softmax(probs: Tensor, u: Tensor, tau: float | Tensor) -> Tensor:
-    """softmax((log p + g) / τ) over the last dimension, g = −log(−log u) ~ Gumbel(0, 1). At τ = 1 the weights are
-    p·e^g = p / E with E = −log u ~ Exp(1): one logarithm an element instead of four (the prompt's T² draws)."""
+def gumbel_softmax(probs: Tensor, u: Tensor | None, tau: float | Tensor) -> Tensor:
+    """softmax((log p + g) / τ) over the last dimension, g = −log(−log u) ~ Gumbel(0, 1), or g = 0 without u (the
+    ablation `--keyformer_noise none`). At τ = 1 the weights are p·e^g = p / E with E = −log u ~ Exp(1): one
+    logarithm an element instead of four (the prompt's T² draws)."""
     if isinstance(tau, float) and tau == 1.0:
-        w = probs / -torch.log(u)
+        w = probs if u is None else probs / -torch.log(u)
         return w / w.sum(dim=-1, keepdim=True)
-    return torch.softmax((probs.log() - torch.log(-torch.log(u))) / tau, dim=-1)
+    logits = probs.log() if u is None else probs.log() - torch.log(-torch.log(u))
+    return torch.softmax(logits / tau, dim=-1)
 
 
 @register_strategy
@@ -59,6 +66,9 @@ class KeyformerCache(ScoredOnce, LayerSeed, KVCache):
                             help="the Gumbel softmax's temperature over the prompt (Keyformer's code: 1.0)"),
         TAU_DELTA := Setting("keyformer_tau_delta", 0.01, type=finite_float, low=0,
                              help="the temperature's growth per decode step (Keyformer's code: 0.01)"),
+        NOISE := Setting("keyformer_noise", NOISES[0], type=str, choices=NOISES, prompt_rule=True,
+                         help="'none' drops the Gumbel noise, an ablation (with --keyformer_tau_delta 0: H2O's "
+                              "attention summed rather than averaged)"),
     )
     head_specific = True
     needs_attention = True
@@ -89,10 +99,11 @@ class KeyformerCache(ScoredOnce, LayerSeed, KVCache):
         seeds = head_seeds(cache.seed if own else random_seed(cache),
                            torch.arange(q.shape[1], device=k.device).view(1, n_kv, rep, 1, 1))
         tau = float(cache.setting(cls.TAU_INIT))
+        noise = cache.setting(cls.NOISE) == "gumbel"
         total = torch.zeros(B, n_kv, T, device=k.device)
         for rows, probs in causal_attention_blocks(q, k, first):
             end = probs.shape[-1]
-            u = hashed_uniform(positions[..., :end], positions[..., rows].transpose(-1, -2), seeds)
+            u = hashed_uniform(positions[..., :end], positions[..., rows].transpose(-1, -2), seeds) if noise else None
             total[:, :, :end] += gumbel_softmax(probs, u, tau).sum(dim=3).mean(dim=2)
         if first and cache.carried_score is not None:
             total[:, :, :first] += cache.carried_score
@@ -120,6 +131,8 @@ class KeyformerCache(ScoredOnce, LayerSeed, KVCache):
         self.step += 1
         _, n_kv, rep, _ = probs.shape
         tau = self.setting(self.TAU_INIT) + self.step.view(-1, 1, 1, 1) * self.setting(self.TAU_DELTA)
-        seeds = head_seeds(self.seed, torch.arange(n_kv * rep, device=probs.device).view(1, n_kv, rep, 1))
-        u = hashed_uniform(self.pos[:, :, None, :], self.query_pos.view(-1, 1, 1, 1), seeds)
+        u = None
+        if self.setting(self.NOISE) == "gumbel":
+            seeds = head_seeds(self.seed, torch.arange(n_kv * rep, device=probs.device).view(1, n_kv, rep, 1))
+            u = hashed_uniform(self.pos[:, :, None, :], self.query_pos.view(-1, 1, 1, 1), seeds)
         self.score += gumbel_softmax(probs.float(), u, tau).mean(dim=2)

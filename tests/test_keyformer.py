@@ -4,7 +4,8 @@ token it sees, softmax((x + ζ) / τ) of its query head (x the logits q·k/√d,
 averaged over the KV group's query heads; τ is τ_init over the prompt and τ_init + s·τ_delta at the s-th decode
 step; the prompt keeps the sinks, the recent window and the top sums; each step evicts the lowest sum outside
 the sinks and the recent window. The uniforms u are the cache's hashed ones (the random source both share,
-itself checked against the int64 hash and for its Gumbel moments). Compared at every step: the held positions
+itself checked against the int64 hash and for its Gumbel moments); `--keyformer_noise none` is replayed with
+ζ = 0. Compared at every step: the held positions
 and their sums (rtol 1e-4; budget 16 of a 24-token prompt + 16 new tokens, 2 sinks, a 4-token recent window)."""
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def test_the_noise_has_gumbels_moments():
 
 
 def naive_weights(q_head: torch.Tensor, keys: torch.Tensor, positions: list[int], query: int, head: int,
-                  tau: float) -> dict[int, float]:
-    """softmax((x + ζ) / τ) of one query head over `positions` (float64), ζ from the cache's hashed uniforms."""
+                  tau: float, noise: bool = True) -> dict[int, float]:
+    """softmax((x + ζ) / τ) of one query head over `positions` (float64), ζ from the cache's hashed uniforms
+    (ζ = 0 without `noise`: the ablation)."""
     x = torch.stack([q_head @ keys[p] for p in positions]) / math.sqrt(q_head.shape[-1])
     u = hashed_uniform(torch.tensor(positions), torch.tensor(query), head * keyformer.HEAD_STRIDE).double()
-    w = torch.softmax((x - torch.log(-torch.log(u))) / tau, dim=0)
+    w = torch.softmax((x - noise * torch.log(-torch.log(u))) / tau, dim=0)
     return dict(zip(positions, w.tolist(), strict=True))
 
 
-def naive_keyformer(model, ids, tau_init: float, tau_delta: float) -> list[tuple[list[set[int]], list[dict]]]:
+def naive_keyformer(model, ids, tau_init: float, tau_delta: float,
+                    noise: bool = True) -> list[tuple[list[set[int]], list[dict]]]:
     """Per KV head, the held positions and their sums after the prefill and after each decode step."""
     ref_k, _ = reference_kv(model, ids)
     ref_k = ref_k.double()
@@ -65,7 +68,7 @@ def naive_keyformer(model, ids, tau_init: float, tau_delta: float) -> list[tuple
 
     def add(score: dict[int, float], h: int, query: int, positions: list[int], tau: float) -> None:
         for j in range(h * rep, (h + 1) * rep):
-            for p, w in naive_weights(q[j, query], ref_k[h], positions, query, j, tau).items():
+            for p, w in naive_weights(q[j, query], ref_k[h], positions, query, j, tau, noise).items():
                 score[p] = score.get(p, 0.0) + w / rep
 
     held, scores = [], []
@@ -90,12 +93,14 @@ def naive_keyformer(model, ids, tau_init: float, tau_delta: float) -> list[tuple
     return trace
 
 
-@pytest.mark.parametrize(("tau_init", "tau_delta"), [(1.0, 0.01), (0.5, 0.25)])  # the code's defaults; τ ≠ 1 at prefill
-def test_keyformer_keeps_and_scores_as_the_naive_rule(tau_init, tau_delta):
+# The code's defaults; τ ≠ 1 at prefill; without the noise, at τ = 1 (H2O's summed attention) and τ ≠ 1.
+@pytest.mark.parametrize(("tau_init", "tau_delta", "noise"),
+                         [(1.0, 0.01, "gumbel"), (0.5, 0.25, "gumbel"), (1.0, 0.0, "none"), (0.5, 0.25, "none")])
+def test_keyformer_keeps_and_scores_as_the_naive_rule(tau_init, tau_delta, noise):
     model = make_tiny_model()
     ids = token_ids()
     caches = attach(model, cache_args("keyformer", str(BUDGET), "dense", "--keyformer_tau_init", str(tau_init),
-                                      "--keyformer_tau_delta", str(tau_delta)))
+                                      "--keyformer_tau_delta", str(tau_delta), "--keyformer_noise", noise))
     ours = []
 
     def record(p: int) -> None:
@@ -105,7 +110,7 @@ def test_keyformer_keeps_and_scores_as_the_naive_rule(tau_init, tau_delta):
 
     with torch.inference_mode():
         run(model, ids, decode_one_token, record)
-    expected = naive_keyformer(model, ids, tau_init, tau_delta)
+    expected = naive_keyformer(model, ids, tau_init, tau_delta, noise == "gumbel")
     for step, ((held, scores), (want_held, want_scores)) in enumerate(zip(ours, expected, strict=True)):
         assert held == want_held, f"step {step}"
         for h, head_scores in enumerate(scores):

@@ -164,6 +164,31 @@ register(Experiment(
            "distribution on pydoc text."),
 ))
 
+KEYFORMER_SPLIT = ("--max_cache_length", "0.2", "--global_tokens", "0", "--recent_window", "0.3")
+
+register(Experiment(
+    name="keyformer_noise",
+    paper="Keyformer (Adnan et al., MLSys 2024, arXiv 2403.09054)",
+    claim="Keyformer credits its gain to the Gumbel regularization: with the noise its summed scores keep the "
+          "next-token distribution closer to the full cache than the same sums and temperature without it, and than "
+          "H2O's summed attention.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # The keyformer experiment's windows and split; the arms differ in the noise, then in the temperature too.
+    common=("--cache_strategy", "keyformer", *KEYFORMER_SPLIT),
+    arms=(Arm("gumbel noise", ("--keyformer_noise", "gumbel")),
+          Arm("no noise", ("--keyformer_noise", "none")),
+          Arm("summed attention", ("--keyformer_noise", "none", "--keyformer_tau_delta", "0")),
+          Arm("heavy hitters (averaged)", ("--cache_strategy", "heavy_hitter", *KEYFORMER_SPLIT), reference=True)),
+    comparisons=(Comparison("gumbel noise", "no noise", "the noise alone"),
+                 Comparison("gumbel noise", "summed attention", "against H2O's sums, as its paper and Keyformer's code")),
+    varies=frozenset({"keyformer_noise", "keyformer_tau_delta"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("An ablation of the keyformer experiment: 'no noise' keeps the temperature's rise (τ 1.0 + 0.01 a step), "
+           "'summed attention' (τ fixed at 1, no noise) is H2O's accumulated attention summed as in its paper.",
+           "The reference arm is heavy_hitter, whose H2O score is the attention averaged since a token entered: "
+           "summed attention against it is the other half of what the keyformer experiment compares."),
+))
+
 register(Experiment(
     name="snapkv",
     paper="SnapKV (Li et al., arXiv 2404.14469)",
