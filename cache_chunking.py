@@ -165,7 +165,7 @@ class ChunkedPrefill:
         return torch.cat([self.chunk_keys, keys[:, :, self.chunk_keys.shape[2] :]], dim=2)
 
     def end_chunked_prefill(self) -> None:
-        """The prompt is in: drop the held tokens' queries (decoding never reads them)."""
+        """The prompt is in: drop the held tokens' queries and whole keys (decoding never reads them)."""
         for cache in self.modules():
             if isinstance(cache, ChunkedPrefill):
                 cache.chunk_queries = cache.chunk_keys = None
