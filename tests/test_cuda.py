@@ -63,7 +63,9 @@ def test_cuda_eager_keeps_what_the_cpu_keeps(strategy, storage):
 # The registry matrices' other axes, eager: (flags, the strategies the CPU matrix runs them on). Re-rotation
 # runs past a 32-token context (the sequence is 40) where the cache can, as in test_rerotate.
 AXES = {"adakv": (tuple(ALLOCATIONS["adakv"]), ADAKV), "rerotate_positions": (("--rerotate_positions",), ALL),
-        "prefill_chunk": (("--prefill_chunk", "8"), CHUNKABLE)}
+        "prefill_chunk": (("--prefill_chunk", "8"), CHUNKABLE),
+        # ThinK's whole held keys during the chunks (cache_chunking.py), under three kinds of prompt rule.
+        "think_prefill_chunk": (("--prefill_chunk", "8", *STORAGES["think"]), ["heavy_hitter", "tova", "full"])}
 
 
 def past_the_context(strategy: str, flags: tuple) -> int | None:
