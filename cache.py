@@ -188,8 +188,8 @@ class KVCache(ChunkedPrefill, nn.Module):
         self.register_buffer("row_budget", torch.full((B, 1), L, dtype=torch.long, **kw))  # [B, 1]: against [B, heads]
         self.row_budgets, self.row_capacities = [L] * B, [self.capacity_needed] * B
         self.never_full = self.rows_never_full()
-        # chunk_queries and chunk_keys of each row, between its turns
-        self.row_chunk_state: dict[int, tuple[Tensor | None, Tensor | None]] = {}
+        # chunk_queries, chunk_keys and chunk_values of each row, between its turns
+        self.row_chunk_state: dict[int, tuple[Tensor | None, ...]] = {}
 
     # ---- rows ---------------------------------------------------------------------------------------------
 
@@ -224,22 +224,23 @@ class KVCache(ChunkedPrefill, nn.Module):
                     module._buffers[name] = buf[b : b + 1]
             if isinstance(module, KVCache):
                 limits.append((module, module.max_cache_length, module.capacity_needed, module.row_budgets,
-                               module.row_capacities, (module.chunk_queries, module.chunk_keys)))
+                               module.row_capacities, module.chunk_state()))
                 module.max_cache_length, module.capacity_needed = module.row_budgets[b], module.row_capacities[b]
                 module.row_budgets, module.row_capacities = [module.row_budgets[b]], [module.row_capacities[b]]
                 module.never_full = module.rows_never_full()
                 # A chunked prefill's held queries are the row's own: rows prefilled chunk by chunk together
                 # (packed_prefill.prefill_packed_chunks) take turns within each chunk.
-                module.chunk_queries, module.chunk_keys = module.row_chunk_state.get(b, (None, None))
+                row_state = module.row_chunk_state.get(b, (None,) * 3)
+                module.chunk_queries, module.chunk_keys, module.chunk_values = row_state
         try:
             yield self
         finally:
             for module, name, buf in swapped:
                 module._buffers[name] = buf
             for module, *values, batch_state in limits:
-                module.row_chunk_state[b] = (module.chunk_queries, module.chunk_keys)
+                module.row_chunk_state[b] = module.chunk_state()
                 module.max_cache_length, module.capacity_needed, module.row_budgets, module.row_capacities = values
-                module.chunk_queries, module.chunk_keys = batch_state
+                module.chunk_queries, module.chunk_keys, module.chunk_values = batch_state
                 module.never_full = module.rows_never_full()  # a layer setting made inside the row holds after it
 
     # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
@@ -336,7 +337,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         caches; called before `prefill` / `insert` with the same tokens."""
 
     def reset(self) -> None:
-        self.chunk_queries = self.chunk_keys = None
+        self.chunk_queries = self.chunk_keys = self.chunk_values = None
         for name, buf in self.named_buffers(recurse=False):
             if name != "row_budget":  # a setting, not state
                 buf.fill_(-1) if name == "pos" else buf.zero_()

@@ -20,13 +20,15 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
   ranks, so the prompt may run past the model's context at a fixed budget.
 - Strategies whose prefill cannot take a virtual prompt declare `chunked_prefill_refusal` (FastGen's
   hybrid profiles the whole prompt; KVzip scores it with a reconstruction pass).
-- A storage that prunes keys at rest (ThinK's channels: `Storage.prunes_keys`) would hand a re-prefill keys
-  it has pruned, and a new channel set would prune them again. The cache keeps the held tokens' whole keys
-  beside their queries (`chunk_keys`, until `end_chunked_prefill`): the chunk attends over them and the
-  re-prefill scores and stores from them, so each re-prefill is the one-shot prefill of its virtual prompt
-  (ThinK's channels chosen over its kept keys and last window) and the last chunk's channel set is the one
-  decoding reads. A cache that never compresses (full, a debug_ twin's own part) re-chooses its channels
-  at each chunk over every key it holds, whole, and the chunk's queries.
+- A storage whose stored form loses what a re-prefill would lose again (`Storage.exact_in_chunks`: ThinK's
+  keys, whose pruned channels a new channel set would prune further; KIVI's keys and values, whose key groups
+  would be re-quantized over other tokens) hands a re-prefill exact copies instead: the cache keeps the held
+  tokens' exact keys / values beside their queries (`chunk_keys`, `chunk_values`, until
+  `end_chunked_prefill`), the chunk attends over them and the re-prefill scores and stores from them, so each
+  re-prefill is the one-shot prefill of its virtual prompt (ThinK's channels chosen over its kept keys and
+  last window, KIVI's groups quantized from exact keys). A cache that never compresses (full, a debug_
+  twin's own part) rewrites its storage from every token's exact K/V at each chunk, with the chunk's queries.
+  Per-token quantization reads back what it stored: a token's dequantized K/V quantize to its codes again.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class Rerotation:
     rope: Callable[[Tensor, Tensor], Tensor]
 
 
+def over_held_slots(stored: Tensor, exact: Tensor | None) -> Tensor:
+    """stored [B, H, L, D] with its first n slots replaced by `exact` [B, H, n, D] (None: stored as it is)."""
+    return stored if exact is None else torch.cat([exact, stored[:, :, exact.shape[2] :]], dim=2)
+
+
 class ChunkedPrefill:
     """The chunked-prefill methods and state of a `KVCache` (which provides prefill, reset, keys, values,
     the buffers pos / mask / filled / inserted and the hooks)."""
@@ -60,8 +67,9 @@ class ChunkedPrefill:
     # During a chunked prefill: the held tokens' queries (prefill_chunk_tokens), and the true positions of
     # the virtual prompt a re-prefill scores (scored_positions), its end and its held tokens' count.
     chunk_queries: Tensor | None = None
-    # The held tokens' whole keys [B, n_kv, n, D] in slot order, kept only where the storage prunes keys.
+    # The held tokens' exact keys / values [B, n_kv, n, D] in slot order, where the storage asks for them.
     chunk_keys: Tensor | None = None
+    chunk_values: Tensor | None = None
     scored_pos: Tensor | None = None
     scored_end: int | None = None
     scored_held: int = 0
@@ -84,7 +92,7 @@ class ChunkedPrefill:
                 if isinstance(cache, ChunkedPrefill):
                     positions = input_pos.view(1, 1, -1).expand(k.shape[0], cache.pos.shape[1], -1)
                     cache.keep_chunk_queries(kept, positions)
-                    cache.keep_chunk_keys(k, positions)
+                    cache.keep_exact_kv(k if rerotation is None else rerotation.k_plain, v, positions)
             return
         shadows = [c for c in self.children() if isinstance(c, ChunkedPrefill)]
         for shadow in shadows:  # a debug cache's shadow compresses as it would alone
@@ -104,7 +112,7 @@ class ChunkedPrefill:
                              "count after a chunk")
         P = self.pos.shape[1]
         held_pos = self.pos[:, :, :n]
-        stored_k, held_v = self.chunk_held_keys()[:, :, :n], self.values()[:, :, :n]
+        stored_k, held_v = self.chunk_held_keys()[:, :, :n], self.chunk_held_values()[:, :, :n]
         # The virtual prompt, copied out of the buffers before the reset clears them.
         positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, P, T)], dim=2)
         values = torch.cat([held_v, v], 2)
@@ -126,7 +134,7 @@ class ChunkedPrefill:
             self.scored_pos, self.scored_end, self.scored_held = None, None, 0
         self.inserted.copy_(seen)
         self.keep_chunk_queries(queries if kept is None else kept, positions)
-        self.keep_chunk_keys(keys, positions)
+        self.keep_exact_kv(keys if stored is None else stored, values, positions)
 
     def keep_chunk_queries(self, q: Tensor, positions: Tensor) -> None:
         """The queries of the tokens this cache now holds (found by position in `positions` [B, pos_heads, T],
@@ -142,14 +150,20 @@ class ChunkedPrefill:
         index = index[:, :, None, :, None].expand(B, self.n_kv_heads, H // self.n_kv_heads, n, D)
         self.chunk_queries = grouped.gather(3, index).reshape(B, H, n, D)
 
-    def keep_chunk_keys(self, k: Tensor, positions: Tensor) -> None:
-        """The whole keys of the tokens this cache now holds, found in k [B, n_kv, T, D] as the queries are, where
-        the storage prunes keys at rest (kept until `end_chunked_prefill`); nothing otherwise."""
-        if not self.storage.prunes_keys:
+    def keep_exact_kv(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """The exact keys / values (k, v [B, n_kv, T, D], as stored) of the tokens this cache now holds, found
+        as the queries are, where the storage asks for them (`exact_in_chunks`; until `end_chunked_prefill`)."""
+        exact = self.storage.exact_in_chunks
+        if not exact:
             return
         index = self.held_index(positions)
-        B, H, n, D = k.shape[0], k.shape[1], index.shape[-1], k.shape[-1]
-        self.chunk_keys = k.gather(2, index[..., None].expand(B, H, n, D))
+        index = index[..., None].expand(k.shape[0], k.shape[1], index.shape[-1], k.shape[-1])
+        self.chunk_keys = k.gather(2, index) if "keys" in exact else None
+        self.chunk_values = v.gather(2, index) if "values" in exact else None
+
+    def chunk_state(self) -> tuple[Tensor | None, ...]:
+        """What a chunked prefill keeps between chunks (KVCache.row keeps it per row)."""
+        return self.chunk_queries, self.chunk_keys, self.chunk_values
 
     def held_index(self, positions: Tensor) -> Tensor:
         """Where each held token (slots 0..n−1) is in `positions` [B, pos_heads, T] (sorted): [B, pos_heads, n]."""
@@ -157,30 +171,34 @@ class ChunkedPrefill:
         return torch.searchsorted(positions.contiguous(), self.pos[:, :, :n].contiguous())
 
     def chunk_held_keys(self) -> Tensor:
-        """The keys a later chunk attends over and re-prefills from, [B, n_kv, L, D]: the stored ones, whole
-        where the storage prunes keys at rest (`chunk_keys` over slots 0..n−1, which a prefill fills)."""
-        keys = self.keys()
-        if self.chunk_keys is None:
-            return keys
-        return torch.cat([self.chunk_keys, keys[:, :, self.chunk_keys.shape[2] :]], dim=2)
+        """The keys a later chunk attends over and re-prefills from, [B, n_kv, L, D]: the stored ones, exact
+        where the cache keeps them (`chunk_keys` over slots 0..n−1, which a prefill fills)."""
+        return over_held_slots(self.keys(), self.chunk_keys)
+
+    def chunk_held_values(self) -> Tensor:
+        """As chunk_held_keys, for the values."""
+        return over_held_slots(self.values(), self.chunk_values)
 
     def end_chunked_prefill(self) -> None:
         """The prompt is in: drop the held tokens' queries and whole keys (decoding never reads them)."""
         for cache in self.modules():
             if isinstance(cache, ChunkedPrefill):
-                cache.chunk_queries = cache.chunk_keys = None
+                cache.chunk_queries = cache.chunk_keys = cache.chunk_values = None
 
     def write_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         """The chunk into the next empty slots, nothing evicted (a cache that never compresses). A storage that
-        prunes keys is rewritten whole from the held tokens' whole keys and the chunk's queries (its channels
-        chosen again over every key it holds)."""
+        asks for exact K/V in chunks is rewritten whole from every held token's exact K/V, as one prompt with
+        the chunk's queries (ThinK's channels chosen again over every key it holds)."""
         B, H, T, _ = k.shape
         start = int(self.filled.max())
         if start + T > self.pos.shape[-1]:
             raise ValueError(f"a {self.name} cache of {self.pos.shape[-1]} slots has no room for a chunk of {T}")
-        if self.chunk_keys is not None:
-            self.chunk_keys = torch.cat([self.chunk_keys, k], dim=2)
-            self.storage.write_prefix(self.chunk_keys, torch.cat([self.values()[:, :, :start], v], dim=2), q)
+        exact = self.storage.exact_in_chunks
+        if exact:
+            keys = torch.cat([self.chunk_held_keys()[:, :, :start], k], dim=2)
+            values = torch.cat([self.chunk_held_values()[:, :, :start], v], dim=2)
+            self.storage.reset()
+            self.storage.write_prefix(keys, values, q)
         else:
             slots = torch.arange(start, start + T, device=k.device).view(1, 1, T).expand(B, H, T)
             self.storage.write(slots, k, v)
@@ -188,6 +206,8 @@ class ChunkedPrefill:
         self.mask[:, :, 0, start : start + T] = True
         self.inserted += T
         self.filled += T
+        if exact:
+            self.keep_exact_kv(keys, values, self.pos[:, :, : start + T])
 
     def carry_over(self, n: int) -> object:
         """Hook: per-token inputs of the n held tokens a re-prefill needs besides K/V/queries (read before the

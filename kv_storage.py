@@ -91,8 +91,9 @@ def make_storage(spec: StorageSpec, batch_size: int, n_kv_heads: int, slots: int
 
 
 class Storage(nn.Module):
-    # Stored keys lose what a later choice may need (ThinK's channels): a chunked prefill keeps them whole.
-    prunes_keys = False
+    # What a chunked prefill keeps exact for the held tokens ("keys", "values"): what a re-prefill would lose
+    # again from the stored form (ThinK's channels, KIVI's key groups re-quantized over other tokens).
+    exact_in_chunks: tuple[str, ...] = ()
 
     def reset(self) -> None:
         for buf in self.buffers():
@@ -271,7 +272,9 @@ def quantize_value_groups(v: Tensor, group: int, bits: int) -> tuple[Tensor, Ten
 
 
 class ResidualQuantizedStorage(Storage):
-    """KIVI: a full-precision residual of the newest tokens, flushed into a quantized store in groups.
+    """KIVI: a full-precision residual of the newest tokens, flushed into a quantized store in groups. A
+    chunked prefill keeps the held tokens' exact K/V (`exact_in_chunks`): re-quantizing dequantized keys in
+    other groups at every chunk compounded the error (KL 0.658 against the one-shot prefill's 0.422 at 2 bits).
 
     Buffers (L slots plus one scratch row L, where masked-off writes land so every step is static):
       k_codes, v_codes [B, H, L+1, D·bits/8]  packed codes of the slots' quantized K/V
@@ -284,6 +287,8 @@ class ResidualQuantizedStorage(Storage):
       res_fill, next_group [B]                residual entries used; first unused key group (per row: rows keep
                                               prompts of different lengths, so they flush at different steps)
     """
+
+    exact_in_chunks = ("keys", "values")
 
     def __init__(self, shape: tuple[int, ...], spec: StorageSpec, dtype: torch.dtype,
                  device: torch.device | str, capacity_needed: int) -> None:
@@ -499,7 +504,7 @@ class ChannelPrunedKeyStorage(Storage):
     the rotated keys); `--rerotate_positions` (pre-RoPE keys) is refused. The channel set is chosen once per
     sequence, from the keys the prompt rule kept (the authors prune after SnapKV/H2O compression) and the
     prompt's last `think_window` queries. A chunked prefill writes the prompt again at every chunk, from whole
-    keys the cache keeps meanwhile (`prunes_keys`), so the last chunk's channel set is the one kept.
+    keys the cache keeps meanwhile (`exact_in_chunks`), so the last chunk's channel set is the one kept.
 
     New tokens: the paper's method stores every key thin with the prompt's channel set, which is the default
     (think_recent 0). The authors' implementation keeps the newest prompt tokens (recent_size 32) and every
@@ -516,7 +521,7 @@ class ChannelPrunedKeyStorage(Storage):
     """
 
     bits = 16
-    prunes_keys = True
+    exact_in_chunks = ("keys",)
 
     def __init__(self, shape: tuple[int, ...], spec: StorageSpec, dtype: torch.dtype,
                  device: torch.device | str) -> None:

@@ -344,7 +344,7 @@ class Attention(nn.Module):
         if first:  # a prefill
             y = prompt_attention(q, k, v, self.sliding_window)
         else:
-            held, held_v = cache.chunk_held_keys(), cache.values()
+            held, held_v = cache.chunk_held_keys(), cache.chunk_held_values()
             if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
                 held, held_v = (t.expand(B, self.n_kv_head, -1, -1) for t in (held, held_v))
             if rerotation is not None:

@@ -138,7 +138,7 @@ class EvictionLayer(CacheLayerMixin):
     def _attend_held(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor) -> Tensor:
         """A chunk's queries (at input_pos) over the held tokens and the chunk itself, causally."""
         cache = self.cache
-        held, held_v = cache.chunk_held_keys(), cache.values()
+        held, held_v = cache.chunk_held_keys(), cache.chunk_held_values()
         if cache.pooled:  # one K/V pool (budget_allocation.py): every head over it, masked to its own slots
             held, held_v = (t.expand(-1, k.shape[1], -1, -1) for t in (held, held_v))
         return chunk_attention(q, held, held_v, k, v, cache.mask[:, :, 0], cache.pos, input_pos, self.sliding_window)

@@ -111,7 +111,7 @@ def assert_chunked_batch_equals_rows_alone(hf, flags: list[str], lengths: list[i
     prompts = [distinct_prompt(n, seed) for seed, n in enumerate(lengths)]
     batch = assert_batch_equals_rows_alone(hf, flags, prompts, tokenizer, prefill_chunk_size=CHUNK)
     for cache in batch.kv_caches:  # every row's held queries dropped once decoding began
-        assert cache.chunk_queries is None and not any(q is not None for q, _ in cache.row_chunk_state.values())
+        assert cache.chunk_queries is None and not any(q is not None for q, *_ in cache.row_chunk_state.values())
 
 
 @pytest.mark.parametrize("strategy", [s for s in MATRIX if s in CHUNKABLE])
@@ -193,6 +193,6 @@ def test_a_chunked_padded_batch_cut_short_then_reset_runs_as_fresh(arch_models):
             hf_generate_batch(hf, prompts, cache, prefill_chunk_size=CHUNK)
     finally:
         handle.remove()
-    assert any(q is not None for c in cache.kv_caches for q, _ in c.row_chunk_state.values())
+    assert any(q is not None for c in cache.kv_caches for q, *_ in c.row_chunk_state.values())
     cache.reset()
     assert hf_generate_batch(hf, prompts, cache, prefill_chunk_size=CHUNK)[0] == fresh

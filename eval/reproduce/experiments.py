@@ -180,7 +180,8 @@ register(Experiment(
           Arm("summed attention", ("--keyformer_noise", "none", "--keyformer_tau_delta", "0")),
           Arm("heavy hitters (averaged)", ("--cache_strategy", "heavy_hitter", *KEYFORMER_SPLIT), reference=True)),
     comparisons=(Comparison("gumbel noise", "no noise", "the noise alone"),
-                 Comparison("gumbel noise", "summed attention", "against H2O's sums, as its paper and Keyformer's code")),
+                 Comparison("gumbel noise", "summed attention",
+                            "against H2O's sums, as its paper and Keyformer's code")),
     varies=frozenset({"keyformer_noise", "keyformer_tau_delta"}),
     profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
     notes=("An ablation of the keyformer experiment: 'no noise' keeps the temperature's rise (τ 1.0 + 0.01 a step), "
