@@ -28,7 +28,7 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
   re-prefill is the one-shot prefill of its virtual prompt (ThinK's channels chosen over its kept keys and
   last window, KIVI's groups quantized from exact keys). A cache that never compresses (full, a debug_
   twin's own part) rewrites its storage from every token's exact K/V at each chunk, with the chunk's queries.
-  Per-token quantization reads back what it stored: a token's dequantized K/V quantize to its codes again.
+  Per-token quantization re-prefills from its dequantized K/V: in float32 they quantize to themselves again.
 """
 
 from __future__ import annotations
