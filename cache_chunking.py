@@ -180,7 +180,7 @@ class ChunkedPrefill:
         return over_held_slots(self.values(), self.chunk_values)
 
     def end_chunked_prefill(self) -> None:
-        """The prompt is in: drop the held tokens' queries and whole keys (decoding never reads them)."""
+        """The prompt is in: drop the held tokens' queries and exact K/V (decoding never reads them)."""
         for cache in self.modules():
             if isinstance(cache, ChunkedPrefill):
                 cache.chunk_queries = cache.chunk_keys = cache.chunk_values = None
