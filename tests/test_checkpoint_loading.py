@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from benchmarks.checkpoint_load_memory import SHAPES
 from checkpoint import load_checkpoint
 from checkpoint_hf import hf_model_args
 from errors import UserError
@@ -79,15 +80,21 @@ def test_sharded_checkpoint_streams_to_the_target_dtype(tmp_path):
 
 
 def test_loading_peak_rss_stays_near_the_checkpoint_size(tmp_path):
-    """A 100 MB float32 checkpoint in a fresh process: the peak RSS added by loading ≤ 1.3 × its size
-    (benchmarks/checkpoint_load_memory.py measures a 1B-shaped one the same way)."""
+    """A 128 MB float32 checkpoint in a fresh process: the peak RSS added by loading is at most the checkpoint
+    plus its largest tensor (the loader's invariant: at most one tensor exists twice) plus 16 MB for the
+    allocator and the tokenizer (benchmarks/checkpoint_load_memory.py measures a 1B-shaped one the same way).
+    Measured 2026-12-06: 1.166 × or 1.264 × the checkpoint on a quiet host, 1.301 × under a loaded CI run; the
+    bound is 1.38 ×, and a second copy of the weights (2 ×) or their file pages kept mapped fail it."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_load_memory", "--size", "tiny", "--dir",
                            str(tmp_path), "--json"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["checkpoint_bytes"] > 80e6
-    assert result["peak_rss_increase_ratio"] <= 1.3, result
+    shape = SHAPES["tiny"]
+    largest = max(shape["vocab_size"], shape["intermediate_size"]) * shape["hidden_size"] * 4  # float32
+    added = result["peak_rss_bytes"] - result["rss_before_bytes"]
+    assert added <= result["checkpoint_bytes"] + largest + (16 << 20), result
 
 
 def refused(tmp_path, arch: str, **config_changes: object) -> str:
