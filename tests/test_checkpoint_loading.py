@@ -84,7 +84,7 @@ def test_loading_peak_rss_stays_near_the_checkpoint_size(tmp_path):
     plus its largest tensor (the loader's invariant: at most one tensor exists twice) plus 16 MB for the
     allocator and the tokenizer (benchmarks/checkpoint_load_memory.py measures a 1B-shaped one the same way).
     Measured 2026-12-06: 1.166 × or 1.264 × the checkpoint on a quiet host, 1.301 × under a loaded CI run; the
-    bound is 1.38 ×, and a second copy of the weights (2 ×) or their file pages kept mapped fail it."""
+    bound is 1.39 ×, and a second copy of the weights (2 ×) or their file pages kept mapped fail it."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.checkpoint_load_memory", "--size", "tiny", "--dir",
                            str(tmp_path), "--json"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
