@@ -144,6 +144,9 @@ register(Experiment(
            "beyond the sinks is the recent window, and it reads no window size."),
 ))
 
+# Keyformer's split: 30% of the cache recent, no sinks; a fifth of each window, as h2o.
+KEYFORMER_SPLIT = ("--max_cache_length", "0.2", "--global_tokens", "0", "--recent_window", "0.3")
+
 register(Experiment(
     name="keyformer",
     paper="Keyformer (Adnan et al., MLSys 2024, arXiv 2403.09054)",
@@ -151,8 +154,7 @@ register(Experiment(
           "with the steps) rather than by their accumulated attention (H2O) keeps the next-token distribution closer "
           "to the full cache, at the same budget and recent window.",
     task="fidelity", metric="kl_mean", higher_is_better=False,
-    # Keyformer's split: 30% of the cache recent, no sinks, in both arms; a fifth of each window, as h2o.
-    common=("--max_cache_length", "0.2", "--global_tokens", "0", "--recent_window", "0.3"),
+    common=KEYFORMER_SPLIT,  # in both arms
     arms=(Arm("keyformer", ("--cache_strategy", "keyformer")),
           Arm("heavy hitters", ("--cache_strategy", "heavy_hitter"))),
     comparisons=(Comparison("keyformer", "heavy hitters"),),
@@ -163,8 +165,6 @@ register(Experiment(
            "The paper measures ROUGE on summarization and conversation against H2O; this is the next-token "
            "distribution on pydoc text."),
 ))
-
-KEYFORMER_SPLIT = ("--max_cache_length", "0.2", "--global_tokens", "0", "--recent_window", "0.3")
 
 register(Experiment(
     name="keyformer_noise",
