@@ -13,11 +13,15 @@ rows of those lengths once more under torch.profiler and reports where the time 
 (eval.bench.profile's kinds: the weights' products, attention, copies and fills, ...). With `--rerotate_positions` the
 lengths may exceed the model's context: chunks then run at RoPE ranks below budget + chunk, and lengths
 past the context (or past `--one_shot_max`) are measured chunked only; a strategy that cannot prefill in chunks
-(hybrid, kvzip) is measured one shot only. Linux only on the CPU (/proc).
+(hybrid, kvzip) is measured one shot only. The storage flags (`--cache_bits`, `--cache_quantization`,
+`--think_ratio`, ...: cache_spec.add_storage_arguments, the same definitions as generate.py's) apply to every
+row: a chunked prefill under a lossy storage (ThinK, KIVI) keeps the held tokens' exact keys (and values)
+until the prompt is in, and these rows measure what that holds. Linux only on the CPU (/proc).
 
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory                     # budget 256, 1k..4k tokens
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --lengths 1024 8192 --strategies recent_global
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --rerotate_positions --lengths 1024 4096 16384
+    OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --cache_bits 2 --cache_quantization kivi
     python -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --budget 8192 --chunk 4096 \\
         --lengths 32768 131072 --one_shot_max 32768 --out results/prefill_memory.json
 """
@@ -39,6 +43,7 @@ from tqdm import tqdm
 from atomic_files import check_writable, write_json_atomic
 from benchmarks.resident_memory import peak_since, reset_peak
 from cache_setup import attach_caches, cache_config
+from cache_spec import add_storage_arguments
 from checkpoint import add_model_arguments, checkpoint_model_args, parse_dtype, resolve_device
 from checkpoint_hf import hf_model_args
 from errors import CliParser, UserError, run_cli
@@ -79,6 +84,18 @@ def cache_flags(spec: dict) -> list[str]:
         flags += ["--prefill_chunk", str(spec["chunk"])]
     if spec["rerotate_positions"]:
         flags += ["--rerotate_positions"]
+    return flags + spec.get("storage", [])
+
+
+def storage_flags(args: argparse.Namespace) -> list[str]:
+    """The storage flags given other values than their defaults, as command-line words."""
+    defaults = CliParser(add_help=False)
+    add_storage_arguments(defaults.add_argument_group())
+    flags = []
+    for action in defaults._actions:
+        value = getattr(args, action.dest)
+        if value != action.default:
+            flags += [action.option_strings[0], str(value)]
     return flags
 
 
@@ -96,7 +113,7 @@ def measure(spec: dict) -> dict:
     memory = PeakMemory(device)
     with torch.inference_mode():
         model.reset_caches()
-        prefill(model, ids[:, :64])  # warm-up (first-call allocations, kernels), outside the measurement
+        prefill(model, ids[:, :warm_up_tokens(spec)])  # first-call allocations and kernels, not measured
         model.reset_caches()
         before = memory.reset()
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -107,12 +124,19 @@ def measure(spec: dict) -> dict:
     return measured_row(spec, model.args.context_length, memory, before, peak, seconds, cpu_seconds, profiled)
 
 
+def warm_up_tokens(spec: dict) -> int:
+    """The warm-up prefill's length: a chunked row's warm-up runs a second chunk, so that the re-prefill's
+    first-call allocations (code paths a one-chunk prompt never takes) stay out of the measurement."""
+    return min(spec["length"], spec["chunk"] + 64 if spec["chunk"] else 64)
+
+
 def measured_row(spec: dict, context: int, memory: PeakMemory, before: int, peak: int, seconds: float,
                  cpu_seconds: float, profiled: dict | None = None) -> dict:
     length = spec["length"]
     return {"strategy": spec["strategy"], "prompt_tokens": length, "budget": spec["budget"],
             "prefill_chunk": spec["chunk"] or None, "rerotate_positions": spec["rerotate_positions"],
-            "engine": spec.get("engine", "ours"), "context_length": context, "device": spec["device"],
+            "engine": spec.get("engine", "ours"), "storage": " ".join(spec.get("storage", [])) or "dense",
+            "context_length": context, "device": spec["device"],
             "memory": "CUDA allocated" if memory.cuda else "RSS",
             "before_bytes": before, "peak_bytes": peak, "prefill_added_bytes": peak - before,
             "prefill_seconds": round(seconds, 3), "prefill_tokens_per_second": round(length / seconds, 1),
@@ -138,7 +162,8 @@ def measure_transformers(spec: dict) -> dict:
                        do_sample=False, eos_token_id=None, pad_token_id=0, prefill_chunk_size=spec["chunk"] or None)
 
     with torch.inference_mode():
-        prefill_of(64, make_cache(model, flags, 64, 1, tokenizer=tokenizer))  # warm-up, outside the measurement
+        warm_up = warm_up_tokens(spec)  # outside the measurement
+        prefill_of(warm_up, make_cache(model, flags, warm_up, 1, tokenizer=tokenizer))
         cache = make_cache(model, flags, length, 1, tokenizer=tokenizer)
         before = memory.reset()
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -213,6 +238,7 @@ def table(rows: list[dict]) -> str:
         how = prefill_label(r)
         how += ", re-rotated" if r.get("rerotate_positions") else ""
         how += ", transformers' generate" if r.get("engine") == "transformers" else ""
+        how += f", {r['storage']}" if r.get("storage", "dense") != "dense" else ""
         how += " (past the context)" if r["prompt_tokens"] > r.get("context_length", r["prompt_tokens"]) else ""
         lines.append(f"| {r['strategy']} | {r['prompt_tokens']} | {r['prompt_tokens'] / r['budget']:g} | {how} | "
                      f"{r['peak_bytes'] / mib:.0f} | {r['prefill_added_bytes'] / mib:.0f} | "
@@ -279,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the rows here (JSON)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one configuration, in a fresh process
+    add_storage_arguments(p.add_argument_group("storage of the held K/V (every row)"))
     add_model_arguments(p, compile_flag=False, batch_flag=False)
     return p
 
@@ -291,7 +318,7 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
         raise UserError(f"--profile_lengths {' '.join(map(str, args.profile_lengths))}: each must be one of --lengths")
     source = {"device": device, "dtype": dtype, "random_weights": args.random_weights, "engine": args.engine,
               "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
-              "budget": args.budget,
+              "budget": args.budget, "storage": storage_flags(args),
               "rerotate_positions": args.rerotate_positions}
     chunked = {strategy: prefills_in_chunks(strategy, source, args.chunk) for strategy in args.strategies}
     specs = [{**source, "strategy": strategy, "length": length, "chunk": chunk,

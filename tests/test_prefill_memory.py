@@ -35,6 +35,18 @@ def test_plan_runs_one_shot_only_where_it_fits():
         planned("--lengths", "16384")
 
 
+def test_storage_flags_reach_every_row_and_only_when_given():
+    def storage(*argv: str) -> list[list[str]]:
+        return [s["storage"] for s in plan(build_parser().parse_args(list(argv)), 8192, "cpu", "float32")]
+
+    assert storage("--strategies", "recent_global", "--lengths", "1024") == [[], []]
+    kivi = ["--cache_bits", "2", "--cache_quantization", "kivi", "--residual_length", "64"]
+    assert storage("--strategies", "recent_global", "--lengths", "1024", *kivi) == [kivi, kivi]
+    # a storage the cache flags refuse is refused before any run
+    with pytest.raises(UserError, match="residual_length"):
+        storage("--cache_bits", "2", "--cache_quantization", "kivi", "--residual_length", "100")
+
+
 def test_profiled_rows_are_those_of_the_profile_lengths():
     specs = plan(build_parser().parse_args(["--lengths", "1024", "4096", "--profile_lengths", "4096"]), 8192, "cpu",
                  "float32")
