@@ -37,6 +37,7 @@ from strategies import (
     simlayerkv,
     threshold,
     tova,
+    vatp,
 )
 from strategies.debug import debug_strategy
 from strategies.paper_names import paper_name_hint
@@ -44,7 +45,7 @@ from strategies.paper_names import paper_name_hint
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv, curdkv, capkv, cam, keyformer)
+                   simlayerkv, curdkv, capkv, cam, keyformer, vatp)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -22,6 +22,9 @@ Where this differs from the paper:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import torch
 from torch import Tensor
 
 from cache import KVCache, register_strategy
@@ -36,20 +39,27 @@ class PromptValueNorms:
     norms, and with `keeps_prompt_values` the values themselves, which that strategy's `after_prefill` drops
     (the last reader: a prompt's values are the size of its keys)."""
 
-    # ‖v‖ of the last prompt's tokens, [B, n_kv, T] (eager, T floats per head; cleared by reset).
+    # ‖v‖ of the last prompt's tokens, [B, n_kv, T] (eager, T floats per head; cleared by reset), of the
+    # order the strategy weighs values by (value_norm_order: 2, or VATP's 1).
     prompt_value_norms: Tensor | None = None
+    value_norm_order: ClassVar[float] = 2
     # The values themselves, [B, n_kv, T, D], for a strategy that sets keeps_prompt_values.
     prompt_values: Tensor | None = None
     keeps_prompt_values: bool = False
 
     def observe_prompt_values(self, v: Tensor) -> None:
-        self.prompt_value_norms = v.float().norm(dim=-1)
+        self.prompt_value_norms = self.value_norms(v)
         if self.keeps_prompt_values:
             self.prompt_values = v
 
     def reset(self) -> None:
         super().reset()
         self.prompt_value_norms = self.prompt_values = None
+
+    @classmethod
+    def value_norms(cls, v: Tensor) -> Tensor:
+        """‖v‖ of order `value_norm_order` over the last dimension, in float32: [..., D] -> [...]."""
+        return torch.linalg.vector_norm(v.float(), ord=cls.value_norm_order, dim=-1)
 
     @classmethod
     def value_norms_for(cls, cache: KVCache, k: Tensor) -> Tensor:
@@ -80,7 +90,7 @@ class CriticalKVCache(PromptValueNorms, TovaCache):
     hyperparameters = ("global_tokens", "recent_window")
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.last_attention * self.values().float().norm(dim=-1)
+        return self.last_attention * self.value_norms(self.values())
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:

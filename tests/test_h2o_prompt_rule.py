@@ -34,10 +34,12 @@ def naive_top(scores: dict[int, float], cand: list[int], budget: int) -> list[in
     return sorted(order[:budget])
 
 
-def naive_h2o_chunked(q, k, chunk: int, heads: int, carried: bool) -> list[list[set[int]]]:
+def naive_h2o_chunked(q, k, chunk: int, heads: int, carried: bool,
+                      weight: torch.Tensor | None = None) -> list[list[set[int]]]:
     """Layer 0's kept positions per head after every chunk. `carried`: the cache's own rule, each held token's
     sum of the attention every query gave it when that query came; else (another cache's rule) held + chunk are
-    one prompt whose own queries vote."""
+    one prompt whose own queries vote. `weight` [heads, T]: each score times its token's weight (VATP's value
+    norms)."""
     held = [[] for _ in range(heads)]
     sums = [dict() for _ in range(heads)]
     history = []
@@ -57,6 +59,8 @@ def naive_h2o_chunked(q, k, chunk: int, heads: int, carried: bool) -> list[list[
                 scores = {p: sums[h][p] / (end - p) for p in cand}  # every query since p entered
             else:
                 scores = {p: sums[h][p] / (len(cand) - i) for i, p in enumerate(cand)}  # the virtual prompt's
+            if weight is not None:
+                scores = {p: score * float(weight[h, p]) for p, score in scores.items()}
             held[h] = cand if len(cand) <= BUDGET else naive_top(scores, cand, BUDGET)
             sums[h] = {p: sums[h][p] for p in held[h]}
         history.append([set(x) for x in held])

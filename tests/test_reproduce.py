@@ -379,6 +379,8 @@ def test_end_to_end_on_the_tiny_model(tiny_dir: Path, tmp_path: Path, capsys: py
     assert result["verdict"] == verdict(diff, higher_is_better=False) == outcome.verdict
     report = (out / "report.md").read_text()
     assert f"**Verdict: {outcome.verdict}**" in report and "python -m eval.reproduce streamingllm" in report
+    # the items are --limit's, not the profile's 8: the setup says so
+    assert "--limit 8`; given instead for every arm: `--limit 3 --checkpoint_path" in report
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Never replaced silently; with --overwrite the finished runs are reused, not computed again.
     with pytest.raises(UserError, match="exists"):

@@ -16,8 +16,9 @@ from tests.strategy_matrix import GLOBAL, PROMPT, attach, cache_args, run, token
 
 # Strategies whose prompt rule is on purpose not their decode rule by default, and why; and the flags that
 # make it their decode rule.
-OTHER_PROMPT_RULE = {"heavy_hitter": "SnapKV's observation window at prefill, H2O's accumulated attention after"}
-SAME_RULE_FLAGS = {"heavy_hitter": ("--heavy_hitter_prompt_rule", "h2o")}
+OTHER_PROMPT_RULE = {"heavy_hitter": "SnapKV's observation window at prefill, H2O's accumulated attention after",
+                     "vatp": "heavy_hitter's two rules, each times the values' l1 norms"}
+SAME_RULE_FLAGS = {"heavy_hitter": ("--heavy_hitter_prompt_rule", "h2o"), "vatp": ("--heavy_hitter_prompt_rule", "h2o")}
 WITH_PROMPT_RULE = [n for n, c in sorted(CACHE_STRATEGIES.items()) if not c.profiles_prompt and n != "full"]
 
 

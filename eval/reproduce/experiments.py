@@ -568,3 +568,26 @@ register(Experiment(
            "As kvpress's CAMPress step by step (merge window 32, the press's default), but merged when the next "
            "token comes in, before the step's attention (strategies/cam.py)."),
 ))
+
+
+register(Experiment(
+    name="vatp",
+    paper="VATP, Value-Aware Token Pruning (Guo et al., EMNLP 2024, arXiv 2406.12335)",
+    claim="Ranking tokens by their accumulated attention times the l1 norm of their value vector, rather than by "
+          "the attention alone (H2O), keeps the next-token distribution closer to the full cache at the same "
+          "budget, recent window and sinks.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # H2O's split and H2O's own prompt rule in both arms: a 128-token prompt compressed to a fifth of the window,
+    # then decode-time eviction, so both of heavy_hitter's rules are weighted by the values.
+    common=("--max_cache_length", "0.2", "--global_tokens", "4", "--recent_window", "0.5",
+            "--heavy_hitter_prompt_rule", "h2o"),
+    arms=(Arm("value-aware", ("--cache_strategy", "vatp")),
+          Arm("attention only", ("--cache_strategy", "heavy_hitter"))),
+    comparisons=(Comparison("value-aware", "attention only"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper compresses LongBench prompts and scores the tasks; this is the next-token distribution on "
+           "pydoc text, the prompt compressed by H2O's rule and then decoded under eviction.",
+           "Both arms keep the first 4 tokens (VATP keeps the attention sinks, whose values are small) and average "
+           "the attention since a token entered (heavy_hitter's H2O score; the paper's H2O sums it)."),
+))

@@ -111,6 +111,14 @@ def common_text(outcome: Outcome) -> str:
     return text
 
 
+def profile_text(outcome: Outcome) -> str:
+    """The profile's task options, and the flags given in their place (a report's items are the latter's)."""
+    text = f"profile `{outcome.profile}`: `{flags_text(outcome.experiment.profiles[outcome.profile])}`"
+    if outcome.overrides:
+        text += f"; given instead for every arm: `{flags_text(outcome.overrides)}`"
+    return text
+
+
 def markdown(outcome: Outcome, runs_dir: Path, plot_name: str = "plot.png") -> str:
     exp = outcome.experiment
     model = outcome.arms[0].metrics.get("model", "?")
@@ -123,7 +131,7 @@ def markdown(outcome: Outcome, runs_dir: Path, plot_name: str = "plot.png") -> s
              f"- model `{model}`, task `{exp.task}`, metric `{exp.metric}` per item ({direction(outcome)}); an item "
              "is " + ("a fidelity window (KL averaged over its teacher-forced positions)" if exp.task == "fidelity"
                       else "one generated example"),
-             f"- profile `{outcome.profile}`: `{flags_text(exp.profiles[outcome.profile])}`",
+             f"- {profile_text(outcome)}",
              f"- {common_text(outcome)}; the arms of a comparison differ "
              f"only in {', '.join(f'`--{v}`' for v in sorted(exp.varies))}",
              f"- wall time of this invocation: {outcome.wall_seconds:.0f} s "

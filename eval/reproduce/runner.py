@@ -87,6 +87,7 @@ class Outcome:
     verdict: str
     wall_seconds: float  # this invocation, reused runs included as nothing
     command: str  # the command that reruns it
+    overrides: tuple[str, ...] = ()  # eval flags given to every arm in place of the profile's (--limit N, ...)
 
     @property
     def compute_seconds(self) -> float:
@@ -251,4 +252,4 @@ def run_experiment(experiment: Experiment, profile: str, runs_dir: Path, overrid
     results.write_results_table(runs_dir)  # the runs can also be read with python -m eval.plot --out_dir
     comparisons = [compare(experiment, done[c.treatment], done[c.control], c) for c in experiment.comparisons]
     return Outcome(experiment, profile, [done[a.label] for a in experiment.arms], comparisons,
-                   combine([c.verdict for c in comparisons]), time.perf_counter() - start, command)
+                   combine([c.verdict for c in comparisons]), time.perf_counter() - start, command, tuple(overrides))
