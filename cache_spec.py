@@ -26,6 +26,7 @@ from errors import UserError
 from flag_types import count, real
 from kv_storage import DENSE, SCHEMES, THINK_FIELDS, StorageSpec
 from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
+from strategies.critical_kv import PromptValueNorms, prompt_values_refusal
 from strategies.paper_names import paper_name_hint
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -463,6 +464,8 @@ def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str,
         if own is not rule:
             raise UserError(f"layer {layer}: the {compressor if rule.profiles_prompt else own.name} cache profiles "
                             f"the prompt itself and pairs with no other prompt rule (got {strategy} with {compressor})")
+    if issubclass(rule, PromptValueNorms) and own.name != "full" and not rule.observed_by(own):
+        raise UserError(f"layer {layer}: {prompt_values_refusal(compressor, own.name)}")
     if rule.needs_gates and not own.needs_gates:
         raise UserError(f"layer {layer}: prompt compression '{compressor}' scores tokens by the gates a gated cache "
                         f"stores; the {strategy} cache has none (use it with --cache_strategy gated)")

@@ -73,15 +73,26 @@ class PromptValueNorms:
         return cls.observed_for(cache, k, "prompt_values")
 
     @classmethod
+    def observed_by(cls, cache_class: type) -> bool:
+        """Whether a cache of `cache_class` keeps what this rule reads of the prompt's values: norms of this rule's
+        order (a cache weighing by ℓ2 norms cannot serve VATP's ℓ1), and the values themselves where it reads them."""
+        return (issubclass(cache_class, PromptValueNorms) and cache_class.value_norm_order == cls.value_norm_order
+                and (cache_class.keeps_prompt_values or not cls.keeps_prompt_values))
+
+    @classmethod
     def observed_for(cls, cache: KVCache, k: Tensor, attribute: str) -> Tensor:
         observed = getattr(cache, attribute, None)
-        if observed is not None and observed.shape[2] == k.shape[2]:
+        if observed is not None and observed.shape[2] == k.shape[2] and cls.observed_by(type(cache)):
             return observed
         if isinstance(cache, cls):
             raise ValueError(f"a {cls.name} cache was asked to score a prompt whose values it was not given")
-        raise UserError(f"prompt compression '{cls.name}' needs the prompt's values, which only a {cls.name} cache "
-                        f"receives (got a {cache.name} cache); use --cache_strategy {cls.name} or another "
-                        "compressor")
+        raise UserError(prompt_values_refusal(cls.name, cache.name))
+
+
+def prompt_values_refusal(rule: str, cache: str) -> str:
+    """Why a `cache` cache cannot take `rule` as its --prompt_compression_strategy: one line."""
+    return (f"prompt compression '{rule}' weighs tokens by the prompt's values as a {rule} cache keeps them (got a "
+            f"{cache} cache); use --cache_strategy {rule} or another compressor")
 
 
 @register_strategy

@@ -224,6 +224,28 @@ def test_critical_kv_prompt_rule_needs_its_own_cache():
         evictions("l2", "16", "--prompt_compression_strategy", "critical_kv")
 
 
+@pytest.mark.parametrize(("cache", "rule", "refused"), [
+    ("l2", "critical_kv", True),           # no values observed at all
+    ("vatp", "critical_kv", True),         # l1 norms where the rule weighs by l2
+    ("critical_kv", "vatp", True),         # the other way round
+    ("critical_kv", "capkv", True),        # norms but not the values capkv reads
+    ("capkv", "critical_kv", False),       # l2 norms kept: the rule is served
+    ("debug_vatp", "vatp", False),         # a twin pairs as the strategy it shadows
+])
+def test_a_value_weighted_prompt_rule_is_refused_before_loading_where_the_cache_cannot_serve_it(cache, rule, refused):
+    """Refused by the cache flags (before a model loads), not at the first prefill; what is accepted runs."""
+    from cache_setup import cache_config
+    from cache_spec import resolve_cache_spec
+
+    args = cache_config(["--cache_strategy", cache, "--max_cache_length", "16", "--prompt_compression_strategy", rule])
+    if refused:
+        with pytest.raises(UserError, match=f"prompt compression '{rule}' weighs tokens by the prompt's values"):
+            resolve_cache_spec(args, 2, 24, 16)
+    else:
+        resolve_cache_spec(args, 2, 24, 16)
+        evictions(cache, "16", "--prompt_compression_strategy", rule)
+
+
 def test_the_shipped_head_file_gives_the_bundled_models_layers_their_roles():
     """A cache shaped as the bundled model's layers (3 KV heads of 64) reads duo/'s file: half of all heads,
     ranked over the 30 layers together, are retrieval heads."""
