@@ -399,6 +399,10 @@ class KVCache(ChunkedPrefill, nn.Module):
 
     def configure(self, **settings: object) -> None:
         """Layer-level settings that are not strategy hyper-parameters (layer index, prompt compressor)."""
+        if (classes := settings.get("token_classes")) is not None:
+            # The vocabulary masks live on the cache's device: a host tensor read every decode step would be a
+            # host-to-device copy per step (and cannot be captured in a CUDA graph).
+            settings["token_classes"] = {name: mask.to(self.pos.device) for name, mask in classes.items()}
         for key, value in settings.items():
             if not hasattr(type(self), key):
                 raise TypeError(f"unknown cache setting {key!r}")

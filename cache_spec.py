@@ -464,6 +464,10 @@ def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str,
         if own is not rule:
             raise UserError(f"layer {layer}: the {compressor if rule.profiles_prompt else own.name} cache profiles "
                             f"the prompt itself and pairs with no other prompt rule (got {strategy} with {compressor})")
+    if rule.needs_token_ids and own is not rule and own.name != "full":
+        raise UserError(f"layer {layer}: prompt compression '{compressor}' reads the prompt's token ids, which only a "
+                        f"{compressor} cache receives (got {strategy}); use --cache_strategy {compressor} or another "
+                        "compressor")
     if issubclass(rule, PromptValueNorms) and own.name != "full" and not rule.observed_by(own):
         raise UserError(f"layer {layer}: {prompt_values_refusal(compressor, own.name)}")
     if rule.needs_gates and not own.needs_gates:

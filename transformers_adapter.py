@@ -207,7 +207,7 @@ def _observe_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if T == 1 and ids is not None:
             cache.note_stopped_rows(ids[:, 0], seen)
     if cache.needs_token_ids:
-        _give_token_ids(cache, ids, prompt)
+        _give_token_ids(cache, ids, prompt or row_chunk)
 
 
 def _refuse_unsupported_feeds(module: torch.nn.Module, cache: EvictionCache, B: int, T: int) -> None:
@@ -228,14 +228,16 @@ def _refuse_unsupported_feeds(module: torch.nn.Module, cache: EvictionCache, B: 
 
 
 def _give_token_ids(cache: EvictionCache, ids: Tensor | None, prompt: bool) -> None:
-    """The token ids to the caches that read them (hybrid's policies), as model.Transformer.forward gives them."""
+    """The token ids to the caches that read them (hybrid's policies, sepllm's separators), as
+    model.Transformer.forward gives them; `prompt`: a prompt or a padded batch's chunk, cut per row in `attend`."""
     if ids is None:
-        raise UserError("the hybrid cache reads token ids: call generate with input_ids, not inputs_embeds")
+        raise UserError("this cache reads token ids (hybrid, sepllm): call generate with input_ids, not inputs_embeds")
     for layer in cache.layers:
         if not layer.cache.needs_token_ids:
             continue
         if prompt and cache.prompt_rows != [ids.shape[1]]:
-            layer.prompt_ids = ids  # each row's own, in its row context just before its prefill (attend)
+            # each row's own, in its row context just before its prefill or its chunk's part (attend)
+            layer.prompt_ids = ids
         else:
             layer.cache.observe_tokens(ids)
 

@@ -53,7 +53,7 @@ class EvictionLayer(CacheLayerMixin):
         # complete (its rows' prompt lengths: `prompt_rows`); `positions_fed`: the padded positions fed so far.
         self.row_chunk_plan: list[tuple[int, int]] | None = None
         self.prefill_chunk, self.positions_fed = 0, 0
-        self.pending: list[tuple[Tensor, Tensor, Tensor] | None] = []
+        self.pending: list[tuple[Tensor, Tensor, Tensor, Tensor | None] | None] = []  # q, k, v, token ids
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Nothing to allocate: the KVCache was built with its buffers."""
@@ -157,25 +157,32 @@ class EvictionLayer(CacheLayerMixin):
                 while start < T:
                     n = min(self.prefill_chunk - fed % self.prefill_chunk, T - start)
                     part = slice(start, start + n)
+                    ids = None if self.prompt_ids is None else self.prompt_ids[b : b + 1, part]
                     parts.append(self._own_chunk_part(b, fed, q[b : b + 1, :, part], k[b : b + 1, :, part],
-                                                      v[b : b + 1, :, part]))
+                                                      v[b : b + 1, :, part], ids))
                     fed, start = fed + n, start + n
             if parts:
                 y[b : b + 1, :, T - new :] = torch.cat(parts, dim=2)
+        self.prompt_ids = None
         return y
 
-    def _own_chunk_part(self, b: int, fed: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _own_chunk_part(self, b: int, fed: int, q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None = None) -> Tensor:
         """Row b's tokens fed .. fed + n, all of one of its own chunks (in its row context): their attention
         over the held tokens and the chunk so far (its earlier part, `pending`, was answered in an earlier
         forward; causal, so the same outputs), and, once the chunk is complete, the chunk into the cache. A
-        chunk of one token that ends the row's prompt is a decode step, as it is alone."""
+        chunk of one token that ends the row's prompt is a decode step, as it is alone. `ids`: the part's token
+        ids, for caches that read them (observed with the whole chunk, as generate.py's loop gives them)."""
         n, end = q.shape[2], fed + q.shape[2]
         if n == 1 and fed % self.prefill_chunk == 0 and end == self.prompt_rows[b]:
+            if ids is not None:
+                self.cache.observe_tokens(ids)
             self.cache.end_chunked_prefill()
             self.cache.insert(self.seen(), k, v)
             return self._attend_slots(q, self.cache.mask)
         if self.pending[b] is not None:
-            q, k, v = (torch.cat([earlier, x], dim=2) for earlier, x in zip(self.pending[b], (q, k, v), strict=True))
+            *earlier_qkv, earlier_ids = self.pending[b]
+            q, k, v = (torch.cat([earlier, x], dim=2) for earlier, x in zip(earlier_qkv, (q, k, v), strict=True))
+            ids = None if ids is None else torch.cat([earlier_ids, ids], dim=1)
         start = end - q.shape[2]
         input_pos = torch.arange(start, end, device=q.device)
         if start == 0:  # the row's first chunk: a prefill
@@ -184,8 +191,10 @@ class EvictionLayer(CacheLayerMixin):
             y = self._attend_held(q, k, v, input_pos)
         complete = end % self.prefill_chunk == 0 or end == self.prompt_rows[b]
         if complete:
+            if ids is not None:
+                self.cache.observe_tokens(ids)
             self.cache.prefill_chunk_tokens(input_pos, k, v, q)
-        self.pending[b] = None if complete else (q, k, v)
+        self.pending[b] = None if complete else (q, k, v, ids)
         return y[:, :, -n:]
 
     def _append(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -54,20 +54,29 @@ def parse_policy(policy: str) -> tuple[str, ...]:
     return parts
 
 
+# SepLLM's separators (arXiv 2412.12094; its cache's list for Llama 3): the marks that end a clause, alone or
+# with whitespace around them, and whitespace-only tokens (spaces, newlines).
+SEPARATOR_MARKS = frozenset(".,?!;:")
+
+
 def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:
-    """Boolean masks over the vocabulary: special tokens (from the tokenizer) and punctuation tokens
-    (tokens whose text is only punctuation and whitespace, with at least one punctuation mark)."""
+    """Boolean masks over the vocabulary: special tokens (from the tokenizer), punctuation tokens (tokens whose
+    text is only punctuation and whitespace, with at least one punctuation mark; FastGen's) and separators
+    (one of SEPARATOR_MARKS with optional whitespace around it, or whitespace only; SepLLM's)."""
     special = torch.zeros(vocab_size, dtype=torch.bool)
     for i in tokenizer.special_token_ids():
         if i < vocab_size:
             special[i] = True
     punct = torch.zeros(vocab_size, dtype=torch.bool)
+    separator = torch.zeros(vocab_size, dtype=torch.bool)
     marks = set(string.punctuation)
     for i in range(min(vocab_size, tokenizer.vocab_size)):
         text = tokenizer.decode([i])
         if text.strip() and all(c in marks or c.isspace() for c in text):
             punct[i] = True
-    return {"special": special, "punct": punct & ~special}
+        if text and (text.isspace() or text.strip() in SEPARATOR_MARKS):
+            separator[i] = True
+    return {"special": special, "punct": punct & ~special, "separator": separator & ~special}
 
 
 @register_strategy
@@ -113,15 +122,6 @@ class HybridCache(KVCache):
         self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))  # the frequency rank (module docstring)
         self.register_buffer("current_token", torch.zeros(B, 1, dtype=torch.long, **kw))
         self.prompt_ids: Tensor | None = None
-
-    def configure(self, **settings: object) -> None:
-        # The vocabulary masks live on the cache's device: a host tensor read every decode step would be a
-        # host-to-device copy per step (and cannot be captured in a CUDA graph).
-        classes = settings.pop("token_classes", None)
-        if classes is not None:
-            device = self.pos.device
-            settings["token_classes"] = {name: mask.to(device) for name, mask in classes.items()}
-        super().configure(**settings)
 
     def room(self) -> int:
         held = self.mask[:, :, 0, : self.scratch].sum(-1)  # its heads grow by their own policy

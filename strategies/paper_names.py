@@ -36,6 +36,7 @@ PAPER_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "criticaladakv": ("CriticalKV with Ada-KV", ("--cache_strategy", "critical_kv", "--budget_allocation", "adakv")),
     "kivi": ("KIVI's quantized storage", ("--cache_config", "heavy_hitter_kivi4")),
     "think": ("ThinK's thinner keys", ("--cache_config", "heavy_hitter_think")),
+    "sepcache": ("SepLLM's SepCache", ("--cache_strategy", "sepllm")),
 }
 
 

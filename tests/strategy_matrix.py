@@ -21,7 +21,9 @@ TOTAL = PROMPT + NEW
 GLOBAL, RECENT = 2, 4
 BUDGETS = {"fraction": "0.5", "absolute": "16"}  # 20 and 16 tokens of 40
 VOCAB = 256
-TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40)}
+TOKEN_CLASSES = {"special": torch.arange(VOCAB) < 4, "punct": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) < 40),
+                 # about one token in four of the random test ids: enough separators for both of sepllm's ranks
+                 "separator": (torch.arange(VOCAB) >= 4) & (torch.arange(VOCAB) % 4 == 1)}
 # K/V storages; KIVI with small groups and residual so flushes, and evictions from both stores, happen.
 STORAGES = {"dense": [], "2bit": ["--cache_bits", "2"], "4bit": ["--cache_bits", "4"], "8bit": ["--cache_bits", "8"],
             "kivi4": ["--cache_bits", "4", "--cache_quantization", "kivi", "--q_group_size", "4",

@@ -234,7 +234,8 @@ def test_batch_plan_takes_the_largest_batch_whose_measured_caches_fit_the_cap():
     def real_bytes(strategy: str, budget: float, batch: int) -> int:  # the caches built for real, on the CPU
         specs = cache_specs(cache_config(cache_strategy=[strategy], max_cache_length=[budget]), shapes, 2048, 64)
         caches = build_caches(specs, batch, shapes.n_kv_head, shapes.head_dim, 2112, torch.bfloat16, "cpu",
-                              {n: torch.zeros(shapes.vocab_size, dtype=torch.bool) for n in ("special", "punct")})
+                              {n: torch.zeros(shapes.vocab_size, dtype=torch.bool)
+                               for n in ("special", "punct", "separator")})
         return sum(b.numel() * b.element_size() for c in caches for b in c.buffers())
 
     full = plan[0]

@@ -29,6 +29,7 @@ EXPECTED = {
     "criticaladakv": ("critical_kv", ("budget_allocation", "adakv")),
     "kivi": ("heavy_hitter", ("cache_quantization", "kivi")),
     "think": ("heavy_hitter", ("think_ratio", 0.5)),
+    "sepcache": ("sepllm", None),
 }
 SUGGESTION = re.compile(r"runs here as (.+?); see docs/strategies\.md")
 
