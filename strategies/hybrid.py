@@ -79,8 +79,40 @@ def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:
     return {"special": special, "punct": punct & ~special, "separator": separator & ~special}
 
 
+class ReadsTokenIds:
+    """Mixed in before KVCache by a strategy that reads the token ids the model is given and the tokenizer's
+    classes of them (`token_classes`): the last prompt or chunk given at once (`prompt_ids`, eager) and the token
+    a decode step, or a chunk appended token by token, inserts next (`current_token` [B, 1], a buffer, so a
+    compiled step reads it)."""
+
+    needs_token_ids = True
+    needs_token_classes = True
+    token_classes: dict[str, Tensor] | None = None  # set through configure(); moved to the cache's device
+    prompt_ids: Tensor | None = None
+
+    def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:
+        super().__init__(batch_size, *args, **kwargs)
+        self.register_buffer("current_token", torch.zeros(batch_size, 1, dtype=torch.long, device=self.pos.device))
+
+    def observe_tokens(self, token_ids: Tensor) -> None:
+        if token_ids.shape[1] > 1:
+            self.prompt_ids = token_ids
+        else:
+            self.current_token.copy_(token_ids)
+
+    def before_chunk_token(self, i: int) -> None:
+        # A chunk's ids arrive together (observe_tokens saw T tokens): token i is inserted next.
+        self.current_token.copy_(self.prompt_ids[:, i : i + 1])
+
+    def token_class(self, name: str, ids: Tensor) -> Tensor:
+        """Whether each of `ids` is in the tokenizer's class `name` (token_classes), as bools of ids' shape."""
+        if self.token_classes is None:
+            raise UserError(f"the {self.name} cache needs token classes from the tokenizer (cache_spec.build_caches)")
+        return self.token_classes[name][ids]
+
+
 @register_strategy
-class HybridCache(KVCache):
+class HybridCache(ReadsTokenIds, KVCache):
     name = "hybrid"
     settings = (
         MIN_RECOVERY := Setting("min_recovery_frac", 0.95, type=finite_float, low=0, low_open=True, high=1,
@@ -97,12 +129,9 @@ class HybridCache(KVCache):
     )
     head_specific = True
     needs_attention = True
-    needs_token_ids = True
-    needs_token_classes = True
     profiles_prompt = True
     chunked_prefill_refusal = ("its prefill profiles the whole prompt's attention per head and may hold fewer "
                                "tokens than its budget, so held + chunk is no prompt it can profile")
-    token_classes: dict[str, Tensor] | None = None  # set through configure(); moved to the cache's device
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,
                  *args: object, **kwargs: object) -> None:
@@ -120,30 +149,16 @@ class HybridCache(KVCache):
         self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool, **kw))  # its components
         self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool, **kw))  # special or punct
         self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))  # the frequency rank (module docstring)
-        self.register_buffer("current_token", torch.zeros(B, 1, dtype=torch.long, **kw))
-        self.prompt_ids: Tensor | None = None
 
     def room(self) -> int:
         held = self.mask[:, :, 0, : self.scratch].sum(-1)  # its heads grow by their own policy
         return int((self.row_budget - held).min())
 
-    def before_chunk_token(self, i: int) -> None:
-        # A chunk's ids arrive together (observe_tokens saw T tokens): token i's class decides its admission.
-        self.current_token.copy_(self.prompt_ids[:, i : i + 1])
-
     def _use(self, component: str) -> Tensor:
         return self.uses[..., COMPONENTS.index(component)]
 
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        if token_ids.shape[1] > 1:
-            self.prompt_ids = token_ids  # profiled at prefill (eager, not compiled)
-        else:
-            self.current_token.copy_(token_ids)
-
     def _classes(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        if self.token_classes is None:
-            raise UserError("the hybrid cache needs token classes from the tokenizer (cache_spec.build_caches)")
-        return self.token_classes["special"][ids], self.token_classes["punct"][ids]
+        return self.token_class("special", ids), self.token_class("punct", ids)
 
     def _component_keep(self, seen: int, pos: Tensor, is_special: Tensor, is_punct: Tensor,
                         attn: Tensor) -> dict[str, Tensor]:

@@ -26,46 +26,23 @@ from torch import Tensor
 from cache import KVCache, register_strategy
 from errors import UserError
 from kv_storage import scatter_slots
+from strategies.hybrid import ReadsTokenIds
 
 
 @register_strategy
-class SepLLMCache(KVCache):
+class SepLLMCache(ReadsTokenIds, KVCache):
     name = "sepllm"
     hyperparameters = ("global_tokens", "recent_window")
-    needs_token_ids = True
-    needs_token_classes = True
-    token_classes: dict[str, Tensor] | None = None  # set through configure()
-    # The ids of the last prompt or chunk given at once (observe_tokens), and a chunked prefill's held tokens'
-    # separator flags carried into its next re-prefill (carry_over); eager.
-    prompt_ids: Tensor | None = None
+    # A chunked prefill's held tokens' separator flags, carried into its next re-prefill (carry_over); eager.
     carried_separators: Tensor | None = None
 
     def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, *args, **kwargs)
-        L, kw = self.pos.shape[-1], dict(device=self.pos.device)
-        self.register_buffer("separator", torch.zeros(batch_size, 1, L, **kw))  # 1.0 where a separator is held
-        self.register_buffer("current_token", torch.zeros(batch_size, 1, dtype=torch.long, **kw))
-
-    def reset(self) -> None:
-        # prompt_ids stay: a chunked prefill's re-prefill resets the cache between observing the chunk's ids and
-        # scoring them (and every prompt is observed before it is scored).
-        super().reset()
-        self.carried_separators = None
-
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        if token_ids.shape[1] > 1:
-            self.prompt_ids = token_ids
-        else:
-            self.current_token.copy_(token_ids)
-
-    def before_chunk_token(self, i: int) -> None:
-        # A chunk appended after the prompt (the kvpress protocol's question): token i is inserted next.
-        self.current_token.copy_(self.prompt_ids[:, i : i + 1])
+        L = self.pos.shape[-1]
+        self.register_buffer("separator", torch.zeros(batch_size, 1, L, device=self.pos.device))  # 1.0: held separator
 
     def is_separator(self, ids: Tensor) -> Tensor:
-        if self.token_classes is None:
-            raise UserError("the sepllm cache needs the tokenizer's separator tokens (cache_spec.build_caches)")
-        return self.token_classes["separator"][ids].float()
+        return self.token_class("separator", ids).float()
 
     @staticmethod
     def ranked(separator: Tensor, positions: Tensor, span: int) -> Tensor:
