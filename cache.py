@@ -243,7 +243,7 @@ class KVCache(ChunkedPrefill, nn.Module):
                 module.chunk_queries, module.chunk_keys, module.chunk_values = batch_state
                 module.never_full = module.rows_never_full()  # a layer setting made inside the row holds after it
 
-    # ---- storage (kv_storage.py): dense, quantized per token, or KIVI's residual scheme -------------------
+    # ---- storage (kv_storage.py, think_storage.py): dense, quantized per token, KIVI, ThinK -------------------
 
     def keys(self) -> Tensor:
         return self.storage.keys()

@@ -13,25 +13,31 @@ import functools
 import math
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 import cpu_bf16_kernels
-from atomic_files import check_writable, write_json_atomic
-from cache import cache_statistics, finite_float
+from atomic_files import check_writable
+from cache import finite_float
 from cache_setup import attach_row_caches, cache_specs, setup_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
+from generation_stats import (
+    batches_stats,
+    print_stats_block,
+    row_cache_statistics,
+    row_stats,
+    row_summary,
+    write_stats_json,
+)
 from ignored_flags import check_typed_flags
 from model import Transformer
 from packed_prefill import packed_groups, prefill_packed, prefill_packed_chunks
 from prompts import collect_prompts
-from strategies.debug import attention_loss_curve
 from strategies.kvzip import reconstruct_and_prefill, rule_users
 from tokenizer import Tokenizer
 
@@ -342,17 +348,6 @@ def take_snapshots(model: Transformer, done: Tensor, snapshots: list[dict | None
             snapshots[b] = row_cache_statistics(model, b)
 
 
-def row_cache_statistics(model: Transformer, row: int | None) -> dict:
-    """cache_statistics of the attached caches (of one batch row, in its row context) and the debug twins'
-    attention-loss curve."""
-    with nullcontext() if row is None else model.cache_row(row):
-        stats = cache_statistics(model.caches())
-        curve = attention_loss_curve(model.caches())
-    if curve:
-        stats["attention_loss_cumulative_by_step"] = curve
-    return stats
-
-
 # ---- CLI ---------------------------------------------------------------------------------------------
 
 
@@ -473,30 +468,6 @@ def main(argv: list[str] | None = None) -> dict:
     return stats
 
 
-def write_stats_json(args: argparse.Namespace, model: Transformer, payload: dict, cache_spec: list) -> None:
-    """--stats_json: the run's statistics, its flags (less the prompts' text), the model's config and the
-    cache spec."""
-    config = {k: v for k, v in vars(args).items() if k != "prompt"}
-    write_json_atomic(args.stats_json, {**payload, "config": config, "model": model.args.to_dict(),
-                                        "cache_spec": cache_spec}, overwrite=args.overwrite)
-
-
-def row_stats(prompt_tokens: int, result: GenerationResult, model: Transformer, row: int | None,
-              prefilled_tokens: int | None = None) -> dict:
-    """A generation's statistics; `row`: its row of a batch, whose caches are read in its row context, and
-    `prefilled_tokens` the batch's prompt tokens, which its prefill time covers."""
-    stats = {
-        "prompt_tokens": prompt_tokens,
-        "generated_tokens": len(result.tokens),
-        "prefill_seconds": round(result.prefill_seconds, 4),
-        "prefill_tokens_per_second": round((prefilled_tokens or prompt_tokens) / result.prefill_seconds, 2),
-        "decode_tokens_per_second": round(result.decode_steps / result.decode_seconds, 2)
-        if result.decode_steps else None,
-        "total_seconds": round(result.prefill_seconds + result.decode_seconds, 3),
-    }
-    return stats | (result.cache_statistics or row_cache_statistics(model, row))
-
-
 # Where the last bit of a product flips which tokens a strategy keeps, so a batch's rows keep their batch-1
 # tokens only where the rows are batch-invariant (Transformer.batch_invariant).
 ROUNDING_SENSITIVE_DTYPES = (torch.bfloat16, torch.float16)
@@ -556,54 +527,6 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
         write_stats_json(args, model, {**stats, "row_statistics": rows},
                          [[s.to_dict() for s in specs] for specs in specs_of])
     return stats
-
-
-def batches_stats(args: argparse.Namespace, rows: list[dict], batches: list[list[int]],
-                  firsts: list[GenerationResult], cache_bytes: int) -> dict:
-    """The statistics of main_rows' batches: `rows` each prompt's row_stats, `firsts` each batch's first
-    result (whose timings are its batch's), `cache_bytes` the largest batch's caches, every row together."""
-    prefill_seconds = sum(r.prefill_seconds for r in firsts)
-    decode_seconds = sum(r.decode_seconds for r in firsts)
-    decoded = sum(r["generated_tokens"] - 1 for r in rows)  # the first token of a row comes from its prefill
-    stats = {
-        "batch_size": args.batch_size,
-        "batches": batches,  # the prompts' indices decoded together, longest prompts first
-        "rows": len(rows),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "generated_tokens": sum(r["generated_tokens"] for r in rows),
-        # Prompt tokens over the batches' prefill time: rows of a batch share forward passes (packed_prefill.py).
-        "prefill_tokens_per_second": round(sum(r["prompt_tokens"] for r in rows) / prefill_seconds, 2)
-        if prefill_seconds else None,
-        # Tokens the rows kept (up to their EOS) over the batches' decode time: the batched throughput.
-        "decode_tokens_per_second": round(decoded / decode_seconds, 2) if decode_seconds else None,
-        "compile_seconds": round(sum(r.compile_seconds for r in firsts), 2) if args.compile else None,
-        "cache_bytes": cache_bytes,
-        "compression_ratio": round(sum(r["compression_ratio"] for r in rows) / len(rows), 4),
-    }
-    if all("attention_loss_mean" in r for r in rows):  # debug_ twins: the rows' means (each over its own steps)
-        stats["attention_loss_mean"] = round(sum(r["attention_loss_mean"] for r in rows) / len(rows), 5)
-    return stats
-
-
-def row_summary(row: dict) -> str:
-    """One line under a batch row's text: its tokens, compression and (debug_ twins) attention loss."""
-    parts = [f"{row['prompt_tokens']} prompt + {row['generated_tokens']} new tokens",
-             f"compression {row['compression_ratio']}"]
-    if "attention_loss_mean" in row:
-        parts.append(f"attention loss {row['attention_loss_mean']}")
-    return f"({', '.join(parts)})"
-
-
-def print_stats_block(stats: dict) -> None:
-    keys = ["prompt_tokens", "generated_tokens", "prefill_tokens_per_second", "decode_tokens_per_second",
-            "total_seconds", "cache_bytes", "compression_ratio", "attention_loss_mean"]
-    print("\n---- statistics ----")
-    for key in keys:
-        if key in stats:
-            print(f"{key:<30} {stats[key]}")
-    for key in ("compression_ratio_per_layer", "attention_loss_per_layer", "evictions_per_layer"):
-        if key in stats:
-            print(f"{key:<30} {' '.join(f'{x:g}' for x in stats[key])}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How a cache stores the keys and values of its slots (docs/DESIGN.md §5): dense, quantized per token
 (`--cache_bits`), KIVI's residual scheme (`--cache_quantization kivi`), or ThinK's channel-pruned keys
-(`--think_ratio`).
+(`--think_ratio`, think_storage.py).
 
 Storage is independent of eviction: a strategy decides *which slot* a token goes to (and so which token
 leaves); the storage decides how the slot's K/V are kept. Every strategy runs on every storage.
@@ -80,6 +80,7 @@ def make_storage(spec: StorageSpec, batch_size: int, n_kv_heads: int, slots: int
     if spec.think_ratio:
         if spec.bits != 16:
             raise ValueError("ThinK's pruned keys are stored in the cache dtype: no --cache_bits with it")
+        from think_storage import ChannelPrunedKeyStorage  # here: think_storage builds on this module's Storage
         return ChannelPrunedKeyStorage(shape, spec, dtype, device)
     if spec.bits == 16:
         return DenseStorage(shape, dtype, device)
@@ -119,7 +120,7 @@ class Storage(nn.Module):
         """The values of `slots` [B, H, m] (distinct, but for entries whose delta is zero) += delta [B, H, m, D]:
         read, added to and written back (re-quantized where the storage quantizes values). `values`: this
         storage's `values()` when the caller has just read them (not read again)."""
-        self.write_values(slots, _gather_rows(self.values() if values is None else values, slots) + delta)
+        self.write_values(slots, gather_rows(self.values() if values is None else values, slots) + delta)
 
     def write_values(self, slots: Tensor, v: Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rewrite held values")
@@ -151,12 +152,12 @@ def scatter_slots(buf: Tensor, dim: int, index: Tensor, src: Tensor | float | bo
     buf.index_put_(indices, value)
 
 
-def _gather_rows(buf: Tensor, slots: Tensor) -> Tensor:
+def gather_rows(buf: Tensor, slots: Tensor) -> Tensor:
     """buf[b, h, slots[b, h, i]] along dim 2: [B, H, m, D] rows of buf [B, H, L, D]."""
     return buf.gather(2, slots[..., None].expand(*slots.shape, buf.shape[-1]))
 
 
-def _scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
+def scatter_rows(buf: Tensor, slots: Tensor, src: Tensor) -> None:
     """buf[b, h, slots[b, h, i]] = src[b, h, i] along dim 2 (rows of any trailing width): scatter_slots with
     the rows' trailing dimensions taken whole when compiled (one index per row, not per element)."""
     if torch.compiler.is_compiling():
@@ -178,11 +179,11 @@ class DenseStorage(Storage):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device))
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
-        _scatter_rows(self.k_cache, slots, k)
-        _scatter_rows(self.v_cache, slots, v)
+        scatter_rows(self.k_cache, slots, k)
+        scatter_rows(self.v_cache, slots, v)
 
     def write_values(self, slots: Tensor, v: Tensor) -> None:
-        _scatter_rows(self.v_cache, slots, v)
+        scatter_rows(self.v_cache, slots, v)
 
     def write_prefix(self, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
         # A slice copy: the scatter over an index costs a 1k-token prompt's prefill ~1% on the CPU.
@@ -226,7 +227,7 @@ class PerTokenQuantizedStorage(Storage):
 
     def _write_rows(self, name: str, slots: Tensor, x: Tensor) -> None:
         for suffix, src in zip(("codes", "scale", "zero"), quantize(x, self.bits), strict=True):
-            _scatter_rows(getattr(self, f"{name}_{suffix}"), slots, src)
+            scatter_rows(getattr(self, f"{name}_{suffix}"), slots, src)
 
     def keys(self) -> Tensor:
         return dequantize(self.k_codes, self.k_scale, self.k_zero, self.bits, self.dtype)
@@ -351,7 +352,7 @@ class ResidualQuantizedStorage(Storage):
         self.k_res[:, :, :r] = k[:, :, q:].to(self.dtype)
         self.v_res[:, :, :r] = v[:, :, q:].to(self.dtype)
         self.res_slot[:, :, :r] = slots[..., q:]
-        _scatter_rows(self.slot_res, slots[..., q:], entries)
+        scatter_rows(self.slot_res, slots[..., q:], entries)
         self.res_fill.fill_(r)
 
     def _quantize_into(self, slots: Tensor, k: Tensor, v: Tensor, live: Tensor, first_group: Tensor) -> None:
@@ -361,17 +362,17 @@ class ResidualQuantizedStorage(Storage):
         G = self.group_size
         first_group = first_group.view(-1, 1, 1)  # [1 or B, 1, 1]: each row's first group
         codes, scale, zero = quantize_key_groups(k.reshape(B, H, n // G, G, D), live, self.bits)
-        _scatter_rows(self.k_codes, slots, pack_codes(codes.reshape(B, H, n, D), self.bits))
+        scatter_rows(self.k_codes, slots, pack_codes(codes.reshape(B, H, n, D), self.bits))
         groups = first_group + torch.arange(n // G, device=k.device)  # [1 or B, 1, n // G]
         # A group with no live token (every group of a masked-off flush) writes into the scratch row.
         groups = torch.where(live.any(-1), groups, self.n_groups)  # [B, H, n // G]
-        _scatter_rows(self.k_scale, groups, scale)
-        _scatter_rows(self.k_zero, groups, zero)
-        _scatter_rows(self.k_group, slots, (first_group + torch.arange(n, device=k.device) // G).expand(B, H, n))
+        scatter_rows(self.k_scale, groups, scale)
+        scatter_rows(self.k_zero, groups, zero)
+        scatter_rows(self.k_group, slots, (first_group + torch.arange(n, device=k.device) // G).expand(B, H, n))
         v_codes, v_scale, v_zero = quantize_value_groups(v, self.value_group, self.bits)
-        _scatter_rows(self.v_codes, slots, pack_codes(v_codes, self.bits))
-        _scatter_rows(self.v_scale, slots, v_scale)
-        _scatter_rows(self.v_zero, slots, v_zero)
+        scatter_rows(self.v_codes, slots, pack_codes(v_codes, self.bits))
+        scatter_rows(self.v_scale, slots, v_scale)
+        scatter_rows(self.v_zero, slots, v_zero)
         self.slot_res.scatter_(2, slots, -1)
 
     def _flush_if_full(self) -> None:
@@ -399,17 +400,17 @@ class ResidualQuantizedStorage(Storage):
         entries = torch.arange(self.residual_length, device=slot.device)
         self.res_slot.masked_fill_(entries == evicted_entry, -1)
         entry = self.res_fill.view(-1, 1, 1).expand_as(slot)
-        _scatter_rows(self.k_res, entry, k)
-        _scatter_rows(self.v_res, entry, v)
+        scatter_rows(self.k_res, entry, k)
+        scatter_rows(self.v_res, entry, v)
         self.res_slot.scatter_(2, entry, slot)
-        _scatter_rows(self.slot_res, slot, entry)
+        scatter_rows(self.slot_res, slot, entry)
         self.res_fill.add_(1)
 
     def add_to_values(self, slots: Tensor, delta: Tensor, values: Tensor | None = None) -> None:
         # Every slot's codes are rewritten from its values + delta (for a slot in the residual: stale codes, which
         # a flush overwrites); a slot in the residual gains delta there (an accumulating put: the entries of
         # slots outside it add zero to entry 0).
-        v = _gather_rows(self.values() if values is None else values, slots) + delta
+        v = gather_rows(self.values() if values is None else values, slots) + delta
         entry = self.slot_res.gather(2, slots)  # [B, H, m], -1 outside the residual
         B, H, m = slots.shape
         rows = torch.arange(B, device=slots.device).view(B, 1, 1).expand(B, H, m)
@@ -418,9 +419,9 @@ class ResidualQuantizedStorage(Storage):
         self.v_res.index_put_((rows, heads, entry.clamp(min=0).long()),
                               torch.where(in_residual, delta, 0).to(self.v_res.dtype), accumulate=True)
         codes, scale, zero = quantize_value_groups(v, self.value_group, self.bits)
-        _scatter_rows(self.v_codes, slots, pack_codes(codes, self.bits))
-        _scatter_rows(self.v_scale, slots, scale)
-        _scatter_rows(self.v_zero, slots, zero)
+        scatter_rows(self.v_codes, slots, pack_codes(codes, self.bits))
+        scatter_rows(self.v_scale, slots, scale)
+        scatter_rows(self.v_zero, slots, zero)
 
     # ---- reading ---------------------------------------------------------------------------------------
 
@@ -428,7 +429,7 @@ class ResidualQuantizedStorage(Storage):
         """All L+1 dequantized rows with the residual's full-precision rows written over their slots (R rows
         scattered, cheaper than gathering L); dropped entries land on the scratch row, which is cut off."""
         target = torch.where(self.res_slot >= 0, self.res_slot, self.slots)
-        _scatter_rows(dequantized, target, residual)
+        scatter_rows(dequantized, target, residual)
         return dequantized[:, :, : self.slots]
 
     def keys(self) -> Tensor:
@@ -475,132 +476,3 @@ class ResidualQuantizedStorage(Storage):
         total = sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in read)
         rows = min(self.n_groups, self.slots)
         return total + 2 * self.k_scale[:, :, :rows].numel() * self.k_scale.element_size()
-
-
-def think_kept_channels(head_dim: int, ratio: float) -> int:
-    """Key channels ThinK keeps: int(head_dim · ratio) are pruned, as in the authors' code and kvpress."""
-    return head_dim - int(head_dim * ratio)
-
-
-def think_channel_scores(k: Tensor, queries: Tensor, window: int) -> Tensor:
-    """ThinK's greedy channel scores (Xu et al., arXiv 2407.21018): for KV head h and channel c,
-    ‖Q_w[:, c] K[:, c]ᵀ‖_F = ‖Q_w[:, c]‖ · ‖K[:, c]‖, with Q_w the last `window` queries of every query head of
-    h's group stacked (the GQA grouping of kvpress's ThinKPress, whose mean over the group ranks the same).
-    k [B, H, n, D] (the kept prompt tokens' keys), queries [B, H·rep, T, D]; returns the squared score [B, H, D]
-    (same ranking, no square roots)."""
-    B, H, _, D = k.shape
-    q = queries[:, :, -window:].float()
-    q_energy = q.pow(2).sum(2).view(B, H, -1, D).sum(2)
-    return q_energy * k.float().pow(2).sum(2)
-
-
-class ChannelPrunedKeyStorage(Storage):
-    """ThinK (Xu et al., arXiv 2407.21018): the keys' least important channels are pruned, values kept whole.
-
-    At the prompt's write each KV head scores its key channels by the query-key interaction over the
-    observation window (think_channel_scores) and keeps the top (1 − λ)·D; every key, the prompt's and each
-    decoded token's, is then stored as those channels only (`k_kept`, compact: the key bytes really shrink),
-    and attention reads keys with zeros in the pruned channels, so q·k sums over the kept channels
-    (the paper's q·(S k) with S the channel mask). Keys are post-RoPE, as in the paper and kvpress (both prune
-    the rotated keys); `--rerotate_positions` (pre-RoPE keys) is refused. The channel set is chosen once per
-    sequence, from the keys the prompt rule kept (the authors prune after SnapKV/H2O compression) and the
-    prompt's last `think_window` queries. A chunked prefill writes the prompt again at every chunk, from whole
-    keys the cache keeps meanwhile (`exact_in_chunks`), so the last chunk's channel set is the one kept.
-
-    New tokens: the paper's method stores every key thin with the prompt's channel set, which is the default
-    (think_recent 0). The authors' implementation keeps the newest prompt tokens (recent_size 32) and every
-    decoded token whole, which in a fixed budget could fill it with whole keys; `think_recent R` keeps the newest
-    R tokens whole instead, in a ring (`k_recent`) whose rows overwrite their slots' thin keys when read: a
-    token leaving the ring (R newer writes) falls back to its thin key, stored when it was written. So with
-    R > 0 a key can change after its write (whole, then thin): a chunk appended in one forward step (the kvpress
-    protocol's question) attends over the ring as it is after the whole chunk, where feeding the chunk token
-    by token would have seen its earlier tokens still whole; R = 0 keeps every key as written. A sequence
-    whose prompt is never prefilled (one token, decoded directly) keeps the first channels.
-
-    Buffers: k_kept [B, H, L, D'] (D' kept channels), channels [B, H, D'] int16 (sorted), v_cache [B, H, L, D],
-    k_recent [B, H, R, D], recent_slot [B, H, R] (slot of each ring entry, −1 empty), recent_next [B].
-    """
-
-    bits = 16
-    exact_in_chunks = ("keys",)
-
-    def __init__(self, shape: tuple[int, ...], spec: StorageSpec, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        super().__init__()
-        B, H, L, D = shape
-        if not 0 < spec.think_ratio < 1 or spec.think_window < 1 or spec.think_recent < 0:
-            raise ValueError(f"ThinK needs a ratio in (0, 1), a window ≥ 1 and recent ≥ 0, got {spec}")
-        self.kept = think_kept_channels(D, spec.think_ratio)
-        self.window, self.recent, self.slots, self.head_dim = spec.think_window, spec.think_recent, L, D
-        R, kw = spec.think_recent, dict(device=device)
-        self.register_buffer("k_kept", torch.zeros(B, H, L, self.kept, dtype=dtype, **kw))
-        self.register_buffer("channels", torch.zeros(B, H, self.kept, dtype=torch.int16, **kw))
-        self.register_buffer("v_cache", torch.zeros(B, H, L, D, dtype=dtype, **kw))
-        self.register_buffer("k_recent", torch.zeros(B, H, R, D, dtype=dtype, **kw))
-        self.register_buffer("recent_slot", torch.full((B, H, R), -1, dtype=torch.long, **kw))
-        self.register_buffer("recent_next", torch.zeros(B, dtype=torch.long, **kw))
-        self.reset()
-
-    def reset(self) -> None:
-        super().reset()
-        self.recent_slot.fill_(-1)
-        self.channels.copy_(torch.arange(self.kept, device=self.channels.device).expand_as(self.channels))
-
-    def write(self, slots: Tensor, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
-        if queries is not None:  # the prompt: choose each head's channels
-            top = think_channel_scores(k, queries, self.window).topk(self.kept, dim=-1).indices
-            self.channels.copy_(top.sort(dim=-1).values)
-        index = self.channels.long()[:, :, None, :].expand(*k.shape[:3], self.kept)
-        _scatter_rows(self.k_kept, slots, k.gather(3, index))
-        _scatter_rows(self.v_cache, slots, v)
-        if self.recent:
-            self._keep_whole(slots, k)
-
-    def _keep_whole(self, slots: Tensor, k: Tensor) -> None:
-        """The newest of the written tokens into the ring of whole keys (a masked update: no branch)."""
-        R = self.recent
-        r = min(R, slots.shape[-1])
-        # Entries whose slot is being overwritten (its token evicted) leave the ring.
-        stale = (self.recent_slot[..., :, None] == slots[..., None, :]).any(-1)
-        self.recent_slot.masked_fill_(stale, -1)
-        entries = (self.recent_next.view(-1, 1, 1) + torch.arange(r, device=k.device)) % R
-        entries = entries.expand(*slots.shape[:2], r)
-        _scatter_rows(self.k_recent, entries, k[:, :, -r:])
-        self.recent_slot.scatter_(2, entries, slots[..., -r:])
-        self.recent_next.add_(r).remainder_(R)
-
-    def keys(self) -> Tensor:
-        B, H, L, _ = self.k_kept.shape
-        keys = torch.zeros(B, H, L + 1, self.head_dim, dtype=self.k_kept.dtype, device=self.k_kept.device)
-        index = self.channels.long()[:, :, None, :].expand(B, H, L, self.kept)
-        keys[:, :, :L].scatter_(3, index, self.k_kept)
-        if self.recent:  # whole keys over their slots; empty entries land on the scratch row L, cut off
-            _scatter_rows(keys, torch.where(self.recent_slot >= 0, self.recent_slot, L), self.k_recent)
-        return keys[:, :, :L]
-
-    def values(self) -> Tensor:
-        return self.v_cache
-
-    def write_values(self, slots: Tensor, v: Tensor) -> None:
-        _scatter_rows(self.v_cache, slots, v)
-
-    def full_precision_slots(self) -> Tensor:
-        B, H, L, _ = self.k_kept.shape
-        whole = torch.zeros(B, H, L + 1, dtype=torch.bool, device=self.k_kept.device)
-        if self.recent:
-            whole.scatter_(2, torch.where(self.recent_slot >= 0, self.recent_slot, L), True)
-        return whole[:, :, :L]
-
-    def dense_equivalent(self, held: Tensor) -> Tensor:
-        """A thin token costs (D' + D) / 2D of a dense one (its pruned key and whole value)."""
-        whole = (held & self.full_precision_slots()).sum(-1).double()
-        thin = (self.kept + self.head_dim) / (2 * self.head_dim)
-        return whole + (held.sum(-1).double() - whole) * thin
-
-    def statistics(self, held: Tensor) -> dict[str, Tensor]:
-        """Key channels kept per head, and held tokens whose keys are whole (the ring)."""
-        whole = (held & self.full_precision_slots()).sum(-1).double().mean(0)
-        return {"think_key_channels": torch.full_like(whole, self.kept), "think_whole_key_tokens": whole}
-
-    def attention_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())

@@ -21,9 +21,9 @@ from generate import (
     generate_batch,
     prefill,
     prefill_rows,
-    row_stats,
     shares_prefill,
 )
+from generation_stats import row_stats
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,

@@ -3,7 +3,7 @@
 Inductor functionalizes in-place updates of graph inputs; a `scatter_` along the slot dimension came out as
 a fresh buffer of the whole cache (the old contents plus the new row) that attention read and that was
 copied back after the step: two passes over every layer's K/V per token. The write is an `index_put_` when
-compiled (kv_storage._scatter_rows), which inductor performs in place. Checked on inductor's generated code
+compiled (kv_storage.scatter_rows), which inductor performs in place. Checked on inductor's generated code
 for dense storage: no buffer of the K/V buffers' shape is allocated by the step (the quantized storages
 dequantize every slot each step, a buffer of that shape by design), nor one of the shape and dtype of the
 per-slot state a step writes at the new token's slot only (positions, mask, a strategy's scores:

@@ -1,4 +1,4 @@
-"""ThinK's channel-pruned keys (kv_storage.ChannelPrunedKeyStorage) against naive oracles written from the
+"""ThinK's channel-pruned keys (think_storage.ChannelPrunedKeyStorage) against naive oracles written from the
 paper's definition (Xu et al., arXiv 2407.21018): per KV head h and key channel c the score
 ‖Q_w[:, c]‖ · ‖K[:, c]‖ (Q_w the observation window's queries of h's query heads, K the stored prompt keys),
 the top (1 − λ)·D channels kept, attention q·k summed over the kept channels only; plus the storage across
