@@ -123,13 +123,14 @@ def test_full_cache_chunked_equals_one_shot(recent):
     chunked, chunked_channels = run_full(["--think_recent", recent, "--prefill_chunk", str(CHUNK)], CHUNK)
     whole, whole_channels = run_full(["--think_recent", recent], None)
     assert chunked_channels == whole_channels
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    # float32 sums in other orders (a chunk's products have other shapes, so other blockings): 1.7e-5 seen
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
 
 
 def test_full_kivi_cache_chunked_equals_one_shot():
     chunked, _ = run_full(["--prefill_chunk", str(CHUNK)], CHUNK, storage="kivi4")
     whole, _ = run_full([], None, storage="kivi4")
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)  # as above
 
 
 @pytest.mark.parametrize(("strategy", "storage"), [("tova", "think"), ("heavy_hitter", "think"), ("tova", "kivi4")])
