@@ -1,5 +1,6 @@
-"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, capkv, simlayerkv, cam): what
-their arms run and what their claims compare (no model is loaded)."""
+"""The declarations of the experiments on the newer strategies (kvzip, compactor, curdkv, capkv, simlayerkv, cam, and
+the scoring rules of experiments_scoring.py): what their arms run and what their claims compare (no model is
+loaded)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,35 @@ def test_cam_merging_is_compared_with_the_same_evictions_dropping_the_values(pro
     assert merging["cache_strategy"] == dropping["cache_strategy"] == ["cam"]
     assert merging["cam_no_merge"] is False and dropping["cam_no_merge"] is True
     assert {key for key in merging if merging[key] != dropping[key]} == {"cam_no_merge"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize(("experiment", "treatment", "control"),
+                         [("criticalkv", "output-aware", "attention only"), ("chunkkv", "chunks", "tokens")])
+def test_refinements_of_tova_are_compared_with_tova_itself(experiment, treatment, control, profile) -> None:
+    """CriticalKV's value norm and ChunkKV's chunks are each one factor on TOVA's score (their classes derive from
+    TovaCache), so the control is tova with every other flag equal: the comparison isolates the factor."""
+    from strategies import get_strategy
+    from strategies.tova import TovaCache
+
+    ours, theirs = parsed(experiment, treatment, profile), parsed(experiment, control, profile)
+    assert theirs["cache_strategy"] == ["tova"] and issubclass(get_strategy(ours["cache_strategy"][0]), TovaCache)
+    assert {key for key in ours if ours[key] != theirs[key]} == {"cache_strategy"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_tova_protects_nothing_and_its_baselines_run_as_their_papers(profile) -> None:
+    exp = EXPERIMENTS["tova"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("tova", "streamingllm"), ("tova", "h2o")]
+    tova, sinks, h2o = (parsed("tova", label, profile) for label in ("tova", "streamingllm", "h2o"))
+    assert (tova["global_tokens"], tova["recent_window"]) == (0, 0)
+    assert sinks["cache_strategy"] == ["recent_global"] and sinks["global_tokens"] == 4
+    assert h2o["cache_strategy"] == ["heavy_hitter"] and (h2o["global_tokens"], h2o["recent_window"]) == (0, 0.5)
+    assert tova["max_cache_length"] == sinks["max_cache_length"] == h2o["max_cache_length"] == [0.2]
+
+
+def test_adakv_differs_from_snapkv_in_the_allocation_alone() -> None:
+    ours, theirs = parsed("adakv", "adaptive heads"), parsed("adakv", "uniform heads")
+    assert ours["cache_strategy"] == theirs["cache_strategy"] == ["heavy_hitter"]
+    assert (ours["budget_allocation"], theirs["budget_allocation"]) == ("adakv", "uniform")
+    assert {key for key in ours if ours[key] != theirs[key]} == {"budget_allocation"}

@@ -614,3 +614,6 @@ register(Experiment(
            "recent_global reads no --recent_window: all it holds beyond the 4 sinks is its window, so the sepllm arm "
            "trades half of that window for separators."),
 ))
+
+# The scoring rules' claims, declared in their own file (it imports the definitions above).
+from eval.reproduce import experiments_scoring  # noqa: E402,F401

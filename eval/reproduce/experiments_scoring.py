@@ -1,0 +1,185 @@
+"""The scoring rules' claims (TOVA, K-norm, KeyDiff, Q-Filters, CriticalKV, ChunkKV, Ada-KV, Expected Attention):
+each against the rule its paper measures itself against, declared as experiments.py declares the others (and
+registered into the same EXPERIMENTS when experiments.py loads).
+
+Where a paper's score is one of this tool's rules with one thing added (CriticalKV's value norm, ChunkKV's
+chunks), the control is that rule without it, so the comparison isolates what the paper adds; where it is a
+new rule, the control is its paper's baseline, with the same budget and the same protected tokens.
+"""
+
+from __future__ import annotations
+
+from eval.reproduce.experiments import (
+    FIDELITY_EXTRAS,
+    PROFILED_PROMPT,
+    SHORT_WINDOWS,
+    Arm,
+    Comparison,
+    Experiment,
+    register,
+)
+
+# A fifth of each window, as the h2o experiment; sinks and the default 10-token recent window in both arms
+# unless the paper's method protects nothing (TOVA).
+FIFTH = ("--max_cache_length", "0.2")
+
+register(Experiment(
+    name="tova",
+    paper="TOVA (Oren et al., Transformers are Multi-State RNNs, arXiv 2401.06104)",
+    claim="Dropping at each step the token the current query attends to least, with no accumulated history and no "
+          "protected tokens, keeps the next-token distribution closer to the full cache than a window with 4 "
+          "attention sinks (StreamingLLM) and than H2O's heavy hitters with half the budget recent, at the same "
+          "budget.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=FIFTH,
+    arms=(Arm("tova", ("--cache_strategy", "tova", "--global_tokens", "0", "--recent_window", "0")),
+          Arm("streamingllm", ("--cache_strategy", "recent_global", "--global_tokens", "4")),
+          Arm("h2o", ("--cache_strategy", "heavy_hitter", "--global_tokens", "0", "--recent_window", "0.5"))),
+    comparisons=(Comparison("tova", "streamingllm", "against 4 sinks + window"),
+                 Comparison("tova", "h2o", "against H2O's heavy hitters + recent half")),
+    varies=frozenset({"cache_strategy", "global_tokens", "recent_window"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("Each arm as its paper runs it: TOVA protects nothing (its attention keeps the sinks on its own), "
+           "StreamingLLM keeps 4 sinks and the window, H2O splits the budget half heavy hitters, half recent, "
+           "without sinks.",
+           "The paper measures perplexity on long texts (PG-19) with LLaMA-2; this is KL to the full cache on pydoc "
+           "text, the 32-token prompt within the budget, so only decode-time eviction is compared.",
+           "TOVA's score is the latest query's attention averaged over the query heads of a KV group, one cache "
+           "per KV head (the paper averages over all heads of a layer)."),
+))
+
+register(Experiment(
+    name="knorm",
+    paper="K-norm (Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, "
+          "arXiv 2406.11430)",
+    claim="Keeping the keys with the lowest L2 norm keeps the next-token distribution closer to the full cache than "
+          "keeping random ones, at the same budget and the same protected tokens.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=(*FIFTH, "--global_tokens", "4", "--recent_window", "10"),
+    arms=(Arm("lowest key norm", ("--cache_strategy", "l2")),
+          Arm("random", ("--cache_strategy", "random"))),
+    comparisons=(Comparison("lowest key norm", "random"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper's baseline for the norm is random eviction (and keeping the highest norms); both arms keep "
+           "the 4 sinks and a 10-token recent window, so the norm decides only among the others.",
+           "Language-modelling loss in the paper; KL to the full cache here, decode-time eviction (the 32-token "
+           "prompt fits the budget)."),
+))
+
+register(Experiment(
+    name="keydiff",
+    paper="KeyDiff (Park et al., arXiv 2504.15364)",
+    claim="Evicting the key most similar to the mean direction of the held keys keeps the next-token distribution "
+          "closer to the full cache than a window with 4 attention sinks (StreamingLLM), both reading no attention, "
+          "at the same budget.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=(*FIFTH, "--global_tokens", "4"),
+    arms=(Arm("keydiff", ("--cache_strategy", "keydiff", "--recent_window", "10")),
+          Arm("streamingllm", ("--cache_strategy", "recent_global"))),
+    comparisons=(Comparison("keydiff", "streamingllm"),),
+    varies=frozenset({"cache_strategy", "recent_window"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("KeyDiff is measured in the paper on LongBench with blocks of a long prompt against StreamingLLM and "
+           "attention-based rules; here decode-time eviction on pydoc text against the attention-free baseline.",
+           "Both keep the 4 sinks; keydiff also protects its 10 newest tokens, all recent_global holds beyond the "
+           "sinks is its window."),
+))
+
+register(Experiment(
+    name="qfilters",
+    paper="Q-Filters (Godey et al., arXiv 2503.02812)",
+    claim="Keeping the keys with the largest projection on the queries' principal direction keeps the next-token "
+          "distribution closer to the full cache than keeping the keys of lowest norm (K-norm), both reading no "
+          "attention, at the same budget and the same protected tokens.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=(*FIFTH, "--global_tokens", "4", "--recent_window", "10"),
+    arms=(Arm("q-filters", ("--cache_strategy", "qfilters")),
+          Arm("k-norm", ("--cache_strategy", "l2"))),
+    comparisons=(Comparison("q-filters", "k-norm"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper's streaming-generation comparison (perplexity, sinks + eviction) is against K-norm; here KL "
+           "to the full cache on pydoc text, decode-time eviction.",
+           "The directions are the shipped calibration's (qfilters/, calibrate_qfilters.py: a few windows of the "
+           "project's calibration text), not the paper's pretraining-corpus filters."),
+))
+
+register(Experiment(
+    name="criticalkv",
+    paper="CriticalKV (Feng et al., arXiv 2502.03805)",
+    claim="Weighting each token's attention by the norm of its value (a bound on how much evicting it moves the "
+          "layer's output) keeps the next-token distribution closer to the full cache than the attention alone, "
+          "at the same budget, the prompt compressed and then decoded under eviction.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=FIFTH,
+    arms=(Arm("output-aware", ("--cache_strategy", "critical_kv")),
+          Arm("attention only", ("--cache_strategy", "tova"))),
+    comparisons=(Comparison("output-aware", "attention only"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    notes=("critical_kv's attention is TOVA's (the latest query's, per KV group), so the control is tova: the same "
+           "attention without the value norm, which isolates the paper's output-aware factor.",
+           "‖v‖ stands in for the paper's ‖W_o v‖ (strategies/critical_kv.py); the paper compresses LongBench "
+           "prompts after SnapKV's or Ada-KV's first stage, here a 128-token prompt of pydoc text compressed to a "
+           "fifth of the window, then 96 positions decoded under eviction."),
+))
+
+register(Experiment(
+    name="chunkkv",
+    paper="ChunkKV (Liu et al., arXiv 2502.00299)",
+    claim="Keeping whole chunks of consecutive tokens by their summed scores keeps the next-token distribution "
+          "closer to the full cache than keeping single tokens by the same scores, at the same budget, the prompt "
+          "compressed and then decoded under eviction.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=FIFTH,
+    arms=(Arm("chunks", ("--cache_strategy", "chunkkv")),
+          Arm("tokens", ("--cache_strategy", "tova"))),
+    comparisons=(Comparison("chunks", "tokens"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    notes=("chunkkv sums TOVA's score (the latest query's attention) over chunks of 10 tokens, the paper's chunk "
+           "size; the control is tova, the same score token by token, which isolates the chunking.",
+           "The paper compresses LongBench and GSM8K prompts with SnapKV's observation window against token-level "
+           "SnapKV; here one query, a 128-token prompt compressed to a fifth of the window, then decode-time "
+           "eviction."),
+))
+
+register(Experiment(
+    name="adakv",
+    paper="Ada-KV (Feng et al., arXiv 2407.11550)",
+    claim="Sharing a layer's budget among its heads by their attention mass (Ada-SnapKV) keeps the next-token "
+          "distribution closer to the full cache than giving every head the same budget (SnapKV), at the same "
+          "total budget.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=(*FIFTH, "--cache_strategy", "heavy_hitter"),
+    arms=(Arm("adaptive heads", ("--budget_allocation", "adakv")),
+          Arm("uniform heads", ("--budget_allocation", "uniform"))),
+    comparisons=(Comparison("adaptive heads", "uniform heads"),),
+    varies=frozenset({"budget_allocation"}),
+    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper's setting is prompt compression on LongBench (Ada-SnapKV against SnapKV); here a 128-token "
+           "prompt of pydoc text compressed to a fifth of the window by SnapKV's rule, each head then evicting "
+           "within its own quota while 96 positions are decoded.",
+           "Each head keeps at least --adakv_floor (default 0.2, the paper's α) of a uniform head's budget."),
+))
+
+register(Experiment(
+    name="expected_attention",
+    paper="Expected Attention (kvpress, Devoto et al., arXiv 2510.00636)",
+    claim="Scoring keys by the attention a Gaussian model of the coming queries is expected to give them keeps the "
+          "next-token distribution closer to the full cache than the keys' norms (K-norm), both query-agnostic, at "
+          "the same budget, the prompt compressed and then decoded under eviction.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=(*FIFTH, "--global_tokens", "4", "--recent_window", "10"),
+    arms=(Arm("expected attention", ("--cache_strategy", "expected_attention")),
+          Arm("k-norm", ("--cache_strategy", "l2"))),
+    comparisons=(Comparison("expected attention", "k-norm"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper compresses prompts (RULER, LongBench) against other query-agnostic presses, K-norm among them; "
+           "here a 128-token prompt compressed to a fifth of the window, then decode-time eviction by the same "
+           "scores.",
+           "The query statistics are of the last 64 post-RoPE prompt queries (strategies/expected_attention.py says "
+           "how this differs from kvpress's pre-RoPE statistics)."),
+))
