@@ -105,10 +105,12 @@ def test_cam_merging_is_compared_with_the_same_evictions_dropping_the_values(pro
 
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize(("experiment", "treatment", "control"),
-                         [("criticalkv", "output-aware", "attention only"), ("chunkkv", "chunks", "tokens")])
+                         [("criticalkv", "output-aware", "attention only"), ("chunkkv", "chunks", "tokens"),
+                          ("rkv", "redundancy-aware", "attention only")])
 def test_refinements_of_tova_are_compared_with_tova_itself(experiment, treatment, control, profile) -> None:
-    """CriticalKV's value norm and ChunkKV's chunks are each one factor on TOVA's score (their classes derive from
-    TovaCache), so the control is tova with every other flag equal: the comparison isolates the factor."""
+    """CriticalKV's value norm, ChunkKV's chunks and R-KV's redundancy are each one factor on TOVA's score (their
+    classes derive from TovaCache), so the control is tova with every other flag equal: the comparison isolates the
+    factor."""
     from strategies import get_strategy
     from strategies.tova import TovaCache
 
@@ -133,3 +135,17 @@ def test_adakv_differs_from_snapkv_in_the_allocation_alone() -> None:
     assert ours["cache_strategy"] == theirs["cache_strategy"] == ["heavy_hitter"]
     assert (ours["budget_allocation"], theirs["budget_allocation"]) == ("adakv", "uniform")
     assert {key for key in ours if ours[key] != theirs[key]} == {"budget_allocation"}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_lagkv_is_compared_with_snapkv_and_streamingllm_before_the_question(profile) -> None:
+    exp = EXPERIMENTS["lagkv"]
+    assert [(c.treatment, c.control) for c in exp.comparisons] == [("lagkv", "snapkv query-agnostic"),
+                                                                   ("lagkv", "streamingllm")]
+    assert exp.higher_is_better and exp.metric == "string_match"
+    ours = parsed("lagkv", "lagkv", profile)
+    for label, strategy in (("snapkv query-agnostic", "heavy_hitter"), ("streamingllm", "recent_global")):
+        theirs = parsed("lagkv", label, profile)
+        assert theirs["cache_strategy"] == [strategy] and theirs["query_aware"] is False
+        assert theirs["protocol"] == "kvpress" and theirs["max_cache_length"] == [0.5]
+        assert {key for key in ours if ours[key] != theirs[key]} == {"cache_strategy"}

@@ -440,7 +440,7 @@ register(Experiment(
 
 
 # Half of each context kept, the question unseen when it is compressed (compactor's and curdkv's experiments).
-_HALF_BLIND = ("--max_cache_length", "0.5", "--protocol", "kvpress", "--no-query_aware")
+HALF_BLIND = ("--max_cache_length", "0.5", "--protocol", "kvpress", "--no-query_aware")
 register(Experiment(
     name="compactor",
     paper="Compactor (Chari & Van Durme, arXiv 2507.08143)",
@@ -451,7 +451,7 @@ register(Experiment(
     # The kvpress protocol (the paper's query-agnostic setting): each context compressed once to half its length
     # (the paper's comparisons span 20-80% retention; a quarter leaves every arm near the floor on these needles,
     # as the kvzip experiment found), the question appended whole, nothing evicted while answering.
-    common=_HALF_BLIND,
+    common=HALF_BLIND,
     arms=(Arm("compactor", ("--cache_strategy", "compactor")),
           Arm("snapkv query-agnostic", ("--cache_strategy", "heavy_hitter"))),
     comparisons=(Comparison("compactor", "snapkv query-agnostic"),),
@@ -477,11 +477,11 @@ register(Experiment(
     # The kvpress protocol (the paper's setting, through kvpress's CURPress): each context compressed once to half
     # its length, the question appended whole, nothing evicted while answering; compactor's experiment's items
     # and budget, so its arm is shown for reference.
-    common=_HALF_BLIND,
+    common=HALF_BLIND,
     arms=(Arm("curdkv", ("--cache_strategy", "curdkv")),
           Arm("snapkv query-agnostic", ("--cache_strategy", "heavy_hitter")),
           Arm("chunkkv query-agnostic", ("--cache_strategy", "chunkkv")),
-          Arm("compactor", ("--cache_strategy", "compactor", *_HALF_BLIND), reference=True)),
+          Arm("compactor", ("--cache_strategy", "compactor", *HALF_BLIND), reference=True)),
     comparisons=(Comparison("curdkv", "snapkv query-agnostic"), Comparison("curdkv", "chunkkv query-agnostic")),
     varies=frozenset({"cache_strategy"}),
     profiles=NEEDLES,
@@ -505,7 +505,7 @@ register(Experiment(
           "budget.",
     task="niah_single", metric="string_match", higher_is_better=True,
     # The kvpress protocol (the paper's, through kvpress's CapPress), on compactor's and curdkv's items and budget.
-    common=_HALF_BLIND,
+    common=HALF_BLIND,
     arms=(Arm("capkv", ("--cache_strategy", "capkv")),
           Arm("snapkv query-agnostic", ("--cache_strategy", "heavy_hitter")),
           Arm("expected attention", ("--cache_strategy", "expected_attention"))),

@@ -1,4 +1,5 @@
-"""The scoring rules' claims (TOVA, K-norm, KeyDiff, Q-Filters, CriticalKV, ChunkKV, Ada-KV, Expected Attention):
+"""The scoring rules' claims (TOVA, K-norm, KeyDiff, Q-Filters, CriticalKV, ChunkKV, Ada-KV, Expected Attention,
+R-KV, LagKV):
 each against the rule its paper measures itself against, declared as experiments.py declares the others (and
 registered into the same EXPERIMENTS when experiments.py loads).
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from eval.reproduce.experiments import (
     FIDELITY_EXTRAS,
+    HALF_BLIND,
+    NEEDLES,
     PROFILED_PROMPT,
     SHORT_WINDOWS,
     Arm,
@@ -187,4 +190,47 @@ register(Experiment(
            "scores.",
            "The query statistics are of the last 64 post-RoPE prompt queries (strategies/expected_attention.py says "
            "how this differs from kvpress's pre-RoPE statistics)."),
+))
+
+register(Experiment(
+    name="rkv",
+    paper="R-KV (Cai et al., arXiv 2505.24133)",
+    claim="Subtracting each token's redundancy (its key's mean cosine similarity to the other held keys) from its "
+          "attention keeps the next-token distribution closer to the full cache than the attention alone, at the "
+          "same budget, the prompt compressed and then decoded under eviction.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=FIFTH,
+    arms=(Arm("redundancy-aware", ("--cache_strategy", "rkv")),
+          Arm("attention only", ("--cache_strategy", "tova"))),
+    comparisons=(Comparison("redundancy-aware", "attention only"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    notes=("rkv's importance is TOVA's score (the latest query's attention), so the control is tova: the comparison "
+           "isolates the redundancy term (λ 0.5, the default).",
+           "The paper's claim is for reasoning models' long chains of thought, which repeat themselves (DeepSeek-R1 "
+           "distillations on math); this is pydoc text on the bundled instruct model, and its redundancy term is "
+           "the plain mean similarity (strategies/rkv.py says how it differs)."),
+))
+
+register(Experiment(
+    name="lagkv",
+    paper="LagKV (Liang et al., arXiv 2504.04704)",
+    claim="Scoring each token by how its key and value stand out against the next partition's range, reading no "
+          "attention, retrieves a needle more often than SnapKV's and StreamingLLM's selections, at the same "
+          "budget, the context compressed before the question is seen.",
+    task="niah_single", metric="string_match", higher_is_better=True,
+    # The compactor experiment's setting: each context compressed once to half its length, the question appended
+    # whole, nothing evicted while answering.
+    common=HALF_BLIND,
+    arms=(Arm("lagkv", ("--cache_strategy", "lagkv")),
+          Arm("snapkv query-agnostic", ("--cache_strategy", "heavy_hitter")),
+          Arm("streamingllm", ("--cache_strategy", "recent_global"))),
+    comparisons=(Comparison("lagkv", "snapkv query-agnostic", "against SnapKV"),
+                 Comparison("lagkv", "streamingllm", "against StreamingLLM")),
+    varies=frozenset({"cache_strategy"}),
+    profiles=NEEDLES,
+    notes=("The paper's RULER comparison (SnapKV and StreamingLLM at several ratios) on niah_single, half of each "
+           "~512-token context; partitions of 128 tokens (--lag_size, the default) and 4 sinks.",
+           "SnapKV's window is the context's last 32 tokens (the question comes after compression), as in the "
+           "compactor experiment, whose arm this one shares."),
 ))
