@@ -265,8 +265,8 @@ def test_the_shipped_head_file_gives_the_bundled_models_layers_their_roles():
 
 
 def rkv_oracle(model, ids, lam: float):
-    """Naive R-KV: λ · the previous query's attention − (1 − λ) · the mean cosine similarity of the key to
-    every other key the head holds (the whole prompt at prefill)."""
+    """Naive R-KV: λ · the previous query's attention − (1 − λ) · the key's share of the redundancy, the softmax
+    over the held keys (the whole prompt at prefill) of each one's mean cosine similarity to the others."""
     attention = naive_attention(model, ids)
     ref_k, _ = reference_kv(model, ids)
 
@@ -275,16 +275,19 @@ def rkv_oracle(model, ids, lam: float):
         dot = sum(u * v for u, v in zip(a, b, strict=True))
         return dot / (math.sqrt(sum(u * u for u in a)) * math.sqrt(sum(v * v for v in b)))
 
+    def mean_cosine(h: int, held: set[int], x: int) -> float:
+        others = [y for y in held if y != x]
+        return sum(cosine(h, x, y) for y in others) / len(others)
+
     def score(p: int, h: int, held: set[int], x: int) -> float:
         attended = set(range(PROMPT)) if p == PROMPT else held
-        others = [y for y in held if y != x]
-        redundancy = sum(cosine(h, x, y) for y in others) / len(others)
-        return lam * attention(p - 1, attended, h, x) - (1 - lam) * redundancy
+        share = math.exp(mean_cosine(h, held, x)) / sum(math.exp(mean_cosine(h, held, y)) for y in held)
+        return lam * attention(p - 1, attended, h, x) - (1 - lam) * share
 
     return score
 
 
-@pytest.mark.parametrize("lam", [0.0, 0.5, 0.9])
+@pytest.mark.parametrize("lam", [0.0, 0.07, 0.5, 0.9])
 def test_rkv_evicts_the_lowest_importance_minus_redundancy(lam):
     model, ids, steps = evictions("rkv", "16", "--rkv_lambda", str(lam))
     score = rkv_oracle(model, ids, lam)
@@ -315,6 +318,27 @@ def test_rkv_redundancy_is_the_mean_cosine_to_the_other_held_keys():
             others = [y for y in range(7) if y != x and (mask is None or mask[b, h, y])]
             want = sum(cosine(keys[b, h, x], keys[b, h, y]) for y in others) / max(len(others), 1)
             assert got[b, h, x].item() == pytest.approx(want, abs=1e-6), (b, h, x)
+
+
+def test_rkv_redundancy_share_is_the_softmax_over_the_held_keys():
+    """The share sums to 1 over each head's held keys, is 0 elsewhere, and orders them as their mean cosines; a head
+    holding nothing gets zeros, not NaNs."""
+    from strategies.rkv import redundancy, redundancy_share
+
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 3, 6, 4, generator=g)
+    held = torch.rand(2, 3, 6, generator=g) > 0.4
+    held[0, 0] = False
+    held[1, 1] = True
+    share, mean = redundancy_share(keys, held), redundancy(keys, held).double()
+    for b, h in itertools.product(range(2), range(3)):
+        slots = [x for x in range(6) if held[b, h, x]]
+        total = sum(math.exp(mean[b, h, y]) for y in slots)
+        for x in range(6):
+            want = math.exp(mean[b, h, x]) / total if x in slots else 0.0
+            assert share[b, h, x].item() == pytest.approx(want, abs=1e-6), (b, h, x)
+    assert torch.equal(share[0, 0], torch.zeros(6))
+    assert torch.allclose(redundancy_share(keys, None).sum(-1), torch.ones(2, 3))
 
 
 def test_rkv_lambda_one_is_tova():
