@@ -206,10 +206,11 @@ register(Experiment(
     varies=frozenset({"cache_strategy"}),
     profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
     notes=("rkv's importance is TOVA's score (the latest query's attention), so the control is tova: the comparison "
-           "isolates the redundancy term (λ 0.5, the default).",
+           "isolates the redundancy term (λ 0.07, the default, the reference code's).",
            "The paper's claim is for reasoning models' long chains of thought, which repeat themselves (DeepSeek-R1 "
            "distillations on math); this is pydoc text on the bundled instruct model, and its redundancy term is "
-           "the plain mean similarity (strategies/rkv.py says how it differs)."),
+           "the softmax share of the mean similarity without the reference code's zeroing of each key's newest "
+           "near-copy (strategies/rkv.py says how it differs)."),
 ))
 
 register(Experiment(
