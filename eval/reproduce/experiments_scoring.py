@@ -88,8 +88,9 @@ register(Experiment(
     comparisons=(Comparison("keydiff", "streamingllm"),),
     varies=frozenset({"cache_strategy", "recent_window"}),
     profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
-    notes=("KeyDiff is measured in the paper on LongBench with blocks of a long prompt against StreamingLLM and "
-           "attention-based rules; here decode-time eviction on pydoc text against the attention-free baseline.",
+    notes=("KeyDiff's paper compares eviction rules on LongBench, a long prompt processed in blocks under a fixed "
+           "cache; here decode-time eviction on pydoc text against StreamingLLM, the attention-free rule every "
+           "eviction paper compares with.",
            "Both keep the 4 sinks; keydiff also protects its 10 newest tokens, all recent_global holds beyond the "
            "sinks is its window."),
 ))
@@ -169,7 +170,8 @@ register(Experiment(
     notes=("The paper's setting is prompt compression on LongBench (Ada-SnapKV against SnapKV); here a 128-token "
            "prompt of pydoc text compressed to a fifth of the window by SnapKV's rule, each head then evicting "
            "within its own quota while 96 positions are decoded.",
-           "Each head keeps at least --adakv_floor (default 0.2, the paper's α) of a uniform head's budget."),
+           "Each head keeps at least --adakv_floor (default 0.2, the safeguard α of Ada-KV's code and kvpress) of a "
+           "uniform head's budget."),
 ))
 
 register(Experiment(
