@@ -129,7 +129,7 @@ class KVCache(ChunkedPrefill, nn.Module):
     needs_attention: ClassVar[bool] = False
     # Wants the token ids (prompt and each decoded token) through `observe_tokens`.
     needs_token_ids: ClassVar[bool] = False
-    # Wants the tokenizer's special/punctuation masks (strategies.hybrid.token_classes) through `configure`.
+    # Wants the tokenizer's special/punctuation masks (strategies.token_ids.token_classes) through `configure`.
     needs_token_classes: ClassVar[bool] = False
     # Wants per-token log forget gates from the model's learned gates through `observe_gates`.
     needs_gates: ClassVar[bool] = False

@@ -37,8 +37,8 @@ from errors import CliParser, UserError
 from model import ModelArgs, Transformer
 from model_policies import apply_model_layer_policies
 from strategies import get_strategy
-from strategies.hybrid import token_classes
 from strategies.kvzip import set_repeat_prompt
+from strategies.token_ids import token_classes
 from tokenizer import Tokenizer
 
 __all__ = ["attach_caches", "attach_row_caches", "build_row_caches", "cache_config", "cache_specs", "check_budgets",
@@ -104,7 +104,7 @@ def setup_caches(model: Transformer, specs: list[LayerCacheSpec], capacity_neede
                  tokenizer: Tokenizer | None = None, classes: dict[str, Tensor] | None = None,
                  batch_size: int = 1) -> None:
     """Build and attach one cache per layer from resolved specs, for `batch_size` rows of one shape (equal
-    prompt lengths); the tokenizer (or its `classes`, strategies.hybrid.token_classes) is needed by hybrid
+    prompt lengths); the tokenizer (or its `classes`, strategies.token_ids.token_classes) is needed by hybrid
     caches only. Gated caches get the model's learned gates: --gates_path, else those already attached, else
     the shipped file."""
     model.setup_caches(_build(model, specs, batch_size, capacity_needed, tokenizer, classes))

@@ -490,7 +490,7 @@ def build_caches(
     device: torch.device | str,
     token_classes: dict[str, torch.Tensor] | None = None,
 ) -> list[KVCache]:
-    """One cache per layer. `token_classes` (strategies.hybrid.token_classes) is needed by hybrid caches."""
+    """One cache per layer. `token_classes` (strategies.token_ids.token_classes) is needed by hybrid caches."""
     caches = []
     for spec in specs:
         group = min(spec.storage.q_group_size, head_dim)

@@ -357,8 +357,8 @@ def load_gguf_model(path: str | None = None, dtype: torch.dtype = torch.float32)
 
 
 def tokenizer_classes(tokenizer: object, vocab_size: int) -> dict[str, Tensor]:
-    """strategies.hybrid.token_classes for this project's tokenizer or a transformers one (same rule)."""
-    from strategies.hybrid import token_classes
+    """strategies.token_ids.token_classes for this project's tokenizer or a transformers one (same rule)."""
+    from strategies.token_ids import token_classes
 
     if not hasattr(tokenizer, "special_token_ids"):  # a transformers tokenizer: the same questions, its names
         hf = tokenizer

@@ -30,7 +30,6 @@ step writes exactly one slot per head.
 from __future__ import annotations
 
 import math
-import string
 
 import torch
 from torch import Tensor
@@ -39,6 +38,7 @@ from cache import KVCache, Setting, finite_float, grouped_mean, register_strateg
 from errors import UserError
 from kv_storage import scatter_slots
 from prompt_compression import causal_attention_blocks
+from strategies.token_ids import ReadsTokenIds
 
 COMPONENTS = ("special", "punct", "frequent", "local", "full")
 DEFAULT_HYBRID_POLICIES = ("special", "special+punct", "special+punct+frequent",
@@ -52,63 +52,6 @@ def parse_policy(policy: str) -> tuple[str, ...]:
         raise UserError(f"unknown hybrid policy component(s) {unknown or [policy]} in {policy!r}; "
                         f"components: {', '.join(COMPONENTS)}")
     return parts
-
-
-# SepLLM's separators (arXiv 2412.12094; its cache's list for Llama 3): the marks that end a clause, alone or
-# with whitespace around them, and whitespace-only tokens (spaces, newlines).
-SEPARATOR_MARKS = frozenset(".,?!;:")
-
-
-def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:
-    """Boolean masks over the vocabulary: special tokens (from the tokenizer), punctuation tokens (tokens whose
-    text is only punctuation and whitespace, with at least one punctuation mark; FastGen's) and separators
-    (one of SEPARATOR_MARKS with optional whitespace around it, or whitespace only; SepLLM's)."""
-    special = torch.zeros(vocab_size, dtype=torch.bool)
-    for i in tokenizer.special_token_ids():
-        if i < vocab_size:
-            special[i] = True
-    punct = torch.zeros(vocab_size, dtype=torch.bool)
-    separator = torch.zeros(vocab_size, dtype=torch.bool)
-    marks = set(string.punctuation)
-    for i in range(min(vocab_size, tokenizer.vocab_size)):
-        text = tokenizer.decode([i])
-        if text.strip() and all(c in marks or c.isspace() for c in text):
-            punct[i] = True
-        if text and (text.isspace() or text.strip() in SEPARATOR_MARKS):
-            separator[i] = True
-    return {"special": special, "punct": punct & ~special, "separator": separator & ~special}
-
-
-class ReadsTokenIds:
-    """Mixed in before KVCache by a strategy that reads the token ids the model is given and the tokenizer's
-    classes of them (`token_classes`): the last prompt or chunk given at once (`prompt_ids`, eager) and the token
-    a decode step, or a chunk appended token by token, inserts next (`current_token` [B, 1], a buffer, so a
-    compiled step reads it)."""
-
-    needs_token_ids = True
-    needs_token_classes = True
-    token_classes: dict[str, Tensor] | None = None  # set through configure(); moved to the cache's device
-    prompt_ids: Tensor | None = None
-
-    def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:
-        super().__init__(batch_size, *args, **kwargs)
-        self.register_buffer("current_token", torch.zeros(batch_size, 1, dtype=torch.long, device=self.pos.device))
-
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        if token_ids.shape[1] > 1:
-            self.prompt_ids = token_ids
-        else:
-            self.current_token.copy_(token_ids)
-
-    def before_chunk_token(self, i: int) -> None:
-        # A chunk's ids arrive together (observe_tokens saw T tokens): token i is inserted next.
-        self.current_token.copy_(self.prompt_ids[:, i : i + 1])
-
-    def token_class(self, name: str, ids: Tensor) -> Tensor:
-        """Whether each of `ids` is in the tokenizer's class `name` (token_classes), as bools of ids' shape."""
-        if self.token_classes is None:
-            raise UserError(f"the {self.name} cache needs token classes from the tokenizer (cache_spec.build_caches)")
-        return self.token_classes[name][ids]
 
 
 @register_strategy

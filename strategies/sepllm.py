@@ -13,7 +13,7 @@ Where this differs from SepCache: SepCache drops a window's non-separators as so
 holds the separators in a region of their own (`sep_cache_size`); this cache fills its whole budget and drops
 non-separators only when it must, so it holds at least what SepCache holds at the same total size. The
 separators are the tokens whose text is one of . , ? ! ; : with whitespace around it, or whitespace only
-(strategies.hybrid.token_classes), as SepCache's list for Llama 3; the tokenizer's special tokens are not
+(strategies.token_ids.token_classes), as SepCache's list for Llama 3; the tokenizer's special tokens are not
 separators (the first token is a sink anyway). The paper trains models to compress segments into their
 separators; this is its training-free setting, on models never trained for it.
 """
@@ -26,7 +26,7 @@ from torch import Tensor
 from cache import KVCache, register_strategy
 from errors import UserError
 from kv_storage import scatter_slots
-from strategies.hybrid import ReadsTokenIds
+from strategies.token_ids import ReadsTokenIds
 
 
 @register_strategy

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from generate import chunked_prefill, decode_one_token, prefill
-from strategies.hybrid import token_classes
+from strategies.token_ids import token_classes
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     GLOBAL,
