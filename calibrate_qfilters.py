@@ -5,9 +5,10 @@
 
 Each text window is prefilled through the model with capture caches (strategies/kvzip.capture_queries),
 which read every layer's queries after RoPE and the model's query scale, exactly as attention uses them.
-Per (layer, KV head) the queries of the group's query heads are stacked over all windows, and the filter
-is their first right singular vector (the top eigenvector of the summed Gram matrix Σ q qᵀ, the same
-vector), oriented so that the queries' mean projection on it is positive (arXiv 2503.02812).
+Per (layer, query head) the queries are stacked over all windows; each head's first right singular vector
+(the top eigenvector of the summed Gram matrix Σ q qᵀ, the same vector) is oriented so that the queries'
+mean projection on it is positive, and a KV head's filter is the mean of its query heads' (arXiv
+2503.02812, as the authors' make_filters).
 
 Data: --windows evenly spaced --seq_len windows of the training split of train_gates.py (CPython's
 documentation), so benchmarks on its held-out split stay unseen. The result is deterministic for the same
@@ -27,7 +28,7 @@ from checkpoint import add_checkpoint_argument
 from errors import CliParser, run_cli
 from flag_types import THREADS, count
 from strategies.kvzip import capture_queries
-from strategies.qfilters import QFILTERS_DIR, principal_directions, query_moments
+from strategies.qfilters import QFILTERS_DIR, group_directions, query_moments
 from train_gates import start_calibration
 
 
@@ -49,14 +50,14 @@ def query_filters(model, windows: list[torch.Tensor]) -> list[list[list[float]]]
     total: list[torch.Tensor | None] = [None] * len(model.layers)
 
     def observe(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        g, s = query_moments(q, n_kv)
+        g, s = query_moments(q)
         gram[layer] = g.sum(0) if gram[layer] is None else gram[layer] + g.sum(0)
         total[layer] = s.sum(0) if total[layer] is None else total[layer] + s.sum(0)
 
     with torch.inference_mode(), capture_queries(model, observe):
         for ids in windows:
             model(ids, torch.arange(ids.shape[1]), last_logits_only=True)
-    return [[[round(float(x), 6) for x in head] for head in principal_directions(g, s)]
+    return [[[round(float(x), 6) for x in head] for head in group_directions(g, s, n_kv)]
             for g, s in zip(gram, total, strict=True)]
 
 
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> Path:
     payload = {
         "model": name, "n_layer": model.args.n_layer, "n_kv_head": model.args.n_kv_head,
         "head_dim": model.args.head_dim,
-        "measure": "first right singular vector of each KV group's queries (after RoPE), oriented by their mean",
+        "measure": "mean over a KV group's query heads of each one's first right singular vector of its queries "
+                   "(after RoPE), oriented by their mean",
         "windows": chosen, "seq_len": args.seq_len, "filters": filters,
     }
     write_json_atomic(out, payload, args.overwrite)

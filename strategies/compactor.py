@@ -32,8 +32,11 @@ Where this differs from the paper (and from kvpress's press):
   hidden states; leverage is not rotation-invariant per position, so scores differ from pre-RoPE ones.
 - Statistics leave out the sinks but include the recent window (whose tokens become candidates at decode);
   kvpress's press leaves out its first 8 and last 4 tokens.
-- Attention scaled by 1/√d (softmax of q·k/√d, as the layer's own attention); each head's scores
-  z-normalised over its own tokens.
+- Each head's scores z-normalised over its own tokens (kvpress and the authors' code normalise over every
+  head and token of the layer together); the last, partial chunk is a softmax over its own keys from its own
+  queries (kvpress pads it).
+The attention logits are q·k unscaled (no 1/√d), as kvpress's non-causal attention and the authors' engine
+(softmax scale 1): a sharper distribution than the layer's own attention, which the z-score does not undo.
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ def leverage(keys: Tensor, mean: Tensor, whiten: Tensor) -> Tensor:
 
 
 def chunk_attention(q: Tensor, k: Tensor, chunk: int) -> Tensor:
-    """Non-causal attention within consecutive chunks of `chunk` tokens, summed over each chunk's queries and
-    averaged over the query heads of each KV group: q [B, n_head, n, d], k [B, n_kv, n, d] -> [B, n_kv, n]
-    float32. The last chunk holds the remainder (a softmax over its own keys only)."""
+    """Non-causal attention within consecutive chunks of `chunk` tokens (logits q·k, unscaled: the module
+    docstring), summed over each chunk's queries and averaged over the query heads of each KV group:
+    q [B, n_head, n, d], k [B, n_kv, n, d] -> [B, n_kv, n] float32. The last chunk holds the remainder (a
+    softmax over its own keys only)."""
     B, n_head, n, d = q.shape
     n_kv = k.shape[1]
     rep = n_head // n_kv
@@ -95,7 +99,7 @@ def chunk_attention(q: Tensor, k: Tensor, chunk: int) -> Tensor:
     per_block = max(1, block_elements(q.device) // (B * n_head * chunk * chunk))
     for first in range(0, n_chunks, per_block):
         block = slice(first, first + per_block)
-        logits = qs[:, :, :, block] @ ks[:, :, :, block].transpose(-1, -2) / math.sqrt(d)
+        logits = qs[:, :, :, block] @ ks[:, :, :, block].transpose(-1, -2)
         logits = logits.masked_fill(~real[block, None, :], float("-inf"))
         probs = logits.softmax(dim=-1) * real[block, :, None]  # padded queries give nothing
         out[:, :, block] = probs.sum(dim=-2).mean(dim=2)

@@ -11,9 +11,11 @@ query's, per KV group) and the score of a held token is a_i · ‖v_i‖₂.
 - Prompt: the last prompt query's attention times the norms of the prompt's values.
 
 Where this differs from the paper:
-- ‖v_i‖ instead of ‖W_o v_i‖: a cache receives K/V but not the layer's output projection (the patch that
-  passes W_o is in the report that introduced this file); for a W_o close to a scaled orthogonal map the
-  two rank alike.
+- ‖v_i‖₂ instead of ‖W_o v_i‖₁ (the paper's bound and its code take the ℓ1 norm of the projected value): a
+  cache receives K/V but not the layer's output projection; for a W_o close to a scaled orthogonal map
+  ‖W_o v‖₁ is on average proportional to ‖v‖₂ (not to ‖v‖₁), so the two rank alike.
+- No ε: kvpress's CriticalKVPress ranks by (a_i + 10⁻⁴)·‖W_o v_i‖, which orders tokens whose attention is
+  below ~10⁻⁴ by their value norm alone; the paper's bound has none.
 - One query (TOVA's latest) instead of SnapKV's observation window, and one stage: the paper first keeps
   the top attention tokens, then re-ranks by the bound; the product alone is its second stage.
 - The prompt rule needs the prompt's values, which reach a cache's own prefill only: another cache using

@@ -17,7 +17,10 @@ Where this differs from kvpress, and why:
   positions. A cache here receives queries after RoPE and not the model's rotation tables, so the
   statistics are of the post-RoPE queries of the window: their rotation is averaged over the W positions
   just before the future ones (the same damping of fast-rotating pairs, slow pairs at their current
-  angle), not over the future positions themselves.
+  angle), not over the future positions themselves. kvpress's statistics are of every prompt query but the
+  first 4 (rotated away from their positions); post-RoPE statistics of the whole prompt would average
+  rotations the next queries do not have, so here the window W nearest them (a prompt of at most W tokens:
+  every query, the sinks' too).
 - kvpress averages the per-head softmaxes over a group and multiplies by ‖v‖; here the statistics are
   averaged over the group (one expected query per KV head: buffers sized without the number of query
   heads, which a cache does not know before the prompt) and values are not used, because the prompt rule

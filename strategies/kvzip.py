@@ -3,9 +3,10 @@ Reconstruction", arXiv 2505.23416).
 
 A KV pair matters if the model needs it to reproduce the context. KVzip feeds the model the context, a
 "repeat the previous context" prompt and the context again, and scores each context KV pair by the
-largest attention it receives from the queries of that repetition: the maximum over those queries and
-over the query heads of its KV group. The scores do not depend on any later question, so one compressed
-cache serves every query on the same context.
+largest attention it receives from the queries of that repetition (the prompt's and the repeated context's,
+as the paper's and kvpress's code: every row of the repeat input): the maximum over those queries and over
+the query heads of its KV group. The scores do not depend on any later question, so one compressed cache
+serves every query on the same context.
 
 The scores need a model-level pass (a layer's reconstruction queries come from the hidden states of the
 reconstruction sequence at the layers below), so they cannot come from one layer's prompt rule:
@@ -23,15 +24,22 @@ causal queries), so the strategy runs, and is tested, everywhere a prompt rule r
   max over the step's query heads of its group), and the lowest is evicted when the cache is full. A
   budget of the compressed prompt + the new tokens (the kvpress protocol) never evicts at decode, which
   is the paper's setting; a smaller one continues the score rather than switching rules.
+- Chunked scoring (`--kvzip_chunk` C > 0), the paper's chunking of long contexts as its code does it: the
+  context is reconstructed C tokens at a time; the pass of chunk [s, e) reads the context, a prompt (the
+  first chunk's `REPEAT_PROMPT`; a later one's `REPEAT_PART_PROMPT` followed by the previous chunk's last
+  `PREVIOUS_TAIL` tokens), `REPEAT_SUFFIX` and the chunk, and scores the chunk's tokens only, each query's
+  softmax taken over the first `SCORING_SINKS` tokens, the chunk and the repeat input (the rest of the
+  context is left out of the scores, not of the pass). C = 0 reconstructs the whole context at once, which
+  needs 2·T + |prompt| ≤ the model's context.
 
 Where this differs from the paper:
-- The repeat prompt is plain text (`REPEAT_PROMPT`, tokenized without the chat template the paper wraps
-  it in); without a tokenizer (set_repeat_prompt was not called) the context is repeated directly.
-- Chunked scoring (`--kvzip_chunk` C > 0): the context is reconstructed C tokens at a time, each chunk after
-  the whole context + the prompt, a token's score its maximum over the chunks (the paper's chunking, whose
-  chunk passes reuse the context's KV; here each pass re-runs the context, so costs n/C context passes, the
-  last of which also prefills).
-  C = 0 reconstructs the whole context at once, which needs 2·T + |prompt| ≤ the model's context.
+- The repeat prompt is plain text (tokenized without the chat template the paper wraps it in); without a
+  tokenizer (set_repeat_prompt was not called) the context is repeated directly (a later chunk still after
+  the previous one's tail).
+- The chunks' passes each re-run the context (the paper's reuse its KV): T/C context passes, the last of
+  which also prefills.
+- Each layer keeps its own budget (the paper and kvpress rank every layer's and head's scores together by
+  default, so layers get different budgets; here caches are sized per layer before the prompt).
 - Full causal attention is scored in every layer, sliding-window layers too (those keep the window
   policy anyway, model_policies.py); pooled caches (--budget_allocation adakv) pick (head, token) pairs
   from the same per-head scores.
@@ -41,6 +49,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -50,7 +60,14 @@ from errors import UserError
 from kv_storage import scatter_slots
 from prompt_compression import causal_attention_blocks
 
-REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+# The reconstruction's prompts, as the paper's code words them; the suffix stands where its chat template ends the
+# user's turn. A later chunk's prompt ends with the previous chunk's last PREVIOUS_TAIL tokens: where to start.
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+REPEAT_PART_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+REPEAT_SUFFIX = "\n\n"
+PREVIOUS_TAIL = 8
+# The context's first tokens every chunk's scores are normalised over besides the chunk (kvpress's n_sink).
+SCORING_SINKS = 4
 
 CHUNK = Setting("kvzip_chunk", 0, low=0, prompt_rule=True,
                 help="reconstruct the context this many tokens at a time when scoring it (0: all at once)")
@@ -155,16 +172,50 @@ class ScoringPrefillCache(CaptureCache):
         self.cache.prefill(input_pos[:n], k[:, :, :n], v[:, :, :n], q[:, :, :n], **stored)
 
 
-def reconstruction_scores(model, context: Tensor, repeat_ids: list[int] | tuple[int, ...] = (),
+@dataclass(frozen=True)
+class RepeatPrompts:
+    """The token ids of the reconstruction's prompts (REPEAT_PROMPT, REPEAT_PART_PROMPT, REPEAT_SUFFIX; empty
+    without a tokenizer: the context repeated directly)."""
+
+    first: tuple[int, ...] = ()
+    later: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+    def before_chunk(self, context: Tensor, start: int, step: int) -> Tensor:
+        """[B, n]: what the pass reads between the context [B, T] and its chunk [start, start + step)."""
+        B = context.shape[0]
+        ids = partial(torch.tensor, dtype=context.dtype, device=context.device)
+        if start == 0:
+            head = ids(list(self.first)).view(1, -1).expand(B, -1)
+        else:
+            tail = context[:, start - min(step, PREVIOUS_TAIL) : start]  # the previous chunk's last tokens
+            head = torch.cat([ids(list(self.later)).view(1, -1).expand(B, -1), tail], dim=1)
+        return torch.cat([head, ids(list(self.suffix)).view(1, -1).expand(B, -1)], dim=1)
+
+
+def chunk_scores(q: Tensor, k: Tensor, T: int, start: int, end: int) -> Tensor:
+    """[B, n_kv, end − start]: KVzip's scores of the context tokens [start, end) from one pass over context (T
+    tokens) + repeat input (the rows after T): the largest attention each receives from a repeat-input query
+    (and any query head of its KV group), each query's softmax over the first SCORING_SINKS tokens, the chunk
+    and the repeat input up to itself (kvpress's subsampled keys; the whole sequence when the chunk is the
+    whole context)."""
+    sinks = min(SCORING_SINKS, start)
+    if sinks == start and end == T:  # nothing left out: the sequence as it is
+        return max_attention_received(q, k, T, T)
+    kept = torch.cat([torch.arange(sinks), torch.arange(start, end), torch.arange(T, k.shape[2])]).to(k.device)
+    first = sinks + end - start  # the rows from here on are the repeat input's, in order
+    return max_attention_received(q[:, :, kept], k[:, :, kept], first, first)[..., sinks:]
+
+
+def reconstruction_scores(model, context: Tensor, prompts: RepeatPrompts = RepeatPrompts(),
                           chunk: int = 0) -> list[Tensor]:
-    """KVzip's scores of every context token at every layer, [B, n_kv, T] each: the model reads
-    context + repeat_ids + context[s:e] for each chunk [s, e) of `chunk` tokens (0: one chunk of all T), and
-    a context key's score is the largest attention any query of the repeated chunk (and any query head of
-    its KV group) gives it, maximised over the chunks. The model's caches are left as they were."""
-    return reconstruction_passes(model, context, repeat_ids, chunk)[0]
+    """KVzip's scores of every context token at every layer, [B, n_kv, T] each: for each chunk [s, e) of
+    `chunk` tokens (0: one chunk of all T) the model reads context + the chunk's prompt + context[s:e], and
+    the chunk's tokens are scored by `chunk_scores`. The model's caches are left as they were."""
+    return reconstruction_passes(model, context, prompts, chunk)[0]
 
 
-def reconstruction_passes(model, context: Tensor, repeat_ids: list[int] | tuple[int, ...] = (), chunk: int = 0,
+def reconstruction_passes(model, context: Tensor, prompts: RepeatPrompts = RepeatPrompts(), chunk: int = 0,
                           users: list[tuple[int, KVCache]] | None = None) -> tuple[list[Tensor], Tensor | None]:
     """The passes of `reconstruction_scores`: (the scores, None). With `users` ((layer, cache) pairs of the
     caches using the rule), the last pass also prefills the model's caches with the context, each user with its
@@ -173,25 +224,25 @@ def reconstruction_passes(model, context: Tensor, repeat_ids: list[int] | tuple[
     the logits of the context's last token [B, vocab])."""
     B, T = context.shape
     step = chunk or T
-    longest = T + len(repeat_ids) + min(step, T)
+    starts = range(0, T, step)
+    inputs = [torch.cat([prompts.before_chunk(context, s, step), context[:, s : s + step]], dim=1) for s in starts]
+    longest = T + max(x.shape[1] for x in inputs)
     if longest > model.args.context_length:
         raise UserError(f"KVzip's reconstruction of a {T}-token context needs {longest} positions, more than the "
                         f"model's {model.args.context_length}: set --kvzip_chunk")
-    repeat = torch.tensor(list(repeat_ids), dtype=context.dtype, device=context.device).view(1, -1).expand(B, -1)
     scores: list[Tensor | None] = [None] * len(model.layers)
-    piece_length = [0]
+    span = [0, T]
 
     def observe(layer: int, q: Tensor, k: Tensor) -> None:
-        best = max_attention_received(q, k, q.shape[2] - piece_length[0], T)
-        scores[layer] = best if scores[layer] is None else torch.maximum(scores[layer], best)
+        if scores[layer] is None:
+            scores[layer] = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=k.device)
+        scores[layer][..., span[0] : span[1]] = chunk_scores(q, k, T, *span)
 
-    starts = range(0, T, step)
     logits = None
     with torch.no_grad():
-        for start in starts:
-            piece = context[:, start : start + step]
-            piece_length[0] = piece.shape[1]
-            sequence = torch.cat([context, repeat, piece], dim=1)
+        for start, repeat_input in zip(starts, inputs, strict=True):
+            span[:] = [start, min(start + step, T)]
+            sequence = torch.cat([context, repeat_input], dim=1)
             positions = torch.arange(sequence.shape[1], device=context.device)
             if users is None or start != starts[-1]:
                 with capture_queries(model, observe):
@@ -200,6 +251,8 @@ def reconstruction_passes(model, context: Tensor, repeat_ids: list[int] | tuple[
             with capture_queries(model, observe, prefill=(T, users, scores)):
                 logits = model(sequence, positions, logits_at=T - 1)[:, -1]
     return scores, logits
+
+
 def rule_users(caches: list[KVCache | None]) -> list[tuple[int, KVCache]]:
     """(layer, cache) of every cache that scores its prompt by the kvzip rule, a debug cache's shadow
     included; `caches` one per layer."""
@@ -212,11 +265,14 @@ def rule_users(caches: list[KVCache | None]) -> list[tuple[int, KVCache]]:
 
 
 def set_repeat_prompt(caches: list[KVCache], tokenizer) -> None:
-    """Give the kvzip caches (one per layer) the token ids of REPEAT_PROMPT, for the reconstruction pass."""
+    """Give the kvzip caches (one per layer) the token ids of the reconstruction's prompts (`RepeatPrompts`)."""
     users = rule_users(caches)
-    ids = tuple(tokenizer.encode(REPEAT_PROMPT)) if users else ()  # no encoding when no cache uses the rule
+    if not users:  # no encoding when no cache uses the rule
+        return
+    prompts = RepeatPrompts(*(tuple(tokenizer.encode(text)) for text in (REPEAT_PROMPT, REPEAT_PART_PROMPT,
+                                                                          REPEAT_SUFFIX)))
     for _, cache in users:
-        cache.kvzip_repeat_ids = ids
+        cache.kvzip_prompts = prompts
 
 
 def users_to_score(model, prompt: Tensor) -> list[tuple[int, KVCache]]:
@@ -231,10 +287,10 @@ def users_to_score(model, prompt: Tensor) -> list[tuple[int, KVCache]]:
     return users
 
 
-def pass_settings(users: list[tuple[int, KVCache]]) -> tuple[tuple[int, ...], int]:
-    """(the repeat prompt's ids, --kvzip_chunk) of the pass: one pass serves every layer, so the first user's."""
+def pass_settings(users: list[tuple[int, KVCache]]) -> tuple[RepeatPrompts, int]:
+    """(the repeat prompts, --kvzip_chunk) of the pass: one pass serves every layer, so the first user's."""
     first = users[0][1]
-    return getattr(first, "kvzip_repeat_ids", ()), int(first.setting(CHUNK))
+    return getattr(first, "kvzip_prompts", RepeatPrompts()), int(first.setting(CHUNK))
 
 
 def reconstruct_and_prefill(model, prompt: Tensor) -> Tensor | None:

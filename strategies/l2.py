@@ -1,4 +1,8 @@
-"""`l2`: keys with a low L2 norm draw the most attention (arXiv 2406.11430)."""
+"""`l2`: keys with a low L2 norm draw the most attention (arXiv 2406.11430).
+
+Every layer is compressed, as kvpress's KnormPress; the paper's code leaves its first layers uncompressed
+(`skip_layers` 0 and 1, or more), where the norm does not predict attention: per-layer budgets do that here
+(`--max_cache_length 1.0 1.0 0.5 ...`, one value a layer)."""
 
 from __future__ import annotations
 

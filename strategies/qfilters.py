@@ -4,9 +4,11 @@ Compression", arXiv 2503.02812). Attention-free: it reads the keys only.
 Queries and keys of a head are anisotropic: they share a principal direction u, and along it the mean
 query has a fixed sign. Then ⟨q, k⟩ ≈ ⟨q, u⟩⟨k, u⟩ + the rest, and averaged over queries the attention
 logit a key gets grows with ⟨k, u⟩ when u is oriented so that the queries' mean projection is positive.
-Q-Filters computes u once per (layer, KV head) offline, as the first right singular vector of the
-head's queries (those of the query heads of the KV group, stacked) on some text, and keeps the keys with
-the largest projection ⟨k, u⟩ — no attention needed, so it runs with the fused kernels.
+Q-Filters computes u once per (layer, KV head) offline, as the first right singular vector of each query
+head's queries on some text, averaged over the query heads of the KV group (not renormalised: the authors'
+make_filters), and keeps the keys with the largest projection ⟨k, u⟩ — no attention needed, so it runs with
+the fused kernels. The average, not one vector of the group's stacked queries, whose top direction would be
+the group's most energetic head's alone.
 
 - Decode: the held key with the lowest ⟨k, u⟩ is evicted (keys as stored: dequantized on quantized
   storage). Prompt: the best `budget` prompt keys by the same projection.
@@ -18,8 +20,10 @@ the largest projection ⟨k, u⟩ — no attention needed, so it runs with the f
 Where this differs from the paper: its filters are computed on a few thousand samples of a pretraining
 corpus per model (and published for large models only); the shipped ones come from a few windows of the
 project's calibration text (see calibrate_qfilters.py) with queries after RoPE and the model's query scale,
-as attention uses them. The sign convention: u is oriented by the queries, and the score is +⟨k, u⟩
-(kvpress's QFilterPress stores the opposite orientation and negates). With --rerotate_positions the keys
+as attention uses them. The sign convention: each head's vector is oriented so that its queries' mean
+projection is positive (the authors' code takes the sign most projections have; the calibration sums
+moments over windows, which keep the mean and not the signs), and the score is +⟨k, u⟩ (kvpress's
+QFilterPress stores the opposite orientation and negates). With --rerotate_positions the keys
 are stored before RoPE, so they are projected without the rotation the direction was measured with.
 """
 
@@ -43,21 +47,21 @@ PATH = Setting("qfilters_path", None, type=str,
                     "file when it fits the model)")
 
 
-def grouped_queries(q: Tensor, n_kv: int) -> Tensor:
-    """q [B, n_head, T, D] -> [B, n_kv, rep·T, D] float32: each KV group's queries stacked as samples."""
-    B, H, T, D = q.shape
-    return q.float().reshape(B, n_kv, H // n_kv, T, D).flatten(2, 3)
-
-
-def query_moments(q: Tensor, n_kv: int) -> tuple[Tensor, Tensor]:
-    """The Gram matrix Σ q qᵀ [B, n_kv, D, D] and the sum Σ q [B, n_kv, D] of each group's queries: what
-    the principal direction needs, summable over windows (calibrate_qfilters.py)."""
-    samples = grouped_queries(q, n_kv)
+def query_moments(q: Tensor) -> tuple[Tensor, Tensor]:
+    """The Gram matrix Σ q qᵀ [B, n_head, D, D] and the sum Σ q [B, n_head, D] of each query head's queries:
+    what its principal direction needs, summable over windows (calibrate_qfilters.py)."""
+    samples = q.float()
     return samples.transpose(-1, -2) @ samples, samples.sum(dim=2)
 
 
+def group_directions(gram: Tensor, total: Tensor, n_kv: int) -> Tensor:
+    """The filter of each KV head [..., n_kv, D] from its query heads' moments [..., n_head, D, D] and
+    [..., n_head, D] (query heads grouped in order): their principal directions, averaged."""
+    return principal_directions(gram, total).unflatten(-2, (n_kv, -1)).mean(-2)
+
+
 def principal_directions(gram: Tensor, total: Tensor) -> Tensor:
-    """The first right singular vector of the stacked queries (the top eigenvector of their Gram matrix),
+    """The first right singular vector of a head's queries (the top eigenvector of their Gram matrix),
     oriented so that the queries' mean projection on it is ≥ 0: [..., D] unit vectors."""
     gram = gram.double()
     # Off the CPU, no eigensolver: a GPU's solver runs the few D × D problems one small launch sequence at a
@@ -155,7 +159,7 @@ class QFiltersCache(KVCache):
         """u of the layer, [B, n_kv, D]: the calibrated one, else the prompt queries' own."""
         if isinstance(cache, QFiltersCache) and cache.from_file:
             return cache.direction
-        return principal_directions(*query_moments(q, n_kv))
+        return group_directions(*query_moments(q), n_kv)
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
@@ -174,4 +178,4 @@ class QFiltersCache(KVCache):
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         u = self.__dict__.pop("prompt_direction", None)
         if not self.from_file:
-            self.direction.copy_(principal_directions(*query_moments(q, k.shape[1])) if u is None else u)
+            self.direction.copy_(group_directions(*query_moments(q), k.shape[1]) if u is None else u)

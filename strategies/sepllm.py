@@ -1,5 +1,5 @@
 """`sepllm`: SepLLM's cache without training (Chen et al., ICML 2025, "SepLLM: Accelerate Large Language Models by
-Compressing One Segment into One Separator", arXiv 2412.12094; kvpress's SepCache).
+Compressing One Segment into One Separator", arXiv 2412.12094; the authors' SepCache).
 
 SepLLM observes that the attention to the tokens of a segment concentrates on the separator that ends it (".",
 ",", "\\n", ...), so the separators can stand for the segments: its cache holds the initial tokens (sinks), the

@@ -8,7 +8,8 @@ and trims only the lazy layers, to the sinks and a recent window; the other laye
 Here, per row and per layer (every KV head of a layer in the same role), at prefill:
 - the attention of the prompt's last `--simlayer_last` queries (1: the decode-time variant, as kvpress's
   press), averaged over them and over the layer's query heads, is summed over the first `global_tokens` and
-  the last `recent_window` positions; the layer is lazy if that mass exceeds `--simlayer_threshold`. A prompt of
+  the last `recent_window` positions (the query's own key among them, as the authors' code; kvpress's window
+  stops one short); the layer is lazy if that mass exceeds `--simlayer_threshold`. A prompt of
   at most global_tokens + recent_window + simlayer_last tokens leaves the layer as it is (nothing to trim);
 - a lazy layer holds the sinks and the `recent_window` newest tokens: its other tokens are released when the
   next token arrives (strategies/variable_occupancy.py, as DuoAttention's streaming heads), so compression is

@@ -5,7 +5,6 @@ query), and compared with what the cache kept at prefill and evicted at every de
 
 from __future__ import annotations
 
-import math
 import statistics
 
 import pytest
@@ -34,13 +33,14 @@ def naive_leverage(keys: torch.Tensor, scored: list[int]) -> dict[int, float]:
 
 def naive_chunk_attention(q: torch.Tensor, keys: torch.Tensor, scored: list[int], chunk: int) -> dict[int, float]:
     """Σ over the queries of x's chunk (consecutive `chunk` scored positions, non-causal) of their softmax over
-    the chunk's keys, averaged over the query heads q [rep, T, d] of the group."""
+    the chunk's keys of the logits q·k (unscaled, as kvpress's and the authors' code), averaged over the query
+    heads q [rep, T, d] of the group."""
     attention = dict.fromkeys(scored, 0.0)
     for first in range(0, len(scored), chunk):
         members = scored[first : first + chunk]
         for head in q:
             for y in members:
-                logits = torch.tensor([float(head[y] @ keys[x]) / math.sqrt(keys.shape[-1]) for x in members])
+                logits = torch.tensor([float(head[y] @ keys[x]) for x in members])
                 for x, p in zip(members, torch.softmax(logits, 0).tolist(), strict=True):
                     attention[x] += p / q.shape[0]
     return attention

@@ -166,23 +166,40 @@ def test_duo_attention_settings_out_of_range_are_user_errors(tmp_path):
 
 def chunkkv_oracle(model, ids, chunk: int):
     """Naive ChunkKV over TOVA: a token's score is the sum, over the held tokens of its chunk (same
-    position // chunk), of the previous query's attention, lowered by 10⁻⁴·(pos mod chunk)/chunk of itself."""
+    position // chunk), of the previous query's attention, over the number of the chunk's positions before
+    p (kvpress's mean over a chunk; a partial chunk's over the positions it has), lowered by
+    10⁻⁴·(pos mod chunk)/chunk of itself."""
     attention = naive_attention(model, ids)
 
     def score(p: int, h: int, held: set[int], x: int) -> float:
         attended = set(range(PROMPT)) if p == PROMPT else held
         total = sum(attention(p - 1, attended, h, y) for y in held if y // chunk == x // chunk)
-        return total * (1 - 1e-4 * (x % chunk) / chunk)
+        positions = len([y for y in range(p) if y // chunk == x // chunk])
+        return total / positions * (1 - 1e-4 * (x % chunk) / chunk)
 
     return score
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 5])
-def test_chunkkv_keeps_and_evicts_whole_chunks_by_summed_attention(chunk):
+def test_chunkkv_keeps_and_evicts_whole_chunks_by_their_attention(chunk):
     model, ids, steps = evictions("chunkkv", "16", "--chunk_size", str(chunk))
     score = chunkkv_oracle(model, ids, chunk)
     assert_prompt_kept_best(steps, score)
     assert assert_evicts_lowest(steps, score) > 0
+
+
+def test_a_chunk_still_filling_ranks_by_its_mean_not_its_sum():
+    """Chunks of 4, positions 0..5 seen: the whole chunk 0 (0.2 a token: sum 0.8) ranks below the partial chunk
+    1 (0.3 a token over its two positions: sum 0.6), and after chunk 0 loses a token (sum 0.6 over its 4
+    positions) it ranks lower still."""
+    from strategies.chunkkv import chunk_scores
+
+    scores = torch.tensor([[[0.2, 0.2, 0.2, 0.2, 0.3, 0.3]]])
+    got = chunk_scores(scores, torch.arange(6).view(1, 1, 6), 4, 2, 6)
+    assert got[0, 0, :4].max() < got[0, 0, 4:].min()
+    assert torch.allclose(got[0, 0, [0, 4]], torch.tensor([0.2, 0.3]))
+    evicted = chunk_scores(scores, torch.tensor([[[0, 1, 2, -1, 4, 5]]]), 4, 2, torch.tensor([6]).view(1, 1, 1))
+    assert torch.allclose(evicted[0, 0, 0], torch.tensor(0.15)) and evicted[0, 0, 3] == 0
 
 
 def test_chunkkv_of_chunk_one_is_tova():
