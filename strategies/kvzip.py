@@ -34,8 +34,7 @@ causal queries), so the strategy runs, and is tested, everywhere a prompt rule r
 
 Where this differs from the paper:
 - The repeat prompt is plain text (tokenized without the chat template the paper wraps it in); without a
-  tokenizer (set_repeat_prompt was not called) the context is repeated directly (a later chunk still after
-  the previous one's tail).
+  tokenizer (set_repeat_prompt was not called) the context is repeated directly, every chunk right after it.
 - The chunks' passes each re-run the context (the paper's reuse its KV): T/C context passes, the last of
   which also prefills.
 - Each layer keeps its own budget (the paper and kvpress rank every layer's and head's scores together by
@@ -185,8 +184,8 @@ class RepeatPrompts:
         """[B, n]: what the pass reads between the context [B, T] and its chunk [start, start + step)."""
         B = context.shape[0]
         ids = partial(torch.tensor, dtype=context.dtype, device=context.device)
-        if start == 0:
-            head = ids(list(self.first)).view(1, -1).expand(B, -1)
+        if start == 0 or not self.later:  # without a prompt saying where to start, no tail either
+            head = ids(list(self.first if start == 0 else ())).view(1, -1).expand(B, -1)
         else:
             tail = context[:, start - min(step, PREVIOUS_TAIL) : start]  # the previous chunk's last tokens
             head = torch.cat([ids(list(self.later)).view(1, -1).expand(B, -1), tail], dim=1)

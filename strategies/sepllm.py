@@ -13,8 +13,10 @@ Where this differs from SepCache: SepCache drops a window's non-separators as so
 holds the separators in a region of their own (`sep_cache_size`); this cache fills its whole budget and drops
 non-separators only when it must, so it holds at least what SepCache holds at the same total size. The
 separators are the tokens whose text is one of . , ? ! ; : with whitespace around it, or whitespace only
-(strategies.token_ids.token_classes), as SepCache's list for Llama 3; the tokenizer's special tokens are not
-separators (the first token is a sink anyway). The paper trains models to compress segments into their
+(strategies.token_ids.token_classes): SepCache's list of Llama 3 ids (the marks alone or after a space, a
+newline, runs of spaces) written as a rule for any tokenizer, and wider: it also takes a mark with whitespace
+after it and every whitespace-only token (".\n", "\n\n" where a vocabulary has them); the tokenizer's special
+tokens are not separators (the first token is a sink anyway). The paper trains models to compress segments into their
 separators; this is its training-free setting, on models never trained for it.
 """
 

@@ -75,7 +75,7 @@ def naive_kvzip_scores(model, context: list[int], prompts: tuple[list[int], list
     best = [[[0.0] * T for _ in range(model.args.n_kv_head)] for _ in model.layers]
     for start in range(0, T, step):
         end = min(start + step, T)
-        head = first if start == 0 else later + context[max(start - step, start - 8) : start]
+        head = first if start == 0 else (later + context[max(start - step, start - 8) : start] if later else [])
         sequence = context + head + suffix + context[start:end]
         for layer, (q, k) in enumerate(naive_forward_qk(model, torch.tensor([sequence]))):
             for h in range(model.args.n_head):
@@ -88,13 +88,14 @@ def naive_kvzip_scores(model, context: list[int], prompts: tuple[list[int], list
     return best
 
 
+@pytest.mark.parametrize("prompts", [([7, 8, 9], [5, 6], [2]), ([], [], [])])
 @pytest.mark.parametrize("chunk", [0, 5, 3])
-def test_kvzip_scores_are_the_max_attention_of_the_reconstruction_queries(chunk):
+def test_kvzip_scores_are_the_max_attention_of_the_reconstruction_queries(chunk, prompts):
     """Chunks of 5 (12 tokens: a partial last chunk, the 4 sinks in the third pass) and of 3 (a tail shorter
-    than 8: the whole previous chunk); the prompts' rows count as the repeated context's."""
+    than 8: the whole previous chunk); the prompts' rows count as the repeated context's; without prompts (no
+    tokenizer) every chunk follows the context directly."""
     model = make_tiny_model()
     context = token_ids()[0, :12].tolist()
-    prompts = ([7, 8, 9], [5, 6], [2])
     scores = reconstruction_scores(model, torch.tensor([context]), RepeatPrompts(*map(tuple, prompts)), chunk)
     naive = naive_kvzip_scores(model, context, prompts, chunk)
     for layer, (got, expected) in enumerate(zip(scores, naive, strict=True)):
