@@ -52,8 +52,9 @@ from strategies import CACHE_STRATEGIES, get_strategy
 from strategies.debug import DebugCache, debug_strategy
 
 ALLOCATIONS = ("uniform", "adakv")
-# Ada-KV's safeguard: every head keeps at least this fraction of its budget (0.2 in Ada-KV's code and in
-# kvpress's AdaKVPress, `alpha_safeguard`).
+# Ada-KV's safeguard α as kvpress's AdaKVPress applies it (`alpha_safeguard`, 0.2): every head keeps at least
+# this fraction of its budget, forced in before the layer's best pairs. Ada-KV's own code blends instead: a head
+# gets (1 − α) × its share of the layer's top pairs + α × the budget.
 DEFAULT_FLOOR = 0.2
 
 _POOLED_CLASSES: dict[type[KVCache], type[KVCache]] = {}

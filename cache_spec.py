@@ -103,8 +103,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         "budget slots by score mass, chosen at prefill (Ada-KV, arXiv 2407.11550; "
                         "head-specific strategies)")
     g.add_argument("--adakv_floor", type=finite_float, default=DEFAULT_FLOOR,
-                   help="adakv: every head keeps at least this fraction of the budget (Ada-KV's and kvpress's "
-                        "safeguard alpha, 0.2)")
+                   help="adakv: every head keeps at least this fraction of the budget (Ada-KV's safeguard alpha "
+                        "as kvpress applies it, 0.2)")
     g.add_argument("--rerotate_positions", action="store_true",
                    help="RoPE positions inside the cache, as StreamingLLM: each head's held tokens at 0..n-1 in order, "
                         "the query at its rank (keys stored before RoPE); a sequence may then exceed the model's "
@@ -385,11 +385,15 @@ def tokens_from_budget(value: float, total: int, what: str) -> int:
     return int(value)
 
 
-def depth_scaled_budgets(budget: int, n_layer: int, grow: bool) -> list[int]:
-    """Budgets that change linearly with depth and sum to n_layer × budget (funnel grows, pyramid shrinks)."""
+def depth_scaled_budgets(budget: int, n_layer: int, grow: bool, cap: int | None = None) -> list[int]:
+    """Budgets that change linearly with depth and sum to n_layer × budget (funnel grows, pyramid shrinks), none
+    past `cap` (the sequence's tokens, which no layer can hold more of): where (1 + PYRAMID_SLOPE) × budget would
+    pass it, the slope flattens so that the largest layer gets cap and the smallest 2 · budget − cap, the same
+    total (kvpress's PyramidKV caps its largest layer so too); a budget of cap or more is every layer's."""
     if n_layer == 1:
         return [budget]
-    weights = [1 + PYRAMID_SLOPE * (2 * i / (n_layer - 1) - 1) * (1 if grow else -1) for i in range(n_layer)]
+    slope = PYRAMID_SLOPE if cap is None else max(0.0, min(PYRAMID_SLOPE, cap / budget - 1))
+    weights = [1 + slope * (2 * i / (n_layer - 1) - 1) * (1 if grow else -1) for i in range(n_layer)]
     budgets = [int(budget * w) for w in weights]
     # Hand the tokens lost to rounding down to the layers with the largest remainders.
     order = sorted(range(n_layer), key=lambda i: budget * weights[i] - budgets[i], reverse=True)
@@ -409,7 +413,7 @@ def resolve_cache_spec(
         if len(raw) != 1:
             raise UserError(f"--cache_length_pattern {args.cache_length_pattern} takes a single --max_cache_length")
         budget = tokens_from_budget(raw[0], total, "--max_cache_length")
-        budgets = depth_scaled_budgets(budget, n_layer, grow=args.cache_length_pattern == "funnel")
+        budgets = depth_scaled_budgets(budget, n_layer, grow=args.cache_length_pattern == "funnel", cap=total)
     else:
         budgets = [tokens_from_budget(v, total, "--max_cache_length") for v in raw]
         budgets = expand_to_layers(budgets, n_layer, args.cache_length_pattern, "--max_cache_length")

@@ -1,4 +1,5 @@
-"""Learned forget gates for the `gated` KV cache (the retention-gate form of TRIM-KV, arXiv 2512.03324).
+"""Learned forget gates for the `gated` KV cache (TRIM-KV's retention score, arXiv 2512.03324; trained in the
+forget-gate form, train_gates.py).
 
 Per layer, a linear map from the layer's attention input (the attention-normed hidden state) to one
 logit per KV head; log_gate = logsigmoid(logit) ≤ 0 is the token's log retention per step, so after

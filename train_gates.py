@@ -12,6 +12,13 @@ attention is scaled by its retention g_j^(t−j), per KV head), except for the k
     KL(teacher ‖ student) of the next-token distributions, averaged over positions
     + λ · mean over layers, KV heads and queries t of relu(R_t − M) / M
 
+Where this differs from TRIM-KV's training (arXiv 2512.03324 and its code): there the retention multiplies the
+logit itself, β_j^(t−j)·(q·k), so a decayed key tends to logit 0 (a uniform share); here it multiplies the
+key's attention weight (the log added to the logit), so a decayed key leaves the softmax, what evicting it does.
+TRIM-KV's gate is a small MLP (hidden 512) and its loss adds next-token prediction to the distillation; here a
+Linear per layer and the KL alone, and the cache's sinks and recent window are protected while training. The
+eviction score, log_gate × age, is the paper's.
+
 R_t = Σ_j g_j^(t−j) over the decayable keys is the soft number of tokens beyond the protected ones a
 cache would still hold at query t, M = --capacity the target and λ = --capacity_weight. The KL term alone
 would keep every gate at 1 (forgetting never helps the student); the capacity term makes the gates

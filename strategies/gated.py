@@ -1,5 +1,5 @@
-"""`gated`: eviction by learned per-token forget gates (the retention-gate form of TRIM-KV, arXiv 2512.03324,
-which matches the forget gates of gated and power attention).
+"""`gated`: eviction by learned per-token forget gates (TRIM-KV's retention score, arXiv 2512.03324, with gates
+trained here in the forget-gate form of gated and power attention: train_gates.py says how it differs).
 
 Each token arrives with a log forget gate per KV head (log_gate ≤ 0, from the layer's learned gate in
 gates.py, passed in by the model through `observe_gates` just before the token's K/V). Its retention

@@ -8,7 +8,7 @@ recent tokens), `frequent` (the top `hybrid_heavy_frac` of tokens by accumulated
 Then each head grows and evicts under its own policy, so heads really hold different numbers of tokens
 (the statistics report them per head).
 
-The profile follows the paper's definitions of its compression policies, the ones the decode step applies:
+The profile follows the paper's compression policies as the decode step applies them:
 
 - Locality is relative to the current token: a context token is evicted once its distance to the
   current token exceeds a window that is a ratio r_l of the sequence length. So in the profile the query
@@ -16,6 +16,8 @@ The profile follows the paper's definitions of its compression policies, the one
   the window the decode step keeps when that query is the newest token (seen = i + 1). One set of keys
   for all queries (the last r_l of the prompt) would credit the early queries with keys they cannot see
   and send heads that attend locally to `full`. After the prompt the cache keeps the last query's window.
+  This is our reading: the paper states r_l as a ratio of the input sequence's length, and cold-compress's
+  FastGen gives every profiled query a window of r_l·T (and r_l × the budget while decoding).
 - Frequency is the cumulative sum of the attention each token has received (the paper's "token
   frequency", H2O's accumulated attention), one rank everywhere: the profile and the prefill rank the
   prompt's tokens by the attention summed over the prompt's queries, decode continues that sum with each

@@ -18,6 +18,11 @@ attention of the uncompressed model).
   same last prompt query (decode's "previous query"). Releasing at prefill would make the prompt rule
   differ from the decode rule.
 - A new token is never judged before a query has attended to it (its score starts at +∞ relative).
+
+Where this differs from DMS and KVzap beyond the score: they judge a token once (DMS: its learned decision, from
+its own hidden state, applied when it leaves a 128-token sliding window), where here every held token is judged
+again by each step's query, so a token survives only while every query gives it its share; the window is
+`--recent_window`.
 """
 
 from __future__ import annotations

@@ -54,6 +54,20 @@ def test_funnel_and_pyramid_keep_the_total_of_tile(n_layer, budget):
         assert pyramid == sorted(pyramid, reverse=True) and pyramid[0] > pyramid[-1]
 
 
+@pytest.mark.parametrize("budget", ["0.7", "0.8", "0.95", "1.0"])
+@pytest.mark.parametrize("pattern", ["funnel", "pyramid"])
+def test_depth_scaled_budgets_near_the_whole_sequence_keep_the_total_and_fit_it(budget, pattern):
+    """Past 2/3 of the sequence, 1.5 × the mean would not fit: the largest layer holds the whole sequence, the
+    smallest the rest of the total, and the total is tile's (not cut by clipping each layer to the sequence)."""
+    flat = spec("--cache_strategy", "tova", "--max_cache_length", budget, n_layer=30)
+    scaled = spec("--cache_strategy", "tova", "--max_cache_length", budget, "--cache_length_pattern", pattern,
+                  n_layer=30)
+    lengths = [s.max_cache_length for s in scaled]
+    assert sum(lengths) == sum(s.max_cache_length for s in flat)
+    assert max(lengths) <= 1000 and (budget == "1.0" or max(lengths) == 1000)
+    assert lengths == sorted(lengths, reverse=pattern == "pyramid")
+
+
 def test_funnel_spec_total_matches_tile():
     flat = spec("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25")
     funnel = spec("--cache_strategy", "heavy_hitter", "--max_cache_length", "0.25", "--cache_length_pattern", "funnel")
