@@ -157,8 +157,12 @@ def export_run(run_dir: Path, to: Path, model: str | None = None, press_name: st
 
 def _prediction_frame(rows: list[dict], benchmark: str, ratio: float) -> pd.DataFrame:
     answer = "answer" if benchmark == "ruler" else "answers"  # the two hub copies' column names
+    # LongBench's classification tasks (trec, lsht) are scored against the dataset's classes: kept, as kvpress keeps
+    # every column but the context, so an exported run rescores on import.
+    has_classes = any("all_classes" in r for r in rows)
+    classes = {"all_classes": [r.get("all_classes") or "" for r in rows]} if has_classes else {}
     return pd.DataFrame({
-        "question": [r["question"] for r in rows], "answer_prefix": [r["answer_prefix"] for r in rows],
+        **classes, "question": [r["question"] for r in rows], "answer_prefix": [r["answer_prefix"] for r in rows],
         answer: [r["answers"] for r in rows], "task": [r["task"] for r in rows],
         "max_new_tokens": [r["max_new_tokens"] for r in rows], "predicted_answer": [r["prediction"] for r in rows],
         "compression_ratio": ratio,  # kvpress writes the press's nominal ratio
@@ -171,7 +175,7 @@ def kvpress_metrics(rows: list[dict], benchmark: str) -> dict | float:
     per_task: dict[str, list[float]] = {}
     for r in rows:
         per_task.setdefault(r["task"], []).append(r[SCORE] / 100)
-    scores = {t: scorers.task_score(v) for t, v in sorted(per_task.items())}
+    scores = {t: scorers.task_score(t, v) for t, v in sorted(per_task.items())}
     if benchmark == "ruler":
         return {t: {METRIC: s} for t, s in scores.items()}
     (score,) = scores.values()
@@ -287,7 +291,7 @@ def rescored(path: Path, benchmark: str) -> tuple[list[dict], dict[str, float]] 
         per_task.setdefault(r["task"], []).append(value)
         rows.append({"index": int(i), "task": r["task"], "answers": refs, "prediction": r["predicted_answer"],
                      SCORE: 100 * value})
-    return rows, {t: scorers.task_score(v) for t, v in per_task.items()}
+    return rows, {t: scorers.task_score(t, v) for t, v in per_task.items()}
 
 
 def imported_metrics(path: Path, config: dict, model: str | None) -> tuple[dict, list[dict]]:

@@ -11,7 +11,8 @@ re-implemented: the Chinese QA and summarisation datasets are refused rather tha
 kvpress (NVIDIA/kvpress `evaluation/benchmarks/{ruler,longbench}/calculate_metrics.py`) differs in two
 places: it deletes control characters from RULER predictions (RULER turns them into newlines, so a
 reference split by one matches only under kvpress), and its LongBench scorer strips all leading whitespace
-before taking the first line (LongBench strips newlines only; its LongBench-E scorer does too).
+from every prediction (LongBench strips newlines, before taking the first line of the datasets it cuts so;
+its LongBench-E scorer does the same as LongBench's).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def ruler_score(task: str, predictions: Sequence[str], references: Sequence[Sequ
                 flavor: str = "original") -> float:
     """A task's score as RULER reports it: the mean item score x100, rounded to 2 decimals."""
     items = _paired(predictions, references, task)
-    return round(100 * sum(ruler_item_score(task, p, r, flavor) for p, r in items) / len(items), 2)
+    return task_score(task, [ruler_item_score(task, p, r, flavor) for p, r in items])
 
 
 # ---- LongBench: the per-dataset metrics (LongBench/metrics.py) ----------------------------------------
@@ -296,12 +297,14 @@ def item_score(task: str, prediction: str, references: Sequence[str], all_classe
     return longbench_item_score(task, prediction, references, all_classes, flavor)
 
 
-def task_score(item_scores: Sequence[float]) -> float:
-    """A task's reported score from its item scores in [0, 1], as both originals and kvpress compute it:
-    sum / count x 100, rounded to 2 decimals."""
+def task_score(task: str, item_scores: Sequence[float]) -> float:
+    """A task's reported score from its item scores in [0, 1], rounded to 2 decimals, in its benchmark's order
+    of operations (they differ in the last digit at exact ties): RULER and kvpress's RULER sum / count x 100,
+    LongBench's eval.py 100 x sum / count."""
     if not item_scores:
         raise UserError("no items to score")
-    return round(sum(item_scores) / len(item_scores) * 100, 2)
+    total, n = sum(item_scores), len(item_scores)
+    return round(100 * total / n if benchmark_of(task) == "longbench" else total / n * 100, 2)
 
 
 # ---- shared checks --------------------------------------------------------------------------------------

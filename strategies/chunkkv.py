@@ -36,7 +36,7 @@ from cache import KVCache, Setting, register_strategy, row_positions
 from strategies.tova import TovaCache
 
 CHUNK = Setting("chunk_size", 10, low=1, help="tokens per chunk (consecutive positions kept or evicted together)")
-TIE = 1e-4  # within-chunk tie-break, far below the gaps between chunk sums that matter
+TIE = 1e-4  # within-chunk tie-break, far below the gaps between chunk scores that matter
 
 
 def chunk_scores(scores: Tensor, pos: Tensor, chunk: int, n_chunks: int, end: int | Tensor) -> Tensor:

@@ -267,6 +267,13 @@ def test_longbench_rows_export_one_kvpress_directory_per_task(tiny_dir, tmp_path
     for name, task in zip(names, ("passage_count", "trec"), strict=True):
         assert json.loads((tmp_path / "kv" / name / "metrics.json").read_text()) == ours[f"score_{task}"]
         assert "answers" in pd.read_csv(tmp_path / "kv" / name / "predictions.csv")
+    # trec's classes travel with its predictions, so the import rescores it (they were dropped once: the import
+    # then refused the exported directory).
+    back = tmp_path / "back"
+    kvpress_runs.main(["import", str(tmp_path / "kv"), "--out_dir", str(back)])
+    table = read_results(back / "results.csv").set_index("imported_from")
+    assert table.loc[names[1], "score_trec_rescored"] == ours["score_trec"]
+    assert table.loc[names[0], "score_passage_count_rescored"] == ours["score_passage_count"]
 
 
 def hub_offline(monkeypatch, cache: Path) -> None:

@@ -235,7 +235,10 @@ def test_item_score_dispatches_on_the_task_name_and_refuses_unknown_ones():
     assert benchmark_of("qasper_e") == "longbench" and benchmark_of("squad") is None
     assert item_score("hotpotqa", "the Paris", ["Paris"]) == 1.0  # qa_f1 after normalisation
     assert task_metric("lcc") == "code_sim_score"
-    assert task_score([1.0, 0.0, 0.5]) == 50.0 and task_score([1 / 3]) == 33.33
+    assert task_score("hotpotqa", [1.0, 0.0, 0.5]) == 50.0 and task_score("qa_2", [1 / 3]) == 33.33
+    # 23 of 160 at the rounding tie: RULER's sum / n x 100 (14.374999...) and LongBench's 100 x sum / n (14.375).
+    hits = [1.0] * 23 + [0.0] * 137
+    assert task_score("vt", hits) == 14.37 and task_score("passage_count", hits) == 14.38
     with pytest.raises(UserError, match="unknown task 'squad'"):
         task_metric("squad")
     with pytest.raises(ValueError, match="flavor"):

@@ -199,9 +199,11 @@ class KvpressDataset(GenerationTask):
             ex = row.example
             question, prefix = (ex.question, newline + ex.answer_prefix) if after else (ex.question + newline,
                                                                                       ex.answer_prefix)
+            # The classes go into the predictions so an exported run rescores (kvpress's predictions.csv keeps them).
+            classes = {"all_classes": row.all_classes} if row.all_classes else {}
             out.append(Example(ex.context, question, prefix, answers=ex.answers,
                                meta={"task": row.task, "question": ex.question, "answer_prefix": ex.answer_prefix,
-                                     "max_new_tokens": self.options["max_new_tokens"]}))
+                                     "max_new_tokens": self.options["max_new_tokens"], **classes}))
         return out
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
@@ -240,7 +242,7 @@ def merged_result(results: list[tuple[str, TaskResult]]) -> TaskResult:
         timings.step_seconds += result.timings.step_seconds
     for p in predictions:
         per_task.setdefault(p["task"], []).append(p[SCORE] / 100)
-    task_scores = {score_key(t): scorers.task_score(v) for t, v in per_task.items()}
+    task_scores = {score_key(t): scorers.task_score(t, v) for t, v in per_task.items()}
     context_ratio = [1 - p["context_budget"] / len(it["context_ids"]) for p, it in zip(predictions, items,
                                                                                         strict=True)]
     for p, ratio in zip(predictions, context_ratio, strict=True):
