@@ -2,7 +2,9 @@
 with Approximate Leverage Scores", arXiv 2507.08143).
 
 Query-agnostic: a token is kept for what the context itself says about it, whatever question follows. Two
-scores, each z-normalised over a head's scored tokens, are blended as λ · z(leverage) + z(attention):
+scores, each z-normalised over the layer's scored tokens of every KV head (one mean and spread a layer, as
+kvpress's presses and the authors' code, so a head whose leverage spreads wider weighs it more), are blended as
+λ · z(leverage) + z(attention), and each head keeps its best:
 
 - Leverage: the statistical leverage of the token's key among the head's keys, ℓᵢ = cᵢᵀ (CᵀC)⁻¹ cᵢ with C the
   centred keys (cᵢ = kᵢ − mean). A key far outside the directions the other keys span is an outlier the
@@ -32,9 +34,9 @@ Where this differs from the paper (and from kvpress's press):
   hidden states; leverage is not rotation-invariant per position, so scores differ from pre-RoPE ones.
 - Statistics leave out the sinks but include the recent window (whose tokens become candidates at decode);
   kvpress's press leaves out its first 8 and last 4 tokens.
-- Each head's scores z-normalised over its own tokens (kvpress and the authors' code normalise over every
-  head and token of the layer together); the last, partial chunk is a softmax over its own keys from its own
-  queries (kvpress pads it).
+- The z-scores' statistics are each batch row's (kvpress's are the whole batch's, which makes a row's scores
+  depend on the others); the last, partial chunk is a softmax over its own keys from its own queries (kvpress
+  pads it).
 The attention logits are q·k unscaled (no 1/√d), as kvpress's non-causal attention and the authors' engine
 (softmax scale 1): a sharper distribution than the layer's own attention, which the z-score does not undo.
 """
@@ -106,10 +108,18 @@ def chunk_attention(q: Tensor, k: Tensor, chunk: int) -> Tensor:
     return out.flatten(2)[..., :n]
 
 
+def row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and sample std of x [B, heads, n] over each batch row's heads and tokens, [B, 1, 1] each (a spread
+    under 1e-6, or a single value, counts as 1e-6)."""
+    flat = x.flatten(1)
+    std = flat.std(dim=-1) if flat.shape[-1] > 1 else torch.zeros_like(flat[:, 0])
+    return flat.mean(dim=-1).view(-1, 1, 1), std.clamp(min=1e-6).view(-1, 1, 1)
+
+
 def z_score(x: Tensor) -> Tensor:
-    """(x − mean) / std over the last dimension (sample std; a spread under 1e-6 counts as 1e-6)."""
-    std = x.std(dim=-1, keepdim=True) if x.shape[-1] > 1 else torch.zeros_like(x[..., :1])
-    return (x - x.mean(dim=-1, keepdim=True)) / std.clamp(min=1e-6)
+    """(x − mean) / std over each batch row's heads and tokens (row_moments)."""
+    mean, std = row_moments(x)
+    return (x - mean) / std
 
 
 def blending(cache: KVCache, prompt_tokens: int) -> float:
@@ -138,7 +148,7 @@ def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor) -> tup
         return torch.zeros(B, H, T, device=k.device), stats
     mean, whiten = whitening(k[:, :, g:])
     lev = leverage(k[:, :, g:], mean, whiten)
-    lev_mean, lev_std = lev.mean(-1, keepdim=True), lev.std(-1, keepdim=True).clamp(min=1e-6)
+    lev_mean, lev_std = row_moments(lev)
     attention = chunk_attention(q[:, :, g:], k[:, :, g:], int(cache.setting(CHUNK)))
     attention = attention * norms[..., g:]
     attention = F.avg_pool1d(attention, kernel_size=3, stride=1, padding=1)  # zero padding counted, as kvpress
@@ -175,7 +185,7 @@ class CompactorCache(ScoredOnce, PromptValueNorms, KVCache):
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         scores, stats = self.scored_prompt(k, q)
-        gain = (stats["blend"] / stats["lev_std"]).sqrt()  # [B, n_kv, 1]
+        gain = (stats["blend"] / stats["lev_std"]).sqrt()  # [B, 1, 1]: one spread a layer
         decode_map = stats["whiten"] * gain[..., None]
         self.decode_map.copy_(decode_map)
         self.decode_bias.copy_((decode_map @ stats["mean"][..., None])[..., 0])

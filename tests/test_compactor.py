@@ -47,24 +47,28 @@ def naive_chunk_attention(q: torch.Tensor, keys: torch.Tensor, scored: list[int]
 
 
 def compactor_oracle(model, ids, chunk: int = 256, blend: float | None = None) -> Score:
-    """The prompt's tokens score λ·z(leverage) + z(smoothed attention × ‖v‖) over the positions after the sinks;
-    a decoded token λ·(its leverage against the prompt's keys − their mean) / their std."""
+    """The prompt's tokens score λ·z(leverage) + z(smoothed attention × ‖v‖) over the positions after the sinks,
+    each z-score's mean and std over every KV head's scored tokens of the layer (kvpress's and the authors' code);
+    a decoded token λ·(its leverage against its head's prompt keys − that mean) / that std."""
     ref_k, ref_v = reference_kv(model, ids)
     q = layer0_queries(model, ids).double()
     n_kv = ref_k.shape[0]
     rep = q.shape[0] // n_kv
     lam = 1 - BUDGET / PROMPT if blend is None else blend
     scored = list(range(GLOBAL, PROMPT))
-    table: list[dict[int, float]] = []
+    levs, smooths = [], []
     for h in range(n_kv):
         keys = ref_k[h].double()
-        lev = naive_leverage(keys, scored)
-        mean, std = statistics.mean(lev[x] for x in scored), statistics.stdev(lev[x] for x in scored)
+        levs.append(naive_leverage(keys, scored))
         raw = naive_chunk_attention(q[h * rep : (h + 1) * rep], keys, scored, chunk)
         weighted = {x: raw[x] * float(ref_v[h, x].double().norm()) for x in scored}
-        smooth = {x: (weighted.get(x - 1, 0.0) + weighted[x] + weighted.get(x + 1, 0.0)) / 3 for x in scored}
-        attention = z_scores(smooth)
-        row = {x: lam * (lev[x] - mean) / std + attention[x] for x in scored}
+        smooths.append({x: (weighted.get(x - 1, 0.0) + weighted[x] + weighted.get(x + 1, 0.0)) / 3 for x in scored})
+    every_lev = [lev[x] for lev in levs for x in scored]
+    mean, std = statistics.mean(every_lev), statistics.stdev(every_lev)
+    attention = z_scores({(h, x): s[x] for h, s in enumerate(smooths) for x in scored})
+    table: list[dict[int, float]] = []
+    for h, lev in enumerate(levs):
+        row = {x: lam * (lev[x] - mean) / std + attention[(h, x)] for x in scored}
         row |= {x: lam * (lev[x] - mean) / std for x in range(PROMPT, TOTAL)}
         table.append(row)
     return lambda p, h, held, x: table[h][x]
