@@ -26,6 +26,24 @@ from eval.reproduce.experiments import (
 # unless the paper's method protects nothing (TOVA).
 FIFTH = ("--max_cache_length", "0.2")
 
+
+def against_tova(name: str, paper: str, claim: str, strategy: str, labels: tuple[str, str],
+                 notes: tuple[str, ...]) -> Experiment:
+    """A rule that is TOVA's score with one factor added (CriticalKV's value norm, ChunkKV's chunks, R-KV's
+    redundancy) against `tova` with every other flag equal, so the comparison isolates the factor: KL on a prompt
+    compressed to a fifth of the window, then decoded under eviction. `labels`: (treatment, control)."""
+    treatment, control = labels
+    return Experiment(
+        name=name, paper=paper, claim=claim,
+        task="fidelity", metric="kl_mean", higher_is_better=False,
+        common=FIFTH,
+        arms=(Arm(treatment, ("--cache_strategy", strategy)), Arm(control, ("--cache_strategy", "tova"))),
+        comparisons=(Comparison(treatment, control),),
+        varies=frozenset({"cache_strategy"}),
+        profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+        notes=notes,
+    )
+
 register(Experiment(
     name="tova",
     paper="TOVA (Oren et al., Transformers are Multi-State RNNs, arXiv 2401.06104)",
@@ -114,19 +132,13 @@ register(Experiment(
            "project's calibration text), not the paper's pretraining-corpus filters."),
 ))
 
-register(Experiment(
+register(against_tova(
     name="criticalkv",
     paper="CriticalKV (Feng et al., arXiv 2502.03805)",
     claim="Weighting each token's attention by the norm of its value (a bound on how much evicting it moves the "
           "layer's output) keeps the next-token distribution closer to the full cache than the attention alone, "
           "at the same budget, the prompt compressed and then decoded under eviction.",
-    task="fidelity", metric="kl_mean", higher_is_better=False,
-    common=FIFTH,
-    arms=(Arm("output-aware", ("--cache_strategy", "critical_kv")),
-          Arm("attention only", ("--cache_strategy", "tova"))),
-    comparisons=(Comparison("output-aware", "attention only"),),
-    varies=frozenset({"cache_strategy"}),
-    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    strategy="critical_kv", labels=("output-aware", "attention only"),
     notes=("critical_kv's attention is TOVA's (the latest query's, per KV group), so the control is tova: the same "
            "attention without the value norm, which isolates the paper's output-aware factor.",
            "‖v‖ stands in for the paper's ‖W_o v‖ (strategies/critical_kv.py); the paper compresses LongBench "
@@ -134,19 +146,13 @@ register(Experiment(
            "fifth of the window, then 96 positions decoded under eviction."),
 ))
 
-register(Experiment(
+register(against_tova(
     name="chunkkv",
     paper="ChunkKV (Liu et al., arXiv 2502.00299)",
     claim="Keeping whole chunks of consecutive tokens by their summed scores keeps the next-token distribution "
           "closer to the full cache than keeping single tokens by the same scores, at the same budget, the prompt "
           "compressed and then decoded under eviction.",
-    task="fidelity", metric="kl_mean", higher_is_better=False,
-    common=FIFTH,
-    arms=(Arm("chunks", ("--cache_strategy", "chunkkv")),
-          Arm("tokens", ("--cache_strategy", "tova"))),
-    comparisons=(Comparison("chunks", "tokens"),),
-    varies=frozenset({"cache_strategy"}),
-    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    strategy="chunkkv", labels=("chunks", "tokens"),
     notes=("chunkkv sums TOVA's score (the latest query's attention) over chunks of 10 tokens, the paper's chunk "
            "size; the control is tova, the same score token by token, which isolates the chunking.",
            "The paper compresses LongBench and GSM8K prompts with SnapKV's observation window against token-level "
@@ -194,19 +200,13 @@ register(Experiment(
            "how this differs from kvpress's pre-RoPE statistics)."),
 ))
 
-register(Experiment(
+register(against_tova(
     name="rkv",
     paper="R-KV (Cai et al., arXiv 2505.24133)",
     claim="Subtracting each token's redundancy (its key's mean cosine similarity to the other held keys) from its "
           "attention keeps the next-token distribution closer to the full cache than the attention alone, at the "
           "same budget, the prompt compressed and then decoded under eviction.",
-    task="fidelity", metric="kl_mean", higher_is_better=False,
-    common=FIFTH,
-    arms=(Arm("redundancy-aware", ("--cache_strategy", "rkv")),
-          Arm("attention only", ("--cache_strategy", "tova"))),
-    comparisons=(Comparison("redundancy-aware", "attention only"),),
-    varies=frozenset({"cache_strategy"}),
-    profiles=PROFILED_PROMPT, extra_metrics=FIDELITY_EXTRAS,
+    strategy="rkv", labels=("redundancy-aware", "attention only"),
     notes=("rkv's importance is TOVA's score (the latest query's attention), so the control is tova: the comparison "
            "isolates the redundancy term (λ 0.07, the default, the reference code's).",
            "The paper's claim is for reasoning models' long chains of thought, which repeat themselves (DeepSeek-R1 "
