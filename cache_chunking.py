@@ -19,7 +19,8 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
 - Re-rotation (`Rerotation`): keys and queries are kept before RoPE and the virtual prompt is rotated at its
   ranks, so the prompt may run past the model's context at a fixed budget.
 - Strategies whose prefill cannot take a virtual prompt declare `chunked_prefill_refusal` (FastGen's
-  hybrid profiles the whole prompt; KVzip scores it with a reconstruction pass).
+  hybrid profiles the whole prompt), and those that take chunks with some flags only `chunked_prefill_conflict`.
+  KVzip's model-level reconstruction pass runs once per chunk (strategies/kvzip.py, ChunkedReconstruction).
 - A storage whose stored form loses what a re-prefill would lose again (`Storage.exact_in_chunks`: ThinK's
   keys, whose pruned channels a new channel set would prune further; KIVI's keys and values, whose key groups
   would be re-quantized over other tokens) hands a re-prefill exact copies instead: the cache keeps the held
@@ -65,6 +66,11 @@ class ChunkedPrefill:
     prefill_chunk: int = 0
     # Why this strategy cannot compress a prompt chunk by chunk (None: it can; cache_spec refuses the flag).
     chunked_prefill_refusal: ClassVar[str | None] = None
+
+    @classmethod
+    def chunked_prefill_conflict(cls, args: object) -> str | None:
+        """Why this strategy cannot take chunks together with the other flags in `args` (None: it can)."""
+        return None
     # During a chunked prefill: the held tokens' queries (prefill_chunk_tokens), and the true positions of
     # the virtual prompt a re-prefill scores (scored_positions), its end and its held tokens' count.
     chunk_queries: Tensor | None = None

@@ -321,7 +321,8 @@ def check_prefill_chunk(args: argparse.Namespace) -> None:
         if name == "auto":
             continue
         cls = get_strategy(name)
-        refusal = getattr(cls, "shadow_class", cls).chunked_prefill_refusal
+        cls = getattr(cls, "shadow_class", cls)
+        refusal = cls.chunked_prefill_refusal or cls.chunked_prefill_conflict(args)
         if refusal:
             raise UserError(f"--prefill_chunk: the {name} cache cannot compress a prompt chunk by chunk ({refusal})")
 

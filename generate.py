@@ -38,7 +38,7 @@ from ignored_flags import check_typed_flags
 from model import Transformer
 from packed_prefill import packed_groups, prefill_packed, prefill_packed_chunks
 from prompts import collect_prompts
-from strategies.kvzip import reconstruct_and_prefill, rule_users
+from strategies.kvzip import ChunkedReconstruction, reconstruct_and_prefill, rule_users
 from tokenizer import Tokenizer
 
 # ---- the decode loop ------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
     chunk = prefill_chunk_of(model)
     if chunk == 1:  # a one-token chunk is a decode step: the whole prompt is fed (--feed_long_prompts' path)
         n = 1
-    if chunk and n > chunk:  # (KVzip's rule, which needs the whole context at once, refuses chunks)
+    if chunk and n > chunk:
         logits = chunked_prefill(model, prompt[:, :n], chunk, step)
     # KVzip's model-level scoring pass prefills the caches itself; without a cache that needs it, the forward.
     elif (logits := reconstruct_and_prefill(model, prompt[:, :n])) is None:
@@ -79,17 +79,23 @@ def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Ten
     holds at most its budget (KVCache.prefill_chunk_tokens). A last chunk of one token is a decode step.
     Logits of the last position [B, vocab]."""
     T = prompt.shape[1]
+    # KVzip's rule scores each chunk by a pass that also reads the chunk's repeat input (strategies/kvzip.py).
+    reconstruction = ChunkedReconstruction.for_prompt(model, prompt)
     try:
         for start in range(0, T, chunk):
             end = min(start + chunk, T)
             if end - start == 1:
                 logits = step(model, prompt[:, start:end], torch.tensor([start], device=prompt.device))
-                continue
-            input_pos = torch.arange(start, end, device=prompt.device)
-            logits = model(prompt[:, start:end], input_pos, last_logits_only=True, chunk=True)[:, -1]
+            elif reconstruction is not None:
+                logits = reconstruction.chunk(prompt, start, end)
+            else:
+                input_pos = torch.arange(start, end, device=prompt.device)
+                logits = model(prompt[:, start:end], input_pos, last_logits_only=True, chunk=True)[:, -1]
     finally:
         for cache in model.caches():
             cache.end_chunked_prefill()
+        if reconstruction is not None:
+            reconstruction.end()
     return logits
 
 

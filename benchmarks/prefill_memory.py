@@ -13,7 +13,7 @@ rows of those lengths once more under torch.profiler and reports where the time 
 (eval.bench.profile's kinds: the weights' products, attention, copies and fills, ...). With `--rerotate_positions` the
 lengths may exceed the model's context: chunks then run at RoPE ranks below budget + chunk, and lengths
 past the context (or past `--one_shot_max`) are measured chunked only; a strategy that cannot prefill in chunks
-(hybrid, kvzip) is measured one shot only. The storage flags (`--cache_bits`, `--cache_quantization`,
+(hybrid) is measured one shot only. The storage flags (`--cache_bits`, `--cache_quantization`,
 `--think_ratio`, ...: cache_spec.add_storage_arguments, the same definitions as generate.py's) apply to every
 row: a chunked prefill under a lossy storage (ThinK, KIVI) keeps the held tokens' exact keys (and values)
 until the prompt is in, and these rows measure what that holds. Linux only on the CPU (/proc).

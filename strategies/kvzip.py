@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy
+from cache_chunking import Rerotation
 from errors import UserError
 from kv_storage import scatter_slots
 from prompt_compression import causal_attention_blocks
@@ -68,6 +69,8 @@ PREVIOUS_TAIL = 8
 # The context's first tokens every chunk's scores are normalised over besides the chunk (kvpress's n_sink).
 SCORING_SINKS = 4
 
+# Why --prefill_chunk refuses a pool (KvzipCache.chunked_prefill_conflict, ChunkedReconstruction.for_prompt).
+POOL_CONFLICT = "with --budget_allocation adakv: a pool's heads hold different tokens, whose scores are not carried"
 CHUNK = Setting("kvzip_chunk", 0, low=0, prompt_rule=True,
                 help="reconstruct the context this many tokens at a time when scoring it (0: all at once)")
 
@@ -116,14 +119,14 @@ def capture_queries(model, observe: Callable[[int, Tensor, Tensor], None],
 
 
 def max_attention_received(q: Tensor, k: Tensor, first_row: int, n_keys: int,
-                           max_elements: int | None = None) -> Tensor:
+                           max_elements: int | None = None, key_bias: Tensor | None = None) -> Tensor:
     """The largest causal attention each of the first `n_keys` keys receives from the queries at rows
     first_row.. (softmax over all keys up to the query), maximised over those queries and over the query
     heads of each KV group: [B, n_kv, n_keys] float32. q [B, n_head, S, D], k [B, n_kv, S, D]. In blocks of
     rows (prompt_compression.causal_attention_blocks, at most about `max_elements` probabilities each; None:
-    the device's block size)."""
+    the device's block size); `key_bias` [B, n_kv, S] −inf where a key is left out of the softmax."""
     best = torch.zeros(q.shape[0], k.shape[1], n_keys, dtype=torch.float32, device=q.device)
-    for _, probs in causal_attention_blocks(q, k, first_row, max_elements):
+    for _, probs in causal_attention_blocks(q, k, first_row, max_elements, key_bias):
         # [B, n_kv, min(end, n_keys)]: keys past the block's last row get nothing from it (causal), and the
         # prompt's own queries (first_row 0) reach them only in a later block.
         top = probs[..., :n_keys].amax(dim=(2, 3))
@@ -313,6 +316,183 @@ def supply_reconstruction_scores(model, prompt: Tensor) -> None:
             cache.reconstruction_scores = scores[layer]
 
 
+# ---- a chunked prefill (--prefill_chunk) ------------------------------------------------------------------
+
+
+def chunk_pass_scores(q: Tensor, k: Tensor, chunk: int, part: tuple[int, int], start: int, sinks: Tensor,
+                      sink_valid: Tensor) -> Tensor:
+    """[B, n_kv, b − a]: KVzip's scores of the rows part = (a, b) of a prefill chunk (at positions start..) from
+    a pass over the chunk (the first `chunk` rows of q [B, n_head, S, D], k [B, n_kv, S, D]) and the part's
+    repeat input (the rows after): each repeat query's softmax over the tokens at positions below SCORING_SINKS
+    (held: sinks [B, n_kv, s, D], left out where not sink_valid [B, n_kv, s]; or the chunk's own rows before the
+    part), the part and the repeat input up to itself, as `chunk_scores` takes a context's chunk."""
+    B, H, S, D = q.shape
+    a, b = part
+    lead = list(range(min(a, max(0, SCORING_SINKS - start))))  # the chunk's own rows at positions < SCORING_SINKS
+    rows = torch.tensor(lead + list(range(a, b)) + list(range(chunk, S)), device=q.device)
+    s = sinks.shape[2]
+    keys = torch.cat([sinks.to(k.dtype), k[:, :, rows]], dim=2)
+    queries = torch.cat([q.new_zeros(B, H, s, D), q[:, :, rows]], dim=2)  # the sinks' own rows are never read
+    bias = torch.zeros(B, k.shape[1], keys.shape[2], dtype=torch.float32, device=k.device)
+    bias[:, :, :s].masked_fill_(~sink_valid, float("-inf"))
+    first = s + len(lead) + b - a  # the repeat input's first row
+    return max_attention_received(queries, keys, first, first, key_bias=bias)[..., s + len(lead) :]
+
+
+class ChunkPassCache(CaptureCache):
+    """Stands in for a layer's cache during a pass of a chunked KVzip prefill (ChunkedReconstruction.chunk).
+    The pass reads the chunk followed by a repeat input; model.Attention.attend_chunk reads the layer's held
+    tokens through this stand-in, so every row attends over them, the chunk and the rows before it, as a later
+    chunk's queries do. The layer's scores of the pass's part go to the reconstruction; the chunk's last pass
+    also gives the rule's users on this layer their virtual prompt's scores and the layer's own cache the first
+    `chunk` rows as the chunk (its tokens, gates, K/V and queries). Not a strategy (not registered)."""
+
+    name = "capture_chunk"
+
+    def __init__(self, layer: int, cache: KVCache, users: list[KVCache], reconstruction: ChunkedReconstruction,
+                 chunk: int, part: tuple[int, int], start: int) -> None:
+        super().__init__(layer, lambda *_: None, cache.n_kv_heads, cache.head_dim, cache.pos.device)
+        self.cache, self.users, self.reconstruction = cache, users, reconstruction
+        self.chunk, self.part, self.start = chunk, part, start
+        self.prefills = part[1] == chunk
+        # What the forward reads off a layer's cache during a chunk: the layer's own.
+        self.chunk_queries, self.rerotate_positions = cache.chunk_queries, cache.rerotate_positions
+        self.needs_gates, self.needs_token_ids = cache.needs_gates, cache.needs_token_ids
+        self.pos, self.mask = cache.pos, cache.mask
+
+    def chunk_held_keys(self) -> Tensor:
+        return self.cache.chunk_held_keys()
+
+    def chunk_held_values(self) -> Tensor:
+        return self.cache.chunk_held_values()
+
+    def observe_tokens(self, token_ids: Tensor) -> None:
+        if self.prefills:
+            self.cache.observe_tokens(token_ids[:, : self.chunk])
+
+    def observe_gates(self, log_gates: Tensor) -> None:
+        if self.prefills:
+            self.cache.observe_gates(log_gates[..., : self.chunk])
+
+    def held_sinks(self, rerotation: Rerotation | None) -> tuple[Tensor, Tensor]:
+        """The held tokens at positions below SCORING_SINKS, as the pass attended over them: keys [B, n_kv, s, D]
+        and which of the first s slots hold one [B, n_kv, s] (held slots are in position order)."""
+        B, n_kv = self.pos.shape[0], self.n_kv_heads
+        s = 0 if self.chunk_queries is None else min(SCORING_SINKS, int(self.cache.filled.max()))
+        keys = self.chunk_held_keys()[:, :, :s].expand(B, n_kv, -1, -1)
+        if rerotation is not None:  # stored before RoPE; held slot i is at rank i
+            keys = rerotation.rope(keys, torch.arange(s, device=keys.device).view(1, 1, s))
+        valid = (self.pos[:, :, :s] < SCORING_SINKS) & self.mask[:, :, 0, :s]
+        return keys, valid.expand(B, n_kv, s)
+
+    def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor,
+                             rerotation: Rerotation | None = None) -> None:
+        N = self.chunk
+        if self.users:
+            scores = chunk_pass_scores(q, k, N, self.part, self.start, *self.held_sinks(rerotation))
+            self.reconstruction.score(self.layer, scores, self.part, N)
+        if not self.prefills:
+            return
+        self.reconstruction.give(self.layer, self.users)
+        if rerotation is not None:
+            rerotation = Rerotation(rerotation.k_plain[:, :, :N], rerotation.q_plain[:, :, :N], rerotation.rope)
+        self.cache.prefill_chunk_tokens(input_pos[:N], k[:, :, :N], v[:, :, :N], q[:, :, :N], rerotation)
+        self.reconstruction.keep(self.users, input_pos[:N])
+
+
+class ChunkedReconstruction:
+    """KVzip under --prefill_chunk N: each chunk is reconstructed over what every layer holds. A pass reads the
+    chunk, then a repeat input (a part's prompt as `RepeatPrompts.before_chunk` gives it, and the part again):
+    one pass for the whole chunk, or with --kvzip_chunk C one per C tokens of it, the last of which also
+    prefills. The chunk's tokens are scored by the repeat rows (`chunk_pass_scores`: the paper's chunked
+    scoring, its softmax over the sinks, the part and the repeat input), the held tokens keep the scores their
+    own chunk's pass gave them, and each layer's prompt rule keeps the budget's best of held + chunk. What
+    differs from the paper's chunked scoring: a chunk's passes read the held tokens instead of the whole context
+    (the later chunks, not yet read, and what was evicted are not in them), as every strategy's chunks do."""
+
+    def __init__(self, model, users: list[tuple[int, KVCache]], prompts: RepeatPrompts, part: int) -> None:
+        self.model, self.users, self.prompts, self.part = model, users, prompts, part
+        # The chunk's scores of each layer, filled part by part; per user, the scores of the tokens it holds (slot
+        # order) and, before the chunk's prefill, its virtual prompt's scores and held positions.
+        self.fresh: dict[int, Tensor] = {}
+        self.held: dict[int, Tensor] = {}
+        self.virtual: dict[int, tuple[Tensor, Tensor]] = {}
+
+    @classmethod
+    def for_prompt(cls, model, prompt: Tensor) -> ChunkedReconstruction | None:
+        """The passes a chunked prefill of `prompt` [B, T] needs; None when no cache would compress it by the
+        rule (users_to_score), as the one-shot prefill runs no pass then."""
+        users = users_to_score(model, prompt)
+        if not users:
+            return None
+        if any(cache.pooled for _, cache in users):
+            raise UserError(f"--prefill_chunk: the kvzip cache cannot compress a prompt chunk by chunk "
+                            f"({POOL_CONFLICT})")
+        return cls(model, users, *pass_settings(users))
+
+    def chunk(self, prompt: Tensor, start: int, end: int) -> Tensor:
+        """The chunk prompt[:, start:end] through the model with its repeat inputs; each layer's cache takes the
+        chunk, the users with its scores. Logits of the chunk's last token [B, vocab]."""
+        N, step = end - start, self.part or end - start
+        tokens = prompt[:, start:end]
+        for a in range(0, N, step):
+            b = min(a + step, N)
+            repeat = [self.prompts.before_chunk(prompt, start + a, step), prompt[:, start + a : start + b]]
+            logits = self.run_pass(torch.cat([tokens, *repeat], dim=1), start, N, (a, b))
+        return logits
+
+    def run_pass(self, sequence: Tensor, start: int, chunk: int, part: tuple[int, int]) -> Tensor:
+        """One pass of `sequence` [B, S] (the chunk at positions start.., then a repeat input) with stand-ins;
+        the logits of the chunk's last token [B, vocab]."""
+        model = self.model
+        caches = model.caches()
+        rerotate = caches[0].rerotate_positions
+        reach = (max(int(c.filled.max()) for c in caches) if rerotate and start else start) + sequence.shape[1]
+        if reach > model.args.context_length:
+            raise UserError(f"KVzip's pass over a {chunk}-token chunk and its repeat input needs {reach} positions, "
+                            f"more than the model's {model.args.context_length}: use a smaller --prefill_chunk")
+        positions = torch.arange(start, start + sequence.shape[1], device=sequence.device)
+        saved = [layer.attention.kv_cache for layer in model.layers]
+        try:
+            for i, (layer, cache) in enumerate(zip(model.layers, saved, strict=True)):
+                users = [user for j, user in self.users if j == i]
+                layer.attention.kv_cache = ChunkPassCache(i, cache, users, self, chunk, part, start)
+            return model(sequence, positions, chunk=True, logits_at=chunk - 1)[:, -1]
+        finally:
+            for layer, cache in zip(model.layers, saved, strict=True):
+                layer.attention.kv_cache = cache
+
+    def score(self, layer: int, scores: Tensor, part: tuple[int, int], chunk: int) -> None:
+        """A pass's scores [B, n_kv, b − a] of the chunk's rows part = (a, b) at `layer`."""
+        if part[0] == 0:
+            self.fresh[layer] = scores.new_zeros(*scores.shape[:2], chunk)
+        self.fresh[layer][..., part[0] : part[1]] = scores
+
+    def give(self, layer: int, users: list[KVCache]) -> None:
+        """Before the chunk's prefill: each user's scores of its virtual prompt, its held tokens' and the chunk's."""
+        fresh = self.fresh.pop(layer, None)
+        for user in users:
+            held = self.held.get(id(user), fresh[..., :0])
+            scores = torch.cat([held, fresh], dim=-1)
+            user.reconstruction_scores = scores
+            self.virtual[id(user)] = (scores, user.pos[:, :, : held.shape[-1]].clone())
+
+    def keep(self, users: list[KVCache], chunk_pos: Tensor) -> None:
+        """After the chunk's prefill: the scores of the tokens each user now holds, found by position."""
+        for user in users:
+            scores, held_pos = self.virtual.pop(id(user))
+            B, P = held_pos.shape[:2]
+            positions = torch.cat([held_pos, chunk_pos.view(1, 1, -1).expand(B, P, -1)], dim=2)
+            kept = user.pos[:, :, : int(user.filled.max())]
+            index = torch.searchsorted(positions.contiguous(), kept.contiguous())
+            self.held[id(user)] = scores.gather(2, index.expand(B, scores.shape[1], -1))
+
+    def end(self) -> None:
+        """The prompt is in: the users keep no chunk's scores."""
+        for _, user in self.users:
+            user.__dict__.pop("reconstruction_scores", None)
+
+
 # ---- the strategy -----------------------------------------------------------------------------------------
 
 
@@ -326,10 +506,11 @@ class KvzipCache(KVCache):
     # The largest attention each slot has received: from the reconstruction (or the prompt's own queries)
     # at prefill, then from every decode query.
     slot_buffers = ("max_attention",)
-    # --prefill_chunk (where the contract has it): the scores come from one reconstruction pass over the
-    # whole context, which a chunk-by-chunk prefill, re-scoring virtual prompts of held tokens, never has.
-    chunked_prefill_refusal = ("its scores come from a reconstruction pass over the whole context, which a "
-                               "chunk-by-chunk prefill (virtual prompts of the held tokens) does not have")
+
+    @classmethod
+    def chunked_prefill_conflict(cls, args: object) -> str | None:
+        """--prefill_chunk reconstructs each prefill chunk (ChunkedReconstruction); a pool is refused."""
+        return POOL_CONFLICT if getattr(args, "budget_allocation", "uniform") != "uniform" else None
 
     @staticmethod
     def scores_for(cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
@@ -349,6 +530,15 @@ class KvzipCache(KVCache):
     def reset(self) -> None:
         super().reset()
         self.__dict__.pop("reconstruction_scores", None)  # the next prompt gets its own pass
+
+    def carry_over(self, n: int) -> object:
+        # A chunked prefill's re-prefill resets the cache: the virtual prompt's scores (ChunkedReconstruction.give)
+        # outlive it.
+        return self.__dict__.get("reconstruction_scores")
+
+    def take_over(self, carried: object) -> None:
+        if carried is not None:
+            self.reconstruction_scores = carried
 
     def token_scores(self, input_pos: Tensor) -> Tensor:
         return self.max_attention

@@ -6,6 +6,8 @@ Lists come from the registry, so a strategy is in every matrix the moment it is 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from cache import KVCache
@@ -102,6 +104,9 @@ ALLOCATIONS = {"uniform": [], "adakv": ["--budget_allocation", "adakv", "--snapk
 # cannot compress a prompt chunk by chunk (cache_spec refuses the flag for them).
 CHUNK_REFUSED = [s for s in ALL if CACHE_STRATEGIES[s.removeprefix("debug_")].chunked_prefill_refusal]
 CHUNKABLE = [s for s in ALL if s not in CHUNK_REFUSED]
+# Those that take chunks, but not with a head-adaptive pool (cache_spec refuses the pair).
+CHUNK_POOL_REFUSED = [s for s in CHUNKABLE if CACHE_STRATEGIES[s.removeprefix("debug_")].chunked_prefill_conflict(
+    SimpleNamespace(budget_allocation="adakv"))]
 
 
 # Settings that make a strategy's rule act on the matrix's 24-token prompt (LagKV's default partition of

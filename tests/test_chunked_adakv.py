@@ -24,6 +24,7 @@ from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,
     ADAKV_STORAGES,
+    CHUNK_POOL_REFUSED,
     CHUNKABLE,
     GLOBAL,
     PROMPT,
@@ -35,7 +36,7 @@ from tests.strategy_matrix import (
 )
 from tests.test_chunked_prefill import ATOL, BUDGET, generate_chunk_runs, layer0_qkv, naive_scores, run_prompt
 
-CASES = [s for s in ADAKV if s in CHUNKABLE]
+CASES = [s for s in ADAKV if s in CHUNKABLE and s not in CHUNK_POOL_REFUSED]
 POOLED = ["--budget_allocation", "adakv", "--snapkv_window", "4", "--snapkv_kernel", "1"]
 FLOOR = 0.2
 

@@ -29,6 +29,7 @@ from generate import chunked_prefill, compile_decode_step, decode_one_token, pre
 from rope import apply_rope
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
+    CHUNK_POOL_REFUSED,
     CHUNK_REFUSED,
     CHUNKABLE,
     CURDKV_WINDOW,
@@ -315,6 +316,8 @@ def test_compiled_decoding_after_a_chunked_prefill_equals_eager(strategy):
     (["--prefill_chunk", "8", "--feed_long_prompts"], "give one"),
     *[(["--prefill_chunk", "8", "--cache_strategy", s], "cannot compress a prompt chunk by chunk")
       for s in CHUNK_REFUSED],
+    *[(["--prefill_chunk", "8", "--cache_strategy", s, "--budget_allocation", "adakv"],
+       "with --budget_allocation adakv") for s in CHUNK_POOL_REFUSED],
     (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
      "cannot compress a prompt chunk by chunk"),
 ])

@@ -162,9 +162,9 @@ def test_a_small_run_through_transformers_end_to_end(tmp_path):
 
 
 def test_a_strategy_that_cannot_prefill_in_chunks_is_measured_one_shot_only(capsys):
-    assert planned("--strategies", "kvzip", "recent_global", "--lengths", "1024", "--chunk", "256") == [
-        ("kvzip", 1024, 0), ("recent_global", 1024, 0), ("recent_global", 1024, 256)]
-    assert "kvzip: one-shot rows only (--prefill_chunk: the kvzip cache cannot" in capsys.readouterr().err
+    assert planned("--strategies", "hybrid", "recent_global", "--lengths", "1024", "--chunk", "256") == [
+        ("hybrid", 1024, 0), ("recent_global", 1024, 0), ("recent_global", 1024, 256)]
+    assert "hybrid: one-shot rows only (--prefill_chunk: the hybrid cache cannot" in capsys.readouterr().err
     with pytest.raises(UserError, match="nothing to measure for hybrid: it prefills one shot only"):
         planned("--strategies", "hybrid", "--lengths", "8192", "--one_shot_max", "4096")
     with pytest.raises(UserError, match="no_such_strategy"):  # refused before any run, not in the run's process
