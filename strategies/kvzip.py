@@ -31,12 +31,19 @@ causal queries), so the strategy runs, and is tested, everywhere a prompt rule r
   softmax taken over the first `SCORING_SINKS` tokens, the chunk and the repeat input (the rest of the
   context is left out of the scores, not of the pass). C = 0 reconstructs the whole context at once, which
   needs 2·T + |prompt| ≤ the model's context.
+- Chunked prefill (--prefill_chunk N, `ChunkedReconstruction`): each prefill chunk is reconstructed over what
+  the layers hold, its repeat input riding on the chunk's forward (in parts of --kvzip_chunk); the chunk's
+  tokens are scored as a chunk above (the sinks those of the first SCORING_SINKS positions still held), the
+  held tokens keep their own chunk's scores, and each layer keeps the budget's best of held + chunk. A pass
+  holds 2·N + |prompt| tokens, whatever the prompt's length.
 
 Where this differs from the paper:
 - The repeat prompt is plain text (tokenized without the chat template the paper wraps it in); without a
   tokenizer (set_repeat_prompt was not called) the context is repeated directly, every chunk right after it.
 - The chunks' passes each re-run the context (the paper's reuse its KV): T/C context passes, the last of
   which also prefills.
+- Under --prefill_chunk a chunk's passes read the held tokens, not the whole context (the paper prefills the
+  whole context before reconstructing it): later chunks and evicted tokens are not in them.
 - Each layer keeps its own budget (the paper and kvpress rank every layer's and head's scores together by
   default, so layers get different budgets; here caches are sized per layer before the prompt).
 - Full causal attention is scored in every layer, sliding-window layers too (those keep the window

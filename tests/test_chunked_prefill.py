@@ -330,6 +330,10 @@ def test_bad_chunk_flags_are_refused(flags, message):
     (["--prefill_chunk", "0"], "--prefill_chunk must be ≥ 1"),
     (["--prefill_chunk", "2048"], "larger than the model's context of 1024"),
     (["--prefill_chunk", "4", "--cache_strategy", "hybrid", "--max_cache_length", "0.5"], "chunk by chunk"),
+    (["--prefill_chunk", "4", "--cache_strategy", "kvzip", "--budget_allocation", "adakv"], "adakv"),
+    # KVzip's pass over a chunk reads it twice (the chunk, then its repeat input): 2 × 600 > the context
+    (["--prefill_chunk", "600", "--cache_strategy", "kvzip", "--max_cache_length", "64", "--prompt", "ab" * 350],
+     "KVzip's pass over a 600-token chunk"),
 ])
 def test_generate_answers_bad_chunks_with_one_error_line_and_exit_2(flags, message, tiny_dir, capsys, tmp_path):
     stats = tmp_path / "stats.json"
