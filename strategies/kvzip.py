@@ -202,18 +202,32 @@ class RepeatPrompts:
         return torch.cat([head, ids(list(self.suffix)).view(1, -1).expand(B, -1)], dim=1)
 
 
-def chunk_scores(q: Tensor, k: Tensor, T: int, start: int, end: int) -> Tensor:
-    """[B, n_kv, end − start]: KVzip's scores of the context tokens [start, end) from one pass over context (T
-    tokens) + repeat input (the rows after T): the largest attention each receives from a repeat-input query
-    (and any query head of its KV group), each query's softmax over the first SCORING_SINKS tokens, the chunk
-    and the repeat input up to itself (kvpress's subsampled keys; the whole sequence when the chunk is the
-    whole context)."""
-    sinks = min(SCORING_SINKS, start)
-    if sinks == start and end == T:  # nothing left out: the sequence as it is
-        return max_attention_received(q, k, T, T)
-    kept = torch.cat([torch.arange(sinks), torch.arange(start, end), torch.arange(T, k.shape[2])]).to(k.device)
-    first = sinks + end - start  # the rows from here on are the repeat input's, in order
-    return max_attention_received(q[:, :, kept], k[:, :, kept], first, first)[..., sinks:]
+def chunk_scores(q: Tensor, k: Tensor, chunk: int, part: tuple[int, int], start: int = 0,
+                 sinks: Tensor | None = None, sink_valid: Tensor | None = None) -> Tensor:
+    """[B, n_kv, b − a]: KVzip's scores of the rows part = (a, b) of `chunk` context rows at positions start..,
+    from one pass over them (the first `chunk` rows of q [B, n_head, S, D], k [B, n_kv, S, D]) and the part's
+    repeat input (the rows after): the largest attention each receives from a repeat-input query (and any query
+    head of its KV group), each query's softmax over the tokens at positions below SCORING_SINKS (the context's
+    own rows before the part, and under a chunked prefill the held `sinks` [B, n_kv, s, D], left out where not
+    `sink_valid` [B, n_kv, s]), the part and the repeat input up to itself (kvpress's subsampled keys; the
+    whole sequence when the part is the whole context)."""
+    a, b = part
+    lead = min(a, max(0, SCORING_SINKS - start))  # the context's own rows at positions < SCORING_SINKS
+    if sinks is None and lead == a and b == chunk:  # nothing left out: the sequence as it is
+        return max_attention_received(q, k, chunk, chunk)[..., a:]
+    rows = torch.cat([torch.arange(lead), torch.arange(a, b), torch.arange(chunk, k.shape[2])]).to(k.device)
+    q, k = q[:, :, rows], k[:, :, rows]
+    bias = None
+    if sinks is not None:
+        B, H, _, D = q.shape
+        s = sinks.shape[2]
+        k = torch.cat([sinks.to(k.dtype), k], dim=2)
+        q = torch.cat([q.new_zeros(B, H, s, D), q], dim=2)  # the sinks' own rows are never read
+        bias = torch.zeros(B, k.shape[1], k.shape[2], dtype=torch.float32, device=k.device)
+        bias[:, :, :s].masked_fill_(~sink_valid, float("-inf"))
+        lead += s
+    first = lead + b - a  # the repeat input's first row
+    return max_attention_received(q, k, first, first, key_bias=bias)[..., lead:]
 
 
 def reconstruction_scores(model, context: Tensor, prompts: RepeatPrompts = RepeatPrompts(),
@@ -245,7 +259,7 @@ def reconstruction_passes(model, context: Tensor, prompts: RepeatPrompts = Repea
     def observe(layer: int, q: Tensor, k: Tensor) -> None:
         if scores[layer] is None:
             scores[layer] = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=k.device)
-        scores[layer][..., span[0] : span[1]] = chunk_scores(q, k, T, *span)
+        scores[layer][..., span[0] : span[1]] = chunk_scores(q, k, T, tuple(span))
 
     logits = None
     with torch.no_grad():
@@ -326,26 +340,6 @@ def supply_reconstruction_scores(model, prompt: Tensor) -> None:
 # ---- a chunked prefill (--prefill_chunk) ------------------------------------------------------------------
 
 
-def chunk_pass_scores(q: Tensor, k: Tensor, chunk: int, part: tuple[int, int], start: int, sinks: Tensor,
-                      sink_valid: Tensor) -> Tensor:
-    """[B, n_kv, b − a]: KVzip's scores of the rows part = (a, b) of a prefill chunk (at positions start..) from
-    a pass over the chunk (the first `chunk` rows of q [B, n_head, S, D], k [B, n_kv, S, D]) and the part's
-    repeat input (the rows after): each repeat query's softmax over the tokens at positions below SCORING_SINKS
-    (held: sinks [B, n_kv, s, D], left out where not sink_valid [B, n_kv, s]; or the chunk's own rows before the
-    part), the part and the repeat input up to itself, as `chunk_scores` takes a context's chunk."""
-    B, H, S, D = q.shape
-    a, b = part
-    lead = list(range(min(a, max(0, SCORING_SINKS - start))))  # the chunk's own rows at positions < SCORING_SINKS
-    rows = torch.tensor(lead + list(range(a, b)) + list(range(chunk, S)), device=q.device)
-    s = sinks.shape[2]
-    keys = torch.cat([sinks.to(k.dtype), k[:, :, rows]], dim=2)
-    queries = torch.cat([q.new_zeros(B, H, s, D), q[:, :, rows]], dim=2)  # the sinks' own rows are never read
-    bias = torch.zeros(B, k.shape[1], keys.shape[2], dtype=torch.float32, device=k.device)
-    bias[:, :, :s].masked_fill_(~sink_valid, float("-inf"))
-    first = s + len(lead) + b - a  # the repeat input's first row
-    return max_attention_received(queries, keys, first, first, key_bias=bias)[..., s + len(lead) :]
-
-
 class ChunkPassCache(CaptureCache):
     """Stands in for a layer's cache during a pass of a chunked KVzip prefill (ChunkedReconstruction.chunk).
     The pass reads the chunk followed by a repeat input; model.Attention.attend_chunk reads the layer's held
@@ -396,7 +390,7 @@ class ChunkPassCache(CaptureCache):
                              rerotation: Rerotation | None = None) -> None:
         N = self.chunk
         if self.users:
-            scores = chunk_pass_scores(q, k, N, self.part, self.start, *self.held_sinks(rerotation))
+            scores = chunk_scores(q, k, N, self.part, self.start, *self.held_sinks(rerotation))
             self.reconstruction.score(self.layer, scores, self.part, N)
         if not self.prefills:
             return
@@ -411,7 +405,7 @@ class ChunkedReconstruction:
     """KVzip under --prefill_chunk N: each chunk is reconstructed over what every layer holds. A pass reads the
     chunk, then a repeat input (a part's prompt as `RepeatPrompts.before_chunk` gives it, and the part again):
     one pass for the whole chunk, or with --kvzip_chunk C one per C tokens of it, the last of which also
-    prefills. The chunk's tokens are scored by the repeat rows (`chunk_pass_scores`: the paper's chunked
+    prefills. The chunk's tokens are scored by the repeat rows (`chunk_scores`: the paper's chunked
     scoring, its softmax over the sinks, the part and the repeat input), the held tokens keep the scores their
     own chunk's pass gave them, and each layer's prompt rule keeps the budget's best of held + chunk. What
     differs from the paper's chunked scoring: a chunk's passes read the held tokens instead of the whole context

@@ -89,17 +89,18 @@ def naive_kvzip_scores(model, context: list[int], prompts: tuple[list[int], list
 
 
 @pytest.mark.parametrize("prompts", [([7, 8, 9], [5, 6], [2]), ([], [], [])])
-@pytest.mark.parametrize("chunk", [0, 5, 3])
-def test_kvzip_scores_are_the_max_attention_of_the_reconstruction_queries(chunk, prompts):
-    """Chunks of 5 (12 tokens: a partial last chunk, the 4 sinks in the third pass) and of 3 (a tail shorter
-    than 8: the whole previous chunk); the prompts' rows count as the repeated context's; without prompts (no
-    tokenizer) every chunk follows the context directly."""
+@pytest.mark.parametrize(("chunk", "length"), [(0, 12), (5, 12), (3, 12), (4, 8)])
+def test_kvzip_scores_are_the_max_attention_of_the_reconstruction_queries(chunk, length, prompts):
+    """Chunks of 5 (12 tokens: a partial last chunk, the 4 sinks in the third pass), of 3 (a tail shorter
+    than 8: the whole previous chunk) and of 4 in 8 tokens (the last chunk starts at the sinks' end, so nothing
+    before it is left out of its softmax); the prompts' rows count as the repeated context's; without prompts
+    (no tokenizer) every chunk follows the context directly."""
     model = make_tiny_model()
-    context = token_ids()[0, :12].tolist()
+    context = token_ids()[0, :length].tolist()
     scores = reconstruction_scores(model, torch.tensor([context]), RepeatPrompts(*map(tuple, prompts)), chunk)
     naive = naive_kvzip_scores(model, context, prompts, chunk)
     for layer, (got, expected) in enumerate(zip(scores, naive, strict=True)):
-        assert got.shape == (1, model.args.n_kv_head, 12)
+        assert got.shape == (1, model.args.n_kv_head, length)
         assert torch.allclose(got[0], torch.tensor(expected), atol=1e-5), f"layer {layer}"
     assert model.caches() == [], "the scoring pass leaves the model's caches as they were"
 
