@@ -37,9 +37,11 @@ import torch
 from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy, row_positions
+from cache_chunking import Rerotation
 from errors import UserError
 from kv_storage import scatter_slots
 from prompt_compression import causal_attention_blocks
+from rerotation import slot_ranks
 from strategies.token_ids import ReadsTokenIds
 
 COMPONENTS = ("special", "punct", "frequent", "local", "full")
@@ -75,8 +77,6 @@ class HybridCache(ReadsTokenIds, KVCache):
     head_specific = True
     needs_attention = True
     profiles_prompt = True
-    chunked_prefill_refusal = ("its prefill profiles the whole prompt's attention per head and may hold fewer "
-                               "tokens than its budget, so held + chunk is no prompt it can profile")
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,
                  *args: object, **kwargs: object) -> None:
@@ -94,6 +94,19 @@ class HybridCache(ReadsTokenIds, KVCache):
         self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool, **kw))  # its components
         self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool, **kw))  # special or punct
         self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))  # the frequency rank (module docstring)
+        self.register_buffer("slot_token", torch.zeros(B, H, L1, dtype=torch.int32, **kw))  # each slot's token id
+        # The profile so far (a chunked prefill adds each chunk's queries): the attention each policy recovers
+        # [B, H, P], and the whole map's, [B, H].
+        self.register_buffer("recovered", torch.zeros(B, H, len(self.policies), **kw))
+        self.register_buffer("profiled", torch.zeros(B, H, **kw))
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        # A head never profiled (a one-token prompt goes straight to decoding) has no map to choose by: it holds
+        # every token, as the last policy (`full` by default) would.
+        self.policy.fill_(len(self.policies) - 1)
+        self.uses[..., COMPONENTS.index("full")] = True
 
     def room(self) -> int:
         held = self.mask[:, :, 0, : self.scratch].sum(-1)  # its heads grow by their own policy
@@ -119,78 +132,166 @@ class HybridCache(ReadsTokenIds, KVCache):
             "full": torch.ones_like(is_special),
         }
 
-    def _profile_attention(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """(received, in_window), [B, n_kv, T] each: the attention every prompt key receives from all
-        prompt queries (averaged over a KV group's query heads), and the part of it from the queries whose
-        own local window holds the key (i − j < ceil(r_l·(i + 1))). In blocks of queries over the keys each
-        block can see, so memory stays O(block × T) (docs/DESIGN.md §7)."""
-        B, T = q.shape[0], q.shape[2]
-        received = torch.zeros(B, k.shape[1], T, dtype=torch.float32, device=q.device)
+    def _profile_attention(self, q: Tensor, k: Tensor, key_pos: Tensor | None = None,
+                           key_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(received, in_window), [B, n_kv, S] each: the attention every key receives from the queries q
+        [B, n_head, T, D] (the last T of the S keys k; averaged over a KV group's query heads), and the part of
+        it from the queries whose own local window holds the key (i − j < ceil(r_l·(i + 1)) in positions).
+        `key_pos` [B, n_kv, S] and `key_valid` (None: a prompt, 0..S−1): a chunk's queries over the held
+        tokens (slots a head does not hold masked) and the chunk. In blocks of queries over the keys each
+        block can see, so memory stays O(block × S) (docs/DESIGN.md §7)."""
+        B, H, T, D = q.shape
+        S = k.shape[2]
+        first = S - T  # the queries are the keys' last T; the held tokens' rows are never computed
+        if first:
+            q = torch.cat([q.new_zeros(B, H, first, D), q], dim=2)
+        positions = torch.arange(S, device=q.device).view(1, 1, S) if key_pos is None else key_pos
+        bias = None if key_valid is None else torch.zeros(key_valid.shape, device=q.device).masked_fill(
+            ~key_valid, float("-inf"))
+        received = torch.zeros(B, k.shape[1], S, dtype=torch.float32, device=q.device)
         in_window = torch.zeros_like(received)
-        for rows, probs in causal_attention_blocks(q, k):
+        for rows, probs in causal_attention_blocks(q, k, first_query=first, key_bias=bias):
             end = probs.shape[-1]
-            window = torch.ceil(self.recent_frac * (rows + 1).float()).long()
-            held = rows[:, None] - torch.arange(end, device=q.device) < window[:, None]
+            at = positions[..., rows, None]  # the queries' positions
+            window = torch.ceil(self.recent_frac * (at + 1).float()).long()
+            held = at - positions[..., None, :end] < window
             group = probs.mean(dim=2)  # [B, n_kv, rows, end]: the one pass over every head's probabilities
             received[:, :, :end] += group.sum(dim=2)
             in_window[:, :, :end] += (group * held).sum(dim=2)  # causal: probs are 0 past each row
         return received, in_window
 
-    def _choose_policies(self, parts: dict[str, Tensor], received: Tensor, in_window: Tensor) -> tuple[Tensor, Tensor]:
-        """(policy index [B, H], prompt tokens the policy keeps [B, H, T]): the first policy recovering
-        `min_recovery` of the head's attention map. A policy's kept entries are its token components'
-        columns plus, with `local`, each query's window; the last policy takes every head still undecided."""
-        B, H, T = received.shape
-        total = received.sum(-1)
-        chosen = torch.full((B, H), len(self.policies) - 1, dtype=torch.long, device=received.device)
-        keep = torch.zeros(B, H, T, dtype=torch.bool, device=received.device)
-        decided = torch.zeros(B, H, dtype=torch.bool, device=received.device)
-        for index, policy in enumerate(self.policies):
-            tokens = [parts[c] for c in policy if c != "local"] or [torch.zeros_like(keep)]
-            columns = torch.stack(tokens).any(dim=0)
-            recovered = (received * columns).sum(-1)
+    def _policy_recovery(self, parts: dict[str, Tensor], received: Tensor, in_window: Tensor) -> Tensor:
+        """[B, H, P]: the attention each policy recovers of the map whose column sums are `received` and whose
+        entries within each query's window sum to `in_window` ([B, H, S] each). A policy's kept entries are its
+        token components' columns plus, with `local`, each query's window."""
+        recovered = []
+        for policy in self.policies:
+            columns = self._columns(parts, policy)
+            mass = (received * columns).sum(-1)
             if "local" in policy:  # window entries of the columns the other components did not already take
-                recovered = recovered + (in_window * ~columns).sum(-1)
-            take = (recovered >= self.min_recovery * total) if index < len(self.policies) - 1 else True
-            take = take & ~decided
-            kept = columns | parts["local"] if "local" in policy else columns
-            chosen = torch.where(take, index, chosen)
-            keep = torch.where(take[..., None], kept, keep)
-            decided |= take
+                mass = mass + (in_window * ~columns).sum(-1)
+            recovered.append(mass)
+        return torch.stack(recovered, dim=-1)
+
+    @staticmethod
+    def _columns(parts: dict[str, Tensor], policy: tuple[str, ...]) -> Tensor:
+        tokens = [parts[c] for c in policy if c != "local"]
+        return torch.stack(tokens).any(dim=0) if tokens else torch.zeros_like(parts["full"])
+
+    def _choose_policies(self, parts: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(policy index [B, H], tokens the policy keeps [B, H, S]): the first policy whose recovered attention,
+        summed over every query profiled so far (`recovered`, `profiled`), is `min_recovery` of it; the last
+        policy takes every head still undecided."""
+        enough = self.recovered >= self.min_recovery * self.profiled[..., None]
+        enough[..., -1] = True
+        chosen = enough.long().argmax(dim=-1)  # the first True
+        keeps = [self._columns(parts, p) | parts["local"] if "local" in p else self._columns(parts, p)
+                 for p in self.policies]
+        keep = torch.stack(keeps, dim=-1).gather(-1, chosen[..., None, None].expand(*keeps[0].shape, 1))[..., 0]
         return chosen, keep
 
     # ---- prefill: profile each head, keep what its policy keeps -------------------------------------------
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
+        B, H, T, _ = k.shape
+        ids = self._take_prompt_ids()[:, None, :].expand(B, H, T)
+        received, in_window = self._profile_attention(q, k)
+        positions = input_pos.view(1, 1, T).expand(B, H, T)
+        valid = torch.ones(B, H, T, dtype=torch.bool, device=k.device)
+        self.recovered.zero_()
+        self.profiled.zero_()
+        keep = self._compress(positions, ids, valid, received, received, in_window, T)
+        self._store(keep, positions, ids, valid, received, k if k_store is None else k_store, v, q)
+        self.inserted.fill_(T)
+
+    def _take_prompt_ids(self) -> Tensor:
+        """The ids of the prompt (or chunk) being prefilled, [B, T]; read once (a later prefill gets its own)."""
         if self.prompt_ids is None:
             raise UserError("the hybrid cache did not see the prompt's token ids")
-        B, H, T, D = k.shape
-        received, in_window = self._profile_attention(q, k)
-        is_special, is_punct = (c[:, None, :].expand(B, H, T) for c in self._classes(self.prompt_ids))
-        parts = self._component_keep(T, input_pos.view(1, 1, T).expand(B, H, T), is_special, is_punct, received)
-        chosen, keep = self._choose_policies(parts, received, in_window)
+        ids, self.prompt_ids = self.prompt_ids, None
+        return ids
+
+    def _compress(self, positions: Tensor, ids: Tensor, valid: Tensor, received: Tensor, profiled: Tensor,
+                  in_window: Tensor, seen: int) -> Tensor:
+        """Profile and choose over the tokens `positions`, `ids`, `valid` [B, H, S] (a prompt, or the held
+        tokens + a chunk): `received` ranks them by the attention summed over every query so far, `profiled`
+        and `in_window` are this pass's queries' map, added to the policies' recovered attention. Sets each
+        head's policy; returns the tokens it keeps after `seen` tokens, [B, H, S]."""
+        is_special, is_punct = (c & valid for c in self._classes(ids))
+        rank = received.masked_fill(~valid, float("-inf"))
+        parts = {name: part & valid for name, part in
+                 self._component_keep(seen, positions, is_special, is_punct, rank).items()}
+        self.recovered += self._policy_recovery(parts, profiled, in_window)
+        self.profiled += profiled.sum(-1)
+        chosen, keep = self._choose_policies(parts)
         self.policy.copy_(chosen)
         for c_index, component in enumerate(COMPONENTS):
-            has = torch.tensor([component in p for p in self.policies], device=k.device)
+            has = torch.tensor([component in p for p in self.policies], device=chosen.device)
             self.uses[..., c_index] = has[chosen]
-        # At most L tokens per head: special/punct first, then by attention (ties: the newest).
-        L = self.prompt_target()
-        priority = received + input_pos.float() * 1e-9 + (is_special | is_punct) * 1e6
-        priority = priority.masked_fill(~keep, float("-inf"))
-        top = priority.topk(min(L, T), dim=-1)
-        valid = top.values > float("-inf")
-        idx = top.indices
+        return keep
+
+    def _store(self, keep: Tensor, positions: Tensor, ids: Tensor, valid: Tensor, received: Tensor, k: Tensor,
+               v: Tensor, q: Tensor) -> Tensor:
+        """The tokens `keep` [B, H, S] (at most the prompt budget per head: special/punct first, then by
+        attention, ties to the newest) into slots 0..n−1 in position order, the slots a head leaves empty after
+        them. k, v [B, H, S, D] as stored, q the queries a storage may choose by. Returns the kept indices
+        [B, H, n] into the S tokens, in slot order (empty slots' entries index a token not kept)."""
+        B, H, S, D = k.shape
+        is_special, is_punct = (c & valid for c in self._classes(ids))
+        priority = received + positions.float() * 1e-9 + (is_special | is_punct) * 1e6
+        top = priority.masked_fill(~keep, float("-inf")).topk(min(self.prompt_target(), S), dim=-1)
+        held = top.values > float("-inf")
+        at = positions.gather(2, top.indices)
+        order = at.masked_fill(~held, torch.iinfo(at.dtype).max).argsort(dim=-1)
+        idx, held = top.indices.gather(2, order), held.gather(2, order)
         n = idx.shape[-1]
         gather = idx[..., None].expand(B, H, n, D)
-        stored = (k if k_store is None else k_store).gather(2, gather)
-        self.storage.write(torch.arange(n, device=k.device).expand(B, H, n), stored, v.gather(2, gather), q)
-        self.pos[:, :, :n] = torch.where(valid, input_pos[idx], -1)
-        self.mask[:, :, 0, :n] = valid
-        self.slot_special[:, :, :n] = ((is_special & self._use("special")[..., None])
-                                       | (is_punct & self._use("punct")[..., None])).gather(2, idx) & valid
-        self.attn_sum[:, :, :n] = received.gather(2, idx) * valid
-        self.inserted.fill_(T)
-        self.prompt_ids = None
+        slots = torch.arange(n, device=k.device).expand(B, H, n)
+        self.storage.write(slots, k.gather(2, gather), v.gather(2, gather), q)
+        self.pos[:, :, :n] = torch.where(held, positions.gather(2, idx), -1)
+        self.mask[:, :, 0, :n] = held
+        self.slot_token[:, :, :n] = ids.gather(2, idx).to(self.slot_token.dtype)
+        counted = (is_special & self._use("special")[..., None]) | (is_punct & self._use("punct")[..., None])
+        self.slot_special[:, :, :n] = counted.gather(2, idx) & held
+        self.attn_sum[:, :, :n] = received.gather(2, idx) * held
+        self.filled.fill_(n)
+        return idx
+
+    # ---- chunked prefill (--prefill_chunk): the profile accumulates, the policies are chosen again -----------
+
+    def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, rerotation: Rerotation | None) -> None:
+        """After a later chunk: each head's tokens are its own held ones (a head may hold fewer than the slots
+        written, `filled`) followed by the chunk. The chunk's queries attend over them (as the model's did); their
+        map joins the profile, whose sums over every query so far choose each head's policy again, and the head
+        keeps what that policy keeps of its held tokens + the chunk, ranked by the attention summed over every
+        query (module docstring)."""
+        B, H, T, D = k.shape
+        n = int(self.filled.max())
+        held, held_pos = self.mask[:, :, 0, :n], self.pos[:, :, :n]
+        held_k, held_v = self.chunk_held_keys()[:, :, :n], self.chunk_held_values()[:, :, :n]
+        scored_k = held_k if rerotation is None else rerotation.rope(held_k, slot_ranks(held_pos))
+        positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, H, T)], dim=2)
+        valid = torch.cat([held, held.new_ones(B, H, T)], dim=2)
+        ids = torch.cat([self.slot_token[:, :, :n].long(), self._take_prompt_ids()[:, None, :].expand(B, H, T)], 2)
+        chunk_map, in_window = self._profile_attention(q, torch.cat([scored_k, k], 2), positions, valid)
+        received = torch.cat([self.attn_sum[:, :, :n] * held, torch.zeros_like(chunk_map[..., n:])], 2) + chunk_map
+        stored = torch.cat([held_k, k if rerotation is None else rerotation.k_plain], 2)
+        values = torch.cat([held_v, v], 2)
+        rep = q.shape[1] // H
+        held_q = self.chunk_queries * held.repeat_interleave(rep, dim=1)[..., None]  # a slot not held has none
+        queries = torch.cat([held_q, q if rerotation is None else rerotation.q_plain], 2)
+        seen, profile = self.inserted + T, (self.recovered.clone(), self.profiled.clone())
+        self.reset()
+        self.recovered.copy_(profile[0])
+        self.profiled.copy_(profile[1])
+        keep = self._compress(positions, ids, valid, received, chunk_map, in_window, int(input_pos[-1]) + 1)
+        idx = self._store(keep, positions, ids, valid, received, stored, values, queries)
+        self.inserted.copy_(seen)
+        self.chunk_queries = queries.gather(2, idx.repeat_interleave(rep, dim=1)[..., None].expand(B, H * rep, -1, D))
+        exact = self.storage.exact_in_chunks
+        at = idx[..., None].expand(B, H, idx.shape[-1], D)
+        self.chunk_keys = stored.gather(2, at) if "keys" in exact else None
+        self.chunk_values = values.gather(2, at) if "values" in exact else None
 
     # ---- decode: admit or reject the new token per head, evict by the head's own priorities -------------------
 
@@ -225,6 +326,8 @@ class HybridCache(ReadsTokenIds, KVCache):
         scatter_slots(self.mask, 3, slot[..., None, None], True)
         scatter_slots(self.slot_special, 2, slot[..., None], new_is_special[..., None])
         scatter_slots(self.attn_sum, 2, slot[..., None], 0.0)
+        token = self.current_token.to(self.slot_token.dtype)[:, None].expand(B, H, 1)
+        scatter_slots(self.slot_token, 2, slot[..., None], token)
         self.mask[..., L] = False  # the scratch slot is never held
         self.pos[..., L] = -1
         self.inserted += 1

@@ -318,8 +318,6 @@ def test_compiled_decoding_after_a_chunked_prefill_equals_eager(strategy):
       for s in CHUNK_REFUSED],
     *[(["--prefill_chunk", "8", "--cache_strategy", s, "--budget_allocation", "adakv"],
        "with --budget_allocation adakv") for s in CHUNK_POOL_REFUSED],
-    (["--prefill_chunk", "8", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
-     "cannot compress a prompt chunk by chunk"),
 ])
 def test_bad_chunk_flags_are_refused(flags, message):
     with pytest.raises(UserError, match=message):
@@ -329,7 +327,9 @@ def test_bad_chunk_flags_are_refused(flags, message):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--prefill_chunk", "0"], "--prefill_chunk must be ≥ 1"),
     (["--prefill_chunk", "2048"], "larger than the model's context of 1024"),
-    (["--prefill_chunk", "4", "--cache_strategy", "hybrid", "--max_cache_length", "0.5"], "chunk by chunk"),
+    # FastGen profiles the prompt itself, chunked or not: it is no other cache's prompt rule
+    (["--prefill_chunk", "4", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
+     "profiles the prompt itself"),
     (["--prefill_chunk", "4", "--cache_strategy", "kvzip", "--budget_allocation", "adakv"], "adakv"),
     # KVzip's pass over a chunk reads it twice (the chunk, then its repeat input): 2 × 600 > the context
     (["--prefill_chunk", "600", "--cache_strategy", "kvzip", "--max_cache_length", "64", "--prompt", "ab" * 350],

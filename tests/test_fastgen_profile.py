@@ -95,7 +95,7 @@ def make_cache(length: int = T, policies: tuple[str, ...] = DEFAULT_HYBRID_POLIC
 def prefill_with_map(cache: HybridCache, maps: Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache's prefill with its attention replaced by `maps` (any q and k then do)."""
     monkeypatch.setattr(hybrid, "causal_attention_blocks",
-                        lambda q, k: [(torch.arange(maps.shape[2]), maps[:, :, None])])
+                        lambda q, k, **_: [(torch.arange(maps.shape[2]), maps[:, :, None])])
     n = maps.shape[2]
     k, v, q = (torch.randn(1, 5, n, 4) for _ in range(3))
     cache.observe_tokens(prompt_ids()[None, :n])

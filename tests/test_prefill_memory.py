@@ -15,6 +15,7 @@ from benchmarks.prefill_memory import build_parser, context_length, plan, profil
 from benchmarks.resident_memory import peak_since, reset_peak, status_bytes
 from errors import UserError
 from eval.bench.profile import KIND_NAMES
+from strategies.tova import TovaCache
 from tests.conftest import ROOT
 
 
@@ -161,11 +162,14 @@ def test_a_small_run_through_transformers_end_to_end(tmp_path):
     assert "chunks of 32, transformers' generate" in proc.stdout
 
 
-def test_a_strategy_that_cannot_prefill_in_chunks_is_measured_one_shot_only(capsys):
-    assert planned("--strategies", "hybrid", "recent_global", "--lengths", "1024", "--chunk", "256") == [
-        ("hybrid", 1024, 0), ("recent_global", 1024, 0), ("recent_global", 1024, 256)]
-    assert "hybrid: one-shot rows only (--prefill_chunk: the hybrid cache cannot" in capsys.readouterr().err
-    with pytest.raises(UserError, match="nothing to measure for hybrid: it prefills one shot only"):
-        planned("--strategies", "hybrid", "--lengths", "8192", "--one_shot_max", "4096")
+def test_a_strategy_that_cannot_prefill_in_chunks_is_measured_one_shot_only(capsys, monkeypatch):
+    # Every registered strategy takes chunks with the bench's flags: one that refused them (its class's
+    # `chunked_prefill_refusal`, as a new strategy may) gets one-shot rows only.
+    monkeypatch.setattr(TovaCache, "chunked_prefill_refusal", "a refusal for the test")
+    assert planned("--strategies", "tova", "recent_global", "--lengths", "1024", "--chunk", "256") == [
+        ("tova", 1024, 0), ("recent_global", 1024, 0), ("recent_global", 1024, 256)]
+    assert "tova: one-shot rows only (--prefill_chunk: the tova cache cannot" in capsys.readouterr().err
+    with pytest.raises(UserError, match="nothing to measure for tova: it prefills one shot only"):
+        planned("--strategies", "tova", "--lengths", "8192", "--one_shot_max", "4096")
     with pytest.raises(UserError, match="no_such_strategy"):  # refused before any run, not in the run's process
         planned("--strategies", "recent_global", "no_such_strategy")
