@@ -18,8 +18,10 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
   + the chunk, the pool shared over all heads' pairs.
 - Re-rotation (`Rerotation`): keys and queries are kept before RoPE and the virtual prompt is rotated at its
   ranks, so the prompt may run past the model's context at a fixed budget.
-- Strategies whose prefill cannot take a virtual prompt declare `chunked_prefill_refusal` (FastGen's
-  hybrid profiles the whole prompt), and those that take chunks with some flags only `chunked_prefill_conflict`.
+- FastGen's `hybrid` overrides `reprefill` too: its heads hold different counts, so each head's virtual prompt is
+  its own held tokens + the chunk, and its profile accumulates over every chunk's queries (strategies/hybrid.py).
+- A strategy whose prefill could not take a virtual prompt would declare `chunked_prefill_refusal` (none does);
+  those that take chunks with some flags only answer `chunked_prefill_conflict` (kvzip with a pool).
   KVzip's model-level reconstruction pass runs once per chunk (strategies/kvzip.py, ChunkedReconstruction).
 - A storage whose stored form loses what a re-prefill would lose again (`Storage.exact_in_chunks`: ThinK's
   keys, whose pruned channels a new channel set would prune further; KIVI's keys and values, whose key groups

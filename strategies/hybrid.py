@@ -24,6 +24,19 @@ The profile follows the paper's compression policies as the decode step applies 
   step's attention. The sum, not the mean over the steps a token was held, because it is the paper's
   rank; a mean would rank a token attended once, just admitted, above one attended at every step.
 
+Chunked prefill (--prefill_chunk N, `reprefill`): the profile is a statistic over every prompt query, so it
+accumulates. Each later chunk's queries attend over what each head holds plus the chunk (as the model's do); the
+mass each policy recovers of their maps (its columns judged over held + chunk, the frequent ones by the attention
+summed over every query so far, `local` by each query's own window in positions) is added to what it recovered in
+the earlier chunks, every head's policy is chosen again from those sums, and the head keeps that policy's tokens
+of held + chunk within the budget. The prompt rule over held + chunk rather than the decode rule (a policy fixed
+after the first chunk, each later token admitted one by one), because a policy profiled on the first N tokens
+alone would ignore the rest of the prompt's attention, which is what FastGen's profile is. A head may change
+policy between chunks; what a cheaper policy evicted earlier is gone, and the later chunks' maps are over what it
+held, so each policy is judged on the cache the head really has. One chunk is the one-shot prefill exactly.
+A head never profiled (a one-token prompt goes straight to decoding) holds every token (`full`; its policy index
+reads as the last policy's), where an empty profile would choose the cheapest policy and reject every token.
+
 Static shapes for compile: every head's decision is a tensor op over all heads at once. A head whose
 policy rejects the new token writes it to a scratch slot (index L, never marked as held), so every
 step writes exactly one slot per head.
@@ -103,8 +116,7 @@ class HybridCache(ReadsTokenIds, KVCache):
 
     def reset(self) -> None:
         super().reset()
-        # A head never profiled (a one-token prompt goes straight to decoding) has no map to choose by: it holds
-        # every token, as the last policy (`full` by default) would.
+        # A head never profiled has no map to choose by: it holds every token (module docstring).
         self.policy.fill_(len(self.policies) - 1)
         self.uses[..., COMPONENTS.index("full")] = True
 
