@@ -189,10 +189,15 @@ class ChunkedPrefill:
         return over_held_slots(self.values(), self.chunk_values)
 
     def end_chunked_prefill(self) -> None:
-        """The prompt is in: drop the held tokens' queries and exact K/V (decoding never reads them)."""
+        """The prompt is in: drop the held tokens' queries and exact K/V (decoding never reads them); each cache
+        (a debug twin's shadow too) finishes its prefill (`finish_chunked_prefill`)."""
         for cache in self.modules():
             if isinstance(cache, ChunkedPrefill):
                 cache.chunk_queries = cache.chunk_keys = cache.chunk_values = None
+                cache.finish_chunked_prefill()
+
+    def finish_chunked_prefill(self) -> None:
+        """Hook: what a strategy does once the whole prompt is in (hybrid applies its policies' cut)."""
 
     def write_chunk(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor) -> None:
         """The chunk into the next empty slots, nothing evicted (a cache that never compresses). A storage that

@@ -24,16 +24,21 @@ The profile follows the paper's compression policies as the decode step applies 
   step's attention. The sum, not the mean over the steps a token was held, because it is the paper's
   rank; a mean would rank a token attended once, just admitted, above one attended at every step.
 
-Chunked prefill (--prefill_chunk N, `reprefill`): the profile is a statistic over every prompt query, so it
-accumulates. Each later chunk's queries attend over what each head holds plus the chunk (as the model's do); the
-mass each policy recovers of their maps (its columns judged over held + chunk, the frequent ones by the attention
-summed over every query so far, `local` by each query's own window in positions) is added to what it recovered in
-the earlier chunks, every head's policy is chosen again from those sums, and the head keeps that policy's tokens
-of held + chunk within the budget. The prompt rule over held + chunk rather than the decode rule (a policy fixed
-after the first chunk, each later token admitted one by one), because a policy profiled on the first N tokens
-alone would ignore the rest of the prompt's attention, which is what FastGen's profile is. A head may change
-policy between chunks; what a cheaper policy evicted earlier is gone, and the later chunks' maps are over what it
-held, so each policy is judged on the cache the head really has. One chunk is the one-shot prefill exactly.
+Chunked prefill (--prefill_chunk N, `reprefill`): the profile reads the map's column sums (the attention each
+token received from every query, and the part of it from queries whose own window held it), sums over every
+query, so they accumulate as H2O's do: each later chunk's queries attend over what each head holds plus the chunk
+(as the model's do) and add to the held tokens' sums carried from the earlier chunks. After each chunk every head's
+policy is chosen again by the one-shot rule over its held tokens + the chunk, and the head holds the budget's best
+of them, its policy's tokens first; the policy's own cut (releasing the tokens it does not keep) waits for the
+whole prompt (`finish_chunked_prefill`), as FastGen decides on the whole prompt's profile. So while the budget
+holds every token the profile is the one-shot one, and a prompt whose chunks before the last fit the budget is
+compressed exactly as one shot. Where tokens were evicted for the budget, their attention is out of every
+policy's reach and leaves the map the policies are judged on. Cutting at every chunk instead (and under KIVI or
+ThinK storage, whose stored form depends on every token written, it does) evicts by a policy profiled on part of
+the prompt: on fidelity at half the budget, KL +0.108 over one shot against +0.064 deferred (docs/performance.md).
+The prompt rule over held + chunk rather than the decode rule (a policy fixed after the first chunk, each later
+token admitted one by one), because a policy profiled on the first N tokens would ignore the rest of the prompt's
+attention, which is what FastGen's profile is. A head may change policy between chunks.
 A head never profiled (a one-token prompt goes straight to decoding) holds every token (`full`; its policy index
 reads as the last policy's), where an empty profile would choose the cheapest policy and reject every token.
 
@@ -90,6 +95,7 @@ class HybridCache(ReadsTokenIds, KVCache):
     head_specific = True
     needs_attention = True
     profiles_prompt = True
+    cut_at_end = False  # inside a chunked prefill's chunk (prefill_chunk_tokens)
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,
                  *args: object, **kwargs: object) -> None:
@@ -107,11 +113,13 @@ class HybridCache(ReadsTokenIds, KVCache):
         self.register_buffer("uses", torch.zeros(B, H, len(COMPONENTS), dtype=torch.bool, **kw))  # its components
         self.register_buffer("slot_special", torch.zeros(B, H, L1, dtype=torch.bool, **kw))  # special or punct
         self.register_buffer("attn_sum", torch.zeros(B, H, L1, **kw))  # the frequency rank (module docstring)
-        self.register_buffer("slot_token", torch.zeros(B, H, L1, dtype=torch.int32, **kw))  # each slot's token id
-        # The profile so far (a chunked prefill adds each chunk's queries): the attention each policy recovers
-        # [B, H, P], and the whole map's, [B, H].
-        self.register_buffer("recovered", torch.zeros(B, H, len(self.policies), **kw))
-        self.register_buffer("profiled", torch.zeros(B, H, **kw))
+        # For a chunked prefill's next chunk (written by prefills only: decoding never reads them): each held
+        # prompt token's id, and the part of its summed attention from queries whose own window held it.
+        self.register_buffer("slot_token", torch.zeros(B, H, L1, dtype=torch.int32, **kw))
+        self.register_buffer("window_sum", torch.zeros(B, H, L1, **kw))
+        # Which held slots the head's policy keeps: a chunked prefill holds others too while the budget has room,
+        # until the prompt is in (finish_chunked_prefill). Decoding admits only what the policy keeps.
+        self.register_buffer("policy_keep", torch.zeros(B, H, L1, dtype=torch.bool, **kw))
         self.reset()
 
     def reset(self) -> None:
@@ -190,11 +198,11 @@ class HybridCache(ReadsTokenIds, KVCache):
         tokens = [parts[c] for c in policy if c != "local"]
         return torch.stack(tokens).any(dim=0) if tokens else torch.zeros_like(parts["full"])
 
-    def _choose_policies(self, parts: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """(policy index [B, H], tokens the policy keeps [B, H, S]): the first policy whose recovered attention,
-        summed over every query profiled so far (`recovered`, `profiled`), is `min_recovery` of it; the last
-        policy takes every head still undecided."""
-        enough = self.recovered >= self.min_recovery * self.profiled[..., None]
+    def _choose_policies(self, parts: dict[str, Tensor], recovered: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+        """(policy index [B, H], tokens the policy keeps [B, H, S]): the first policy whose `recovered` attention
+        [B, H, P] is `min_recovery` of the map's `total` [B, H]; the last policy takes every head still
+        undecided."""
+        enough = recovered >= self.min_recovery * total[..., None]
         enough[..., -1] = True
         chosen = enough.long().argmax(dim=-1)  # the first True
         keeps = [self._columns(parts, p) | parts["local"] if "local" in p else self._columns(parts, p)
@@ -210,10 +218,8 @@ class HybridCache(ReadsTokenIds, KVCache):
         received, in_window = self._profile_attention(q, k)
         positions = input_pos.view(1, 1, T).expand(B, H, T)
         valid = torch.ones(B, H, T, dtype=torch.bool, device=k.device)
-        self.recovered.zero_()
-        self.profiled.zero_()
-        keep = self._compress(positions, ids, valid, received, received, in_window, T)
-        self._store(keep, positions, ids, valid, received, k if k_store is None else k_store, v, q)
+        keep = self._compress(positions, ids, valid, received, in_window, T)
+        self._store(keep, positions, ids, valid, received, in_window, k if k_store is None else k_store, v, q)
         self.inserted.fill_(T)
 
     def _take_prompt_ids(self) -> Tensor:
@@ -223,39 +229,45 @@ class HybridCache(ReadsTokenIds, KVCache):
         ids, self.prompt_ids = self.prompt_ids, None
         return ids
 
-    def _compress(self, positions: Tensor, ids: Tensor, valid: Tensor, received: Tensor, profiled: Tensor,
-                  in_window: Tensor, seen: int) -> Tensor:
-        """Profile and choose over the tokens `positions`, `ids`, `valid` [B, H, S] (a prompt, or the held
-        tokens + a chunk): `received` ranks them by the attention summed over every query so far, `profiled`
-        and `in_window` are this pass's queries' map, added to the policies' recovered attention. Sets each
-        head's policy; returns the tokens it keeps after `seen` tokens, [B, H, S]."""
+    def _compress(self, positions: Tensor, ids: Tensor, valid: Tensor, received: Tensor, in_window: Tensor,
+                  seen: int) -> Tensor:
+        """Profile and choose over the tokens `positions`, `ids`, `valid` [B, H, S] (a prompt, or a head's held
+        tokens + a chunk): `received` [B, H, S] is the attention each has received from every query so far and
+        `in_window` the part of it from queries whose own window held it, the column sums of the map that the
+        policies' recovered attention is read from. Sets each head's policy; returns the tokens it keeps after
+        `seen` tokens, [B, H, S]."""
         is_special, is_punct = (c & valid for c in self._classes(ids))
         rank = received.masked_fill(~valid, float("-inf"))
         parts = {name: part & valid for name, part in
                  self._component_keep(seen, positions, is_special, is_punct, rank).items()}
-        self.recovered += self._policy_recovery(parts, profiled, in_window)
-        self.profiled += profiled.sum(-1)
-        chosen, keep = self._choose_policies(parts)
+        recovered = self._policy_recovery(parts, received, in_window)
+        chosen, keep = self._choose_policies(parts, recovered, received.sum(-1))
         self.policy.copy_(chosen)
         for c_index, component in enumerate(COMPONENTS):
             has = torch.tensor([component in p for p in self.policies], device=chosen.device)
             self.uses[..., c_index] = has[chosen]
         return keep
 
-    def _store(self, keep: Tensor, positions: Tensor, ids: Tensor, valid: Tensor, received: Tensor, k: Tensor,
-               v: Tensor, q: Tensor) -> Tensor:
+    def _store(self, keep: Tensor, positions: Tensor, ids: Tensor, valid: Tensor, received: Tensor,
+               in_window: Tensor, k: Tensor, v: Tensor, q: Tensor) -> Tensor:
         """The tokens `keep` [B, H, S] (at most the prompt budget per head: special/punct first, then by
         attention, ties to the newest) into slots 0..n−1 in position order, the slots a head leaves empty after
-        them. k, v [B, H, S, D] as stored, q the queries a storage may choose by. Returns the kept indices
-        [B, H, n] into the S tokens, in slot order (empty slots' entries index a token not kept)."""
+        them; during a chunked prefill (`cut_at_end`) the other valid tokens too while the budget has room,
+        after the policy's. k, v [B, H, S, D] as stored, q the queries a storage may choose by. Returns the kept
+        indices [B, H, n] into the S tokens, in slot order (empty slots' entries index a token not kept)."""
         B, H, S, D = k.shape
         is_special, is_punct = (c & valid for c in self._classes(ids))
         priority = received + positions.float() * 1e-9 + (is_special | is_punct) * 1e6
-        top = priority.masked_fill(~keep, float("-inf")).topk(min(self.prompt_target(), S), dim=-1)
-        held = top.values > float("-inf")
-        at = positions.gather(2, top.indices)
+        # The policy's tokens by priority, then (deferring its cut) the other valid ones by priority: two stable
+        # sorts, as an offset added to the priority would swamp it in float32.
+        rank = keep.long() * 2 + (valid & ~keep).long() * self.cut_at_end  # 0: not held
+        by_priority = priority.argsort(dim=-1, descending=True, stable=True)
+        by_rank = rank.gather(2, by_priority).argsort(dim=-1, descending=True, stable=True)
+        top = by_priority.gather(2, by_rank)[..., : min(self.prompt_target(), S)]
+        held = rank.gather(2, top) > 0
+        at = positions.gather(2, top)
         order = at.masked_fill(~held, torch.iinfo(at.dtype).max).argsort(dim=-1)
-        idx, held = top.indices.gather(2, order), held.gather(2, order)
+        idx, held = top.gather(2, order), held.gather(2, order)
         n = idx.shape[-1]
         gather = idx[..., None].expand(B, H, n, D)
         slots = torch.arange(n, device=k.device).expand(B, H, n)
@@ -266,17 +278,37 @@ class HybridCache(ReadsTokenIds, KVCache):
         counted = (is_special & self._use("special")[..., None]) | (is_punct & self._use("punct")[..., None])
         self.slot_special[:, :, :n] = counted.gather(2, idx) & held
         self.attn_sum[:, :, :n] = received.gather(2, idx) * held
+        self.window_sum[:, :, :n] = in_window.gather(2, idx) * held
+        self.policy_keep[:, :, :n] = keep.gather(2, idx) & held
         self.filled.fill_(n)
         return idx
 
     # ---- chunked prefill (--prefill_chunk): the profile accumulates, the policies are chosen again -----------
 
+    def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor,
+                             rerotation: Rerotation | None = None) -> None:
+        # The policies' own cut waits for the whole prompt (finish_chunked_prefill), but where the stored form
+        # depends on every token written (ThinK's channels, KIVI's groups), which releasing a slot cannot undo.
+        self.cut_at_end = not self.storage.exact_in_chunks
+        try:
+            super().prefill_chunk_tokens(input_pos, k, v, q, rerotation)
+        finally:
+            self.cut_at_end = False
+
+    def finish_chunked_prefill(self) -> None:
+        """The prompt is in: each head releases the held tokens its policy, chosen over the whole prompt's
+        profile at the last chunk, does not keep."""
+        drop = self.mask[:, :, 0] & ~self.policy_keep
+        self.mask[:, :, 0].masked_fill_(drop, False)
+        self.pos.masked_fill_(drop, -1)
+        self.slot_special.masked_fill_(drop, False)
+        self.attn_sum.masked_fill_(drop, 0.0)
+
     def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, rerotation: Rerotation | None) -> None:
         """After a later chunk: each head's tokens are its own held ones (a head may hold fewer than the slots
-        written, `filled`) followed by the chunk. The chunk's queries attend over them (as the model's did); their
-        map joins the profile, whose sums over every query so far choose each head's policy again, and the head
-        keeps what that policy keeps of its held tokens + the chunk, ranked by the attention summed over every
-        query (module docstring)."""
+        written, `filled`) followed by the chunk. The chunk's queries attend over them (as the model's did) and add
+        to the held tokens' sums; the one-shot rule then chooses each head's policy from those sums, and the head
+        holds the budget's best, its policy's tokens first (module docstring)."""
         B, H, T, D = k.shape
         n = int(self.filled.max())
         held, held_pos = self.mask[:, :, 0, :n], self.pos[:, :, :n]
@@ -285,19 +317,18 @@ class HybridCache(ReadsTokenIds, KVCache):
         positions = torch.cat([held_pos, input_pos.view(1, 1, T).expand(B, H, T)], dim=2)
         valid = torch.cat([held, held.new_ones(B, H, T)], dim=2)
         ids = torch.cat([self.slot_token[:, :, :n].long(), self._take_prompt_ids()[:, None, :].expand(B, H, T)], 2)
-        chunk_map, in_window = self._profile_attention(q, torch.cat([scored_k, k], 2), positions, valid)
-        received = torch.cat([self.attn_sum[:, :, :n] * held, torch.zeros_like(chunk_map[..., n:])], 2) + chunk_map
+        received, in_window = self._profile_attention(q, torch.cat([scored_k, k], 2), positions, valid)
+        received[..., :n] += self.attn_sum[:, :, :n] * held  # the earlier chunks' queries' sums (H2O's, carried)
+        in_window[..., :n] += self.window_sum[:, :, :n] * held
         stored = torch.cat([held_k, k if rerotation is None else rerotation.k_plain], 2)
         values = torch.cat([held_v, v], 2)
         rep = q.shape[1] // H
         held_q = self.chunk_queries * held.repeat_interleave(rep, dim=1)[..., None]  # a slot not held has none
         queries = torch.cat([held_q, q if rerotation is None else rerotation.q_plain], 2)
-        seen, profile = self.inserted + T, (self.recovered.clone(), self.profiled.clone())
+        seen = self.inserted + T
         self.reset()
-        self.recovered.copy_(profile[0])
-        self.profiled.copy_(profile[1])
-        keep = self._compress(positions, ids, valid, received, chunk_map, in_window, int(input_pos[-1]) + 1)
-        idx = self._store(keep, positions, ids, valid, received, stored, values, queries)
+        keep = self._compress(positions, ids, valid, received, in_window, int(input_pos[-1]) + 1)
+        idx = self._store(keep, positions, ids, valid, received, in_window, stored, values, queries)
         self.inserted.copy_(seen)
         self.chunk_queries = queries.gather(2, idx.repeat_interleave(rep, dim=1)[..., None].expand(B, H * rep, -1, D))
         exact = self.storage.exact_in_chunks
@@ -338,8 +369,7 @@ class HybridCache(ReadsTokenIds, KVCache):
         scatter_slots(self.mask, 3, slot[..., None, None], True)
         scatter_slots(self.slot_special, 2, slot[..., None], new_is_special[..., None])
         scatter_slots(self.attn_sum, 2, slot[..., None], 0.0)
-        token = self.current_token.to(self.slot_token.dtype)[:, None].expand(B, H, 1)
-        scatter_slots(self.slot_token, 2, slot[..., None], token)
+        scatter_slots(self.policy_keep, 2, slot[..., None], True)
         self.mask[..., L] = False  # the scratch slot is never held
         self.pos[..., L] = -1
         self.inserted += 1
