@@ -19,7 +19,8 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
 - Re-rotation (`Rerotation`): keys and queries are kept before RoPE and the virtual prompt is rotated at its
   ranks, so the prompt may run past the model's context at a fixed budget.
 - FastGen's `hybrid` overrides `reprefill` too: its heads hold different counts, so each head's virtual prompt is
-  its own held tokens + the chunk, and its profile accumulates over every chunk's queries (strategies/hybrid.py).
+  its own held tokens + the chunk, and its profile accumulates over every chunk's queries; its policies' cut waits
+  for `finish_chunked_prefill`, the hook `end_chunked_prefill` calls on every cache (strategies/hybrid.py).
 - A strategy whose prefill could not take a virtual prompt would declare `chunked_prefill_refusal` (none does);
   those that take chunks with some flags only answer `chunked_prefill_conflict` (kvzip with a pool).
   KVzip's model-level reconstruction pass runs once per chunk (strategies/kvzip.py, ChunkedReconstruction).

@@ -95,7 +95,7 @@ class HybridCache(ReadsTokenIds, KVCache):
     head_specific = True
     needs_attention = True
     profiles_prompt = True
-    cut_at_end = False  # inside a chunked prefill's chunk (prefill_chunk_tokens)
+    cut_at_end = False  # True inside a chunked prefill's chunk: the policies' cut waits (prefill_chunk_tokens)
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_cache_length: int,
                  *args: object, **kwargs: object) -> None:
