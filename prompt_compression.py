@@ -64,12 +64,12 @@ def block_elements(device: torch.device) -> int:
 
 
 def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0, max_elements: int | None = None,
-                            key_bias: Tensor | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+                            key_valid: Tensor | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """The prompt's causal attention from query `first_query` on, in blocks of query rows: (rows [n],
     probs [B, n_kv, rep, n, end] float32, end = the last row + 1: the keys the block can see), every query
     head's own probabilities (rep query heads per KV head), at most about `max_elements` of them a block
-    (None: `block_elements` of q's device; 0: one block). `key_bias` [B, n_kv, T] is added to every logit of
-    its key (−inf: a key no query sees).
+    (None: `block_elements` of q's device; 0: one block). `key_valid` [B, n_kv, T] (bool): the keys queries may
+    see (False: left out of every softmax).
 
     One pass reads each probability once: a KV head's query heads and rows form one matrix against its keys
     (K read once, no broadcast copy), the scale is folded into q, only the block's diagonal square is masked,
@@ -87,8 +87,8 @@ def causal_attention_blocks(q: Tensor, k: Tensor, first_query: int = 0, max_elem
         scores = (rows @ k[:, :, :end].transpose(-1, -2)).view(B, n_kv, rep, n, end)
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores[..., start:].masked_fill_(future, float("-inf"))
-        if key_bias is not None:
-            scores += key_bias[:, :, None, None, :end].to(scores.dtype)
+        if key_valid is not None:
+            scores.masked_fill_(~key_valid[:, :, None, None, :end], float("-inf"))
         yield torch.arange(start, end, device=q.device), torch.softmax(scores, dim=-1, dtype=torch.float32)
 
 

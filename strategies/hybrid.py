@@ -166,11 +166,9 @@ class HybridCache(ReadsTokenIds, KVCache):
         if first:
             q = torch.cat([q.new_zeros(B, H, first, D), q], dim=2)
         positions = torch.arange(S, device=q.device).view(1, 1, S) if key_pos is None else key_pos
-        bias = None if key_valid is None else torch.zeros(key_valid.shape, device=q.device).masked_fill(
-            ~key_valid, float("-inf"))
         received = torch.zeros(B, k.shape[1], S, dtype=torch.float32, device=q.device)
         in_window = torch.zeros_like(received)
-        for rows, probs in causal_attention_blocks(q, k, first_query=first, key_bias=bias):
+        for rows, probs in causal_attention_blocks(q, k, first_query=first, key_valid=key_valid):
             end = probs.shape[-1]
             at = positions[..., rows, None]  # the queries' positions
             window = torch.ceil(self.recent_frac * (at + 1).float()).long()

@@ -126,14 +126,14 @@ def capture_queries(model, observe: Callable[[int, Tensor, Tensor], None],
 
 
 def max_attention_received(q: Tensor, k: Tensor, first_row: int, n_keys: int,
-                           max_elements: int | None = None, key_bias: Tensor | None = None) -> Tensor:
+                           max_elements: int | None = None, key_valid: Tensor | None = None) -> Tensor:
     """The largest causal attention each of the first `n_keys` keys receives from the queries at rows
     first_row.. (softmax over all keys up to the query), maximised over those queries and over the query
     heads of each KV group: [B, n_kv, n_keys] float32. q [B, n_head, S, D], k [B, n_kv, S, D]. In blocks of
     rows (prompt_compression.causal_attention_blocks, at most about `max_elements` probabilities each; None:
-    the device's block size); `key_bias` [B, n_kv, S] −inf where a key is left out of the softmax."""
+    the device's block size); `key_valid` [B, n_kv, S] False where a key is left out of the softmax."""
     best = torch.zeros(q.shape[0], k.shape[1], n_keys, dtype=torch.float32, device=q.device)
-    for _, probs in causal_attention_blocks(q, k, first_row, max_elements, key_bias):
+    for _, probs in causal_attention_blocks(q, k, first_row, max_elements, key_valid):
         # [B, n_kv, min(end, n_keys)]: keys past the block's last row get nothing from it (causal), and the
         # prompt's own queries (first_row 0) reach them only in a later block.
         top = probs[..., :n_keys].amax(dim=(2, 3))
@@ -217,17 +217,16 @@ def chunk_scores(q: Tensor, k: Tensor, chunk: int, part: tuple[int, int], start:
         return max_attention_received(q, k, chunk, chunk)[..., a:]
     rows = torch.cat([torch.arange(lead), torch.arange(a, b), torch.arange(chunk, k.shape[2])]).to(k.device)
     q, k = q[:, :, rows], k[:, :, rows]
-    bias = None
+    valid = None
     if sinks is not None:
         B, H, _, D = q.shape
         s = sinks.shape[2]
         k = torch.cat([sinks.to(k.dtype), k], dim=2)
         q = torch.cat([q.new_zeros(B, H, s, D), q], dim=2)  # the sinks' own rows are never read
-        bias = torch.zeros(B, k.shape[1], k.shape[2], dtype=torch.float32, device=k.device)
-        bias[:, :, :s].masked_fill_(~sink_valid, float("-inf"))
+        valid = torch.cat([sink_valid, sink_valid.new_ones(B, k.shape[1], k.shape[2] - s)], dim=2)
         lead += s
     first = lead + b - a  # the repeat input's first row
-    return max_attention_received(q, k, first, first, key_bias=bias)[..., lead:]
+    return max_attention_received(q, k, first, first, key_valid=valid)[..., lead:]
 
 
 def reconstruction_scores(model, context: Tensor, prompts: RepeatPrompts = RepeatPrompts(),
