@@ -21,8 +21,8 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
 - FastGen's `hybrid` overrides `reprefill` too: its heads hold different counts, so each head's virtual prompt is
   its own held tokens + the chunk, and its profile accumulates over every chunk's queries; its policies' cut waits
   for `finish_chunked_prefill`, the hook `end_chunked_prefill` calls on every cache (strategies/hybrid.py).
-- A strategy whose prefill could not take a virtual prompt would declare `chunked_prefill_refusal` (none does);
-  those that take chunks with some flags only answer `chunked_prefill_conflict` (kvzip with a pool).
+- A strategy whose prefill could not take a virtual prompt would declare `chunked_prefill_refusal`, and one that
+  takes chunks with some flags only would answer `chunked_prefill_conflict` (none does either).
   KVzip's model-level reconstruction pass runs once per chunk (strategies/kvzip.py, ChunkedReconstruction).
 - A storage whose stored form loses what a re-prefill would lose again (`Storage.exact_in_chunks`: ThinK's
   keys, whose pruned channels a new channel set would prune further; KIVI's keys and values, whose key groups

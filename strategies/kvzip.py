@@ -35,7 +35,9 @@ causal queries), so the strategy runs, and is tested, everywhere a prompt rule r
   the layers hold, its repeat input riding on the chunk's forward (in parts of --kvzip_chunk); the chunk's
   tokens are scored as a chunk above (the sinks those of the first SCORING_SINKS positions still held), the
   held tokens keep their own chunk's scores, and each layer keeps the budget's best of held + chunk. A pass
-  holds 2·N + |prompt| tokens, whatever the prompt's length.
+  holds 2·N + |prompt| tokens, whatever the prompt's length. With a pool (--budget_allocation adakv) each head
+  holds its own tokens, so its chunk is scored over its own held sinks and its virtual prompt is its own held
+  tokens + the chunk; the pool goes to the best (head, token) pairs of those.
 
 Where this differs from the paper:
 - The repeat prompt is plain text (tokenized without the chat template the paper wraps it in); without a
@@ -76,8 +78,6 @@ PREVIOUS_TAIL = 8
 # The context's first tokens every chunk's scores are normalised over besides the chunk (kvpress's n_sink).
 SCORING_SINKS = 4
 
-# Why --prefill_chunk refuses a pool (KvzipCache.chunked_prefill_conflict, ChunkedReconstruction.for_prompt).
-POOL_CONFLICT = "with --budget_allocation adakv: a pool's heads hold different tokens, whose scores are not carried"
 CHUNK = Setting("kvzip_chunk", 0, low=0, prompt_rule=True,
                 help="reconstruct the context this many tokens at a time when scoring it (0: all at once)")
 
@@ -339,6 +339,13 @@ def supply_reconstruction_scores(model, prompt: Tensor) -> None:
 # ---- a chunked prefill (--prefill_chunk) ------------------------------------------------------------------
 
 
+def held_runs(cache: KVCache) -> tuple[Tensor, Tensor]:
+    """Where each head of `cache` holds its tokens, in position order: (first slot, count), [B, n_kv] each. A
+    pool's heads from their own offsets (budget_allocation.PooledCache), every other cache's from slot 0."""
+    start = cache.offset if cache.pooled else torch.zeros_like(cache.filled)
+    return start, cache.filled
+
+
 class ChunkPassCache(CaptureCache):
     """Stands in for a layer's cache during a pass of a chunked KVzip prefill (ChunkedReconstruction.chunk).
     The pass reads the chunk followed by a repeat input; model.Attention.attend_chunk reads the layer's held
@@ -357,6 +364,7 @@ class ChunkPassCache(CaptureCache):
         self.prefills = part[1] == chunk
         # What the forward reads off a layer's cache during a chunk: the layer's own.
         self.chunk_queries, self.rerotate_positions = cache.chunk_queries, cache.rerotate_positions
+        self.pooled = cache.pooled
         self.needs_gates, self.needs_token_ids = cache.needs_gates, cache.needs_token_ids
         self.pos, self.mask = cache.pos, cache.mask
 
@@ -375,15 +383,21 @@ class ChunkPassCache(CaptureCache):
             self.cache.observe_gates(log_gates[..., : self.chunk])
 
     def held_sinks(self, rerotation: Rerotation | None) -> tuple[Tensor, Tensor]:
-        """The held tokens at positions below SCORING_SINKS, as the pass attended over them: keys [B, n_kv, s, D]
-        and which of the first s slots hold one [B, n_kv, s] (held slots are in position order)."""
+        """Each head's first s held tokens, those at positions below SCORING_SINKS among them, as the pass attended
+        over them: keys [B, n_kv, s, D] and which of them count [B, n_kv, s] (a head's held tokens are in position
+        order from its first slot, `held_runs`; a pool's heads hold different ones)."""
         B, n_kv = self.pos.shape[0], self.n_kv_heads
-        s = 0 if self.chunk_queries is None else min(SCORING_SINKS, int(self.cache.filled.max()))
-        keys = self.chunk_held_keys()[:, :, :s].expand(B, n_kv, -1, -1)
-        if rerotation is not None:  # stored before RoPE; held slot i is at rank i
-            keys = rerotation.rope(keys, torch.arange(s, device=keys.device).view(1, 1, s))
-        valid = (self.pos[:, :, :s] < SCORING_SINKS) & self.mask[:, :, 0, :s]
-        return keys, valid.expand(B, n_kv, s)
+        start, count = held_runs(self.cache)
+        s = 0 if self.chunk_queries is None else min(SCORING_SINKS, int(count.max()))
+        rank = torch.arange(s, device=self.pos.device)
+        slots = (start[..., None] + rank).clamp(max=self.pos.shape[-1] - 1).expand(B, n_kv, s)
+        held = self.chunk_held_keys()
+        keys = held.expand(B, n_kv, -1, -1).gather(2, slots[..., None].expand(-1, -1, -1, held.shape[-1]))
+        if rerotation is not None:  # stored before RoPE; a head's i-th held token is at rank i
+            keys = rerotation.rope(keys, rank.view(1, 1, s))
+        # A head holding fewer than s reads slots it does not hold (empty, or a pool's next head's): not masked in.
+        pos, mask = (t.expand(B, n_kv, -1) for t in (self.pos, self.mask[:, :, 0]))
+        return keys, (pos.gather(2, slots) < SCORING_SINKS) & mask.gather(2, slots)
 
     def prefill_chunk_tokens(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor,
                              rerotation: Rerotation | None = None) -> None:
@@ -408,7 +422,8 @@ class ChunkedReconstruction:
     scoring, its softmax over the sinks, the part and the repeat input), the held tokens keep the scores their
     own chunk's pass gave them, and each layer's prompt rule keeps the budget's best of held + chunk. What
     differs from the paper's chunked scoring: a chunk's passes read the held tokens instead of the whole context
-    (the later chunks, not yet read, and what was evicted are not in them), as every strategy's chunks do."""
+    (the later chunks, not yet read, and what was evicted are not in them), as every strategy's chunks do. A
+    pool's heads hold different tokens: each head's sinks and held scores are its own (`held_runs`)."""
 
     def __init__(self, model, users: list[tuple[int, KVCache]], prompts: RepeatPrompts, part: int) -> None:
         self.model, self.users, self.prompts, self.part = model, users, prompts, part
@@ -425,9 +440,6 @@ class ChunkedReconstruction:
         users = users_to_score(model, prompt)
         if not users:
             return None
-        if any(cache.pooled for _, cache in users):
-            raise UserError(f"--prefill_chunk: the kvzip cache cannot compress a prompt chunk by chunk "
-                            f"({POOL_CONFLICT})")
         return cls(model, users, *pass_settings(users))
 
     def chunk(self, prompt: Tensor, start: int, end: int) -> Tensor:
@@ -469,23 +481,36 @@ class ChunkedReconstruction:
         self.fresh[layer][..., part[0] : part[1]] = scores
 
     def give(self, layer: int, users: list[KVCache]) -> None:
-        """Before the chunk's prefill: each user's scores of its virtual prompt, its held tokens' and the chunk's."""
+        """Before the chunk's prefill: each user's scores of its virtual prompt, its held tokens' and the chunk's,
+        [B, n_kv, longest]: head h's n_h + N first (a pool's heads hold different counts n_h; the rest padding,
+        which `KvzipCache.scores_for` leaves out of each head's re-prefill)."""
         fresh = self.fresh.pop(layer, None)
         for user in users:
-            held = self.held.get(id(user), fresh[..., :0])
-            scores = torch.cat([held, fresh], dim=-1)
+            B, H, N = fresh.shape
+            # (copies: the prefill changes the buffers; a cache may keep one row of positions for all heads)
+            start, count = (t.expand(B, H).clone() for t in held_runs(user))
+            rank = torch.arange(int(count.max()) + N, device=count.device)
+            in_held = rank < count[..., None]
+            slots = (start[..., None] + rank).clamp(max=user.pos.shape[-1] - 1)
+            in_chunk = (rank - count[..., None]).clamp(0, N - 1)
+            chunk = fresh.gather(2, in_chunk)
+            held = self.held.get(id(user))  # per slot; none before the first chunk (nothing is held)
+            scores = chunk if held is None else torch.where(in_held, held.gather(2, slots), chunk)
             user.reconstruction_scores = scores
-            self.virtual[id(user)] = (scores, user.pos[:, :, : held.shape[-1]].clone())
+            held_pos = torch.where(in_held, user.pos.expand(B, H, -1).gather(2, slots), -1)
+            self.virtual[id(user)] = (scores, held_pos, in_chunk, count)
 
     def keep(self, users: list[KVCache], chunk_pos: Tensor) -> None:
-        """After the chunk's prefill: the scores of the tokens each user now holds, found by position."""
+        """After the chunk's prefill: the score of the token each user's slot now holds [B, n_kv, slots], found
+        by position in its head's virtual prompt."""
         for user in users:
-            scores, held_pos = self.virtual.pop(id(user))
-            B, P = held_pos.shape[:2]
-            positions = torch.cat([held_pos, chunk_pos.view(1, 1, -1).expand(B, P, -1)], dim=2)
-            kept = user.pos[:, :, : int(user.filled.max())]
+            scores, held_pos, in_chunk, count = self.virtual.pop(id(user))
+            rank = torch.arange(scores.shape[-1], device=count.device)
+            # Past a head's virtual prompt the chunk's last position repeats: still sorted, found at its first.
+            positions = torch.where(rank < count[..., None], held_pos, chunk_pos[in_chunk])
+            kept = user.pos.clamp(min=0).expand(*count.shape, -1)
             index = torch.searchsorted(positions.contiguous(), kept.contiguous())
-            self.held[id(user)] = scores.gather(2, index.expand(B, scores.shape[1], -1))
+            self.held[id(user)] = scores.gather(2, index.clamp(max=scores.shape[-1] - 1))
 
     def end(self) -> None:
         """The prompt is in: the users keep no chunk's scores."""
@@ -507,17 +532,20 @@ class KvzipCache(KVCache):
     # at prefill, then from every decode query.
     slot_buffers = ("max_attention",)
 
-    @classmethod
-    def chunked_prefill_conflict(cls, args: object) -> str | None:
-        """--prefill_chunk reconstructs each prefill chunk (ChunkedReconstruction); a pool is refused."""
-        return POOL_CONFLICT if getattr(args, "budget_allocation", "uniform") != "uniform" else None
-
     @staticmethod
     def scores_for(cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        """The supplied reconstruction scores when they are this prompt's, else the prompt's own."""
+        """The supplied reconstruction scores when they are this prompt's, else the prompt's own. A pool's
+        re-prefill after a chunk scores each head alone over its own virtual prompt, and the scores it is given
+        are padded to the longest head's (ChunkedReconstruction.give)."""
         supplied = cache.__dict__.get("reconstruction_scores")
-        if supplied is not None and tuple(supplied.shape) == (k.shape[0], k.shape[1], k.shape[2]):
+        B, H, T = k.shape[:3]
+        if supplied is None or tuple(supplied.shape[:2]) != (B, H):
+            return self_attention_max(q, k)
+        if supplied.shape[2] == T:
             return supplied.to(k.device)
+        in_reprefill = cache.scored_pos is not None and cache.scored_pos.shape[-1] == T
+        if cache.pooled and in_reprefill and supplied.shape[2] > T:
+            return supplied[..., :T].to(k.device)
         return self_attention_max(q, k)
 
     @classmethod

@@ -330,7 +330,6 @@ def test_bad_chunk_flags_are_refused(flags, message):
     # FastGen profiles the prompt itself, chunked or not: it is no other cache's prompt rule
     (["--prefill_chunk", "4", "--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "hybrid"],
      "profiles the prompt itself"),
-    (["--prefill_chunk", "4", "--cache_strategy", "kvzip", "--budget_allocation", "adakv"], "adakv"),
     # KVzip's pass over a chunk reads it twice (the chunk, then its repeat input): 2 × 600 > the context
     (["--prefill_chunk", "600", "--cache_strategy", "kvzip", "--max_cache_length", "64", "--prompt", "ab" * 350],
      "KVzip's pass over a 600-token chunk"),

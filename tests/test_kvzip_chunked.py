@@ -10,8 +10,11 @@ their own chunk's pass gave them.
   scorer's (`reconstruction_scores`, itself checked against its oracle in test_strategies_more): the first
   chunk's from a pass over that chunk alone, the last chunk's from the paper's chunked pass over the whole
   context (float32, atol 1e-5), with and without repeat prompts, whole and in parts.
+- With a pool (--budget_allocation adakv): layer 0 keeps after every chunk what the naive KVzip keeps when each
+  head scores its chunk over its own held sinks and the layer's heads·budget best (head, token) pairs stay, the
+  protected ones and each head's floor first (Ada-KV's choice).
 - One chunk equals the one-shot prefill and every chunk leaves the budget: the registry-wide matrices in
-  test_chunked_prefill (kvzip and debug_kvzip join them); refused with a pool: its bad-input matrix.
+  test_chunked_prefill and, pooled, test_chunked_adakv (kvzip and debug_kvzip join them).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, attach, cache_args, he
 
 BUDGET = 10
 SINKS = 4  # KVzip's scoring sinks: the context's first 4 tokens
+FLOOR = 0.2  # Ada-KV's safeguard: every head keeps its 0.2·BUDGET best
 
 
 def layer0_qk_at(model, ids: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,26 +69,38 @@ def naive_part_scores(model, ids: list[int], held: list[int], start: int, end: i
     return best
 
 
-def naive_kvzip_chunked(model, ids: list[int], chunk: int, part: int, heads: int) -> list[list[set[int]]]:
+def naive_kvzip_chunked(model, ids: list[int], chunk: int, part: int, heads: int,
+                        pooled: bool = False) -> list[list[set[int]]]:
     """Chunk by chunk: each head keeps the budget's best of held + chunk by KVzip's scores (the held tokens'
     from their own chunk's pass), the first GLOBAL and last RECENT protected; what each head holds after each
-    chunk. A prompt within the budget is never scored (as the one-shot prefill's)."""
+    chunk. A prompt within the budget is never scored (as the one-shot prefill's). `pooled`: Ada-KV's choice
+    instead, the layer's heads·BUDGET best (head, token) pairs, the protected ones and each head's FLOOR·BUDGET
+    best first (heads then hold different tokens, and each scores its chunk over its own sinks)."""
     held = [[] for _ in range(heads)]
     score = [{} for _ in range(heads)]
     history = []
     for start in range(0, len(ids), chunk):
         end = min(start + chunk, len(ids))
+        cands = []
         for h in range(heads):
             step = part or end - start
             for a in range(0, end - start, step):
                 score[h].update(naive_part_scores(model, ids, held[h], start, end, (a, min(a + step, end - start)),
                                                   h))
-            cand = held[h] + list(range(start, end))
-            if len(cand) > BUDGET:
-                protected = set(cand[:GLOBAL]) | set(cand[-RECENT:])
-                order = sorted(cand, key=lambda p: (p not in protected, -score[h][p]))
-                cand = sorted(order[:BUDGET])
-            held[h] = cand
+            cands.append(held[h] + list(range(start, end)))
+        pairs = []  # (kept first, score, head, position)
+        for h, cand in enumerate(cands):
+            protected = set(cand[:GLOBAL]) | set(cand[-RECENT:])
+            order = sorted(cand, key=lambda p: (p not in protected, -score[h][p]))
+            if not pooled:
+                held[h] = sorted(order[:BUDGET])
+            first = protected | set(order[: int(FLOOR * BUDGET)])
+            pairs += [(p in first, score[h][p], h, p) for p in cand]
+        if pooled and sum(map(len, cands)) > heads * BUDGET:
+            chosen = sorted(pairs, key=lambda pair: (not pair[0], -pair[1]))[: heads * BUDGET]
+            held = [sorted(p for _, _, head, p in chosen if head == h) for h in range(heads)]
+        elif pooled:
+            held = cands
         history.append([set(x) for x in held])
     return history
 
@@ -106,6 +122,37 @@ def test_layer0_keeps_what_the_naive_chunk_by_chunk_kvzip_keeps(chunk, part):
             model.reset_caches()
             chunked_prefill(model, ids[:, :n], chunk, decode_one_token)
             assert held_positions(caches[0])[:heads] == expected[i], n
+
+
+@pytest.mark.parametrize("part", [0, 4])
+@pytest.mark.parametrize("chunk", [5, 6, 9])
+def test_a_pools_layer0_keeps_the_naive_adaptive_chunked_kvzip_choice(chunk, part):
+    """--budget_allocation adakv: the heads hold different tokens (their own sinks too) and share the pool."""
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, cache_args("kvzip", str(BUDGET), "dense", "--budget_allocation", "adakv",
+                                      "--prefill_chunk", str(chunk), "--kvzip_chunk", str(part)))
+    heads = model.args.n_kv_head
+    with torch.inference_mode():
+        expected = naive_kvzip_chunked(model, ids[0, :PROMPT].tolist(), chunk, part, heads, pooled=True)
+        for i, n in enumerate(range(chunk, PROMPT + chunk, chunk)):
+            n = min(n, PROMPT)
+            if n <= BUDGET:
+                continue
+            model.reset_caches()
+            chunked_prefill(model, ids[:, :n], chunk, decode_one_token)
+            assert held_positions(caches[0]) == expected[i], n
+
+
+@pytest.mark.parametrize("part", [0, 4])
+def test_the_pooled_oracle_cases_hold_different_counts_and_sinks_per_head(part):
+    """What a pool changes is exercised (chunks of 5): the heads hold different counts, and different held
+    tokens below position SINKS (each scores the next chunk over its own) before a later chunk."""
+    model = make_tiny_model()
+    with torch.inference_mode():
+        steps = naive_kvzip_chunked(model, token_ids()[0, :PROMPT].tolist(), 5, part, model.args.n_kv_head, True)
+    assert any(len({len(h) for h in step}) > 1 for step in steps)
+    assert any(len({frozenset(p for p in h if p < SINKS) for h in step}) > 1 for step in steps[:-1])
 
 
 @pytest.mark.parametrize("prompts", [RepeatPrompts(), RepeatPrompts((5, 6, 7), (8, 9), (10,))],
