@@ -72,6 +72,17 @@ def add_storage_arguments(g: argparse._ArgumentGroup) -> None:
                         "the authors' code keeps 32 prompt tokens and every decoded one whole)")
 
 
+def add_allocation_arguments(g: argparse._ArgumentGroup) -> None:
+    """How a layer's budget is shared between its KV heads (budget_allocation.py)."""
+    g.add_argument("--budget_allocation", choices=ALLOCATIONS, default=ALLOCATIONS[0],
+                   help="uniform: every KV head of a layer holds up to the budget; adakv: the heads share n_kv × "
+                        "budget slots by score mass, chosen at prefill (Ada-KV, arXiv 2407.11550; "
+                        "head-specific strategies)")
+    g.add_argument("--adakv_floor", type=finite_float, default=DEFAULT_FLOOR,
+                   help="adakv: every head keeps at least this fraction of the budget (Ada-KV's safeguard alpha "
+                        "as kvpress applies it, 0.2)")
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """The cache flags (cold-compress names): the shared settings here, each strategy's own from its
     declaration (`settings`), so every flag has one definition."""
@@ -98,13 +109,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         "budget plus one chunk, whatever the prompt's length (1: token by token, as decoding)")
     g.add_argument("--seed", type=int, default=0, help="seed of random eviction (and of sampling)")
     add_storage_arguments(g)
-    g.add_argument("--budget_allocation", choices=ALLOCATIONS, default=ALLOCATIONS[0],
-                   help="uniform: every KV head of a layer holds up to the budget; adakv: the heads share n_kv × "
-                        "budget slots by score mass, chosen at prefill (Ada-KV, arXiv 2407.11550; "
-                        "head-specific strategies)")
-    g.add_argument("--adakv_floor", type=finite_float, default=DEFAULT_FLOOR,
-                   help="adakv: every head keeps at least this fraction of the budget (Ada-KV's safeguard alpha "
-                        "as kvpress applies it, 0.2)")
+    add_allocation_arguments(g)
     g.add_argument("--rerotate_positions", action="store_true",
                    help="RoPE positions inside the cache, as StreamingLLM: each head's held tokens at 0..n-1 in order, "
                         "the query at its rank (keys stored before RoPE); a sequence may then exceed the model's "

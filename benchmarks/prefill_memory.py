@@ -14,14 +14,17 @@ rows of those lengths once more under torch.profiler and reports where the time 
 lengths may exceed the model's context: chunks then run at RoPE ranks below budget + chunk, and lengths
 past the context (or past `--one_shot_max`) are measured chunked only; a strategy that cannot prefill in chunks
 (hybrid) is measured one shot only. The storage flags (`--cache_bits`, `--cache_quantization`,
-`--think_ratio`, ...: cache_spec.add_storage_arguments, the same definitions as generate.py's) apply to every
+`--think_ratio`, ...: cache_spec.add_storage_arguments, the same definitions as generate.py's) and the head
+budgets' (`--budget_allocation adakv`, `--adakv_floor`: cache_spec.add_allocation_arguments) apply to every
 row: a chunked prefill under a lossy storage (ThinK, KIVI) keeps the held tokens' exact keys (and values)
-until the prompt is in, and these rows measure what that holds. Linux only on the CPU (/proc).
+until the prompt is in, and a pool re-prefills each head over its own held tokens, and these rows measure what
+that holds. Linux only on the CPU (/proc).
 
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory                     # budget 256, 1k..4k tokens
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --lengths 1024 8192 --strategies recent_global
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --rerotate_positions --lengths 1024 4096 16384
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --cache_bits 2 --cache_quantization kivi
+    OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --budget_allocation adakv --strategies snapkv kvzip
     python -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --budget 8192 --chunk 4096 \\
         --lengths 32768 131072 --one_shot_max 32768 --out results/prefill_memory.json
 """
@@ -34,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +47,7 @@ from tqdm import tqdm
 from atomic_files import check_writable, write_json_atomic
 from benchmarks.resident_memory import peak_since, reset_peak
 from cache_setup import attach_caches, cache_config
-from cache_spec import add_storage_arguments
+from cache_spec import add_allocation_arguments, add_storage_arguments
 from checkpoint import add_model_arguments, checkpoint_model_args, parse_dtype, resolve_device
 from checkpoint_hf import hf_model_args
 from errors import CliParser, UserError, run_cli
@@ -84,13 +88,14 @@ def cache_flags(spec: dict) -> list[str]:
         flags += ["--prefill_chunk", str(spec["chunk"])]
     if spec["rerotate_positions"]:
         flags += ["--rerotate_positions"]
-    return flags + spec.get("storage", [])
+    return flags + spec.get("storage", []) + spec.get("allocation", [])
 
 
-def storage_flags(args: argparse.Namespace) -> list[str]:
-    """The storage flags given other values than their defaults, as command-line words."""
+def given_flags(args: argparse.Namespace, add_arguments: Callable[[argparse._ArgumentGroup], None]) -> list[str]:
+    """The flags `add_arguments` defines (the storage's, the head budgets') given other values than their
+    defaults, as command-line words."""
     defaults = CliParser(add_help=False)
-    add_storage_arguments(defaults.add_argument_group())
+    add_arguments(defaults.add_argument_group())
     flags = []
     for action in defaults._actions:
         value = getattr(args, action.dest)
@@ -136,6 +141,7 @@ def measured_row(spec: dict, context: int, memory: PeakMemory, before: int, peak
     return {"strategy": spec["strategy"], "prompt_tokens": length, "budget": spec["budget"],
             "prefill_chunk": spec["chunk"] or None, "rerotate_positions": spec["rerotate_positions"],
             "engine": spec.get("engine", "ours"), "storage": " ".join(spec.get("storage", [])) or "dense",
+            "allocation": " ".join(spec.get("allocation", [])) or "uniform",
             "context_length": context, "device": spec["device"],
             "memory": "CUDA allocated" if memory.cuda else "RSS",
             "before_bytes": before, "peak_bytes": peak, "prefill_added_bytes": peak - before,
@@ -239,6 +245,7 @@ def table(rows: list[dict]) -> str:
         how += ", re-rotated" if r.get("rerotate_positions") else ""
         how += ", transformers' generate" if r.get("engine") == "transformers" else ""
         how += f", {r['storage']}" if r.get("storage", "dense") != "dense" else ""
+        how += f", {r['allocation']}" if r.get("allocation", "uniform") != "uniform" else ""
         how += " (past the context)" if r["prompt_tokens"] > r.get("context_length", r["prompt_tokens"]) else ""
         lines.append(f"| {r['strategy']} | {r['prompt_tokens']} | {r['prompt_tokens'] / r['budget']:g} | {how} | "
                      f"{r['peak_bytes'] / mib:.0f} | {r['prefill_added_bytes'] / mib:.0f} | "
@@ -306,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one configuration, in a fresh process
     add_storage_arguments(p.add_argument_group("storage of the held K/V (every row)"))
+    add_allocation_arguments(p.add_argument_group("head budgets (every row)"))
     add_model_arguments(p, compile_flag=False, batch_flag=False)
     return p
 
@@ -318,7 +326,8 @@ def plan(args: argparse.Namespace, context: int, device: str, dtype: str) -> lis
         raise UserError(f"--profile_lengths {' '.join(map(str, args.profile_lengths))}: each must be one of --lengths")
     source = {"device": device, "dtype": dtype, "random_weights": args.random_weights, "engine": args.engine,
               "checkpoint_path": args.checkpoint_path, "allow_non_finite_weights": args.allow_non_finite_weights,
-              "budget": args.budget, "storage": storage_flags(args),
+              "budget": args.budget, "storage": given_flags(args, add_storage_arguments),
+              "allocation": given_flags(args, add_allocation_arguments),
               "rerotate_positions": args.rerotate_positions}
     chunked = {strategy: prefills_in_chunks(strategy, source, args.chunk) for strategy in args.strategies}
     specs = [{**source, "strategy": strategy, "length": length, "chunk": chunk,

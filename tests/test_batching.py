@@ -427,6 +427,7 @@ def test_compiled_rows_decode_as_alone_without_recompiling(strategy, storage):
 CHUNKED_WITH = {  # packed chunks beside the settings that change how a chunk is attended or re-prefilled
     "adakv": ("heavy_hitter", ALLOCATIONS["adakv"]),  # each head re-prefilled over its own held tokens
     "adakv_debug": ("debug_tova", ALLOCATIONS["adakv"]),
+    "adakv_kvzip": ("kvzip", ALLOCATIONS["adakv"]),  # each head's chunk scored over its own held sinks
     "rerotated": ("tova", ("--rerotate_positions",)),  # the chunk at ranks after the row's held tokens
     "kivi": ("keydiff", ("--cache_bits", "4", "--cache_quantization", "kivi")),
     "per_token_2bit": ("heavy_hitter", ("--cache_bits", "2")),

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from benchmarks.prefill_memory import build_parser, context_length, plan, profile_table, targets
+from benchmarks.prefill_memory import build_parser, cache_flags, context_length, plan, profile_table, targets
+from cache_setup import cache_config
 from benchmarks.resident_memory import peak_since, reset_peak, status_bytes
 from errors import UserError
 from eval.bench.profile import KIND_NAMES
@@ -46,6 +47,22 @@ def test_storage_flags_reach_every_row_and_only_when_given():
     # a storage the cache flags refuse is refused before any run
     with pytest.raises(UserError, match="residual_length"):
         storage("--cache_bits", "2", "--cache_quantization", "kivi", "--residual_length", "100")
+
+
+def test_head_budget_flags_reach_every_row_and_only_when_given():
+    def allocation(*argv: str) -> list[list[str]]:
+        return [s["allocation"] for s in plan(build_parser().parse_args(list(argv)), 8192, "cpu", "float32")]
+
+    assert allocation("--strategies", "tova", "--lengths", "1024") == [[], []]
+    pooled = ["--budget_allocation", "adakv", "--adakv_floor", "0.5"]
+    assert allocation("--strategies", "tova", "kvzip", "--lengths", "1024", *pooled) == [pooled] * 4
+    spec = plan(build_parser().parse_args(["--strategies", "tova", *pooled]), 8192, "cpu", "float32")[1]
+    assert cache_config(cache_flags(spec)).budget_allocation == "adakv"  # what the row's process attaches
+    # what the cache flags refuse is refused before any run: a strategy with nothing to pool, a floor alone
+    with pytest.raises(UserError, match="keeps the same tokens in every head"):
+        allocation("--strategies", "recent_global", "--budget_allocation", "adakv")
+    with pytest.raises(UserError, match="--adakv_floor applies to --budget_allocation adakv only"):
+        allocation("--adakv_floor", "0.5")
 
 
 def test_profiled_rows_are_those_of_the_profile_lengths():
