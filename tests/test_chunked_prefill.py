@@ -324,6 +324,26 @@ def test_bad_chunk_flags_are_refused(flags, message):
         cache_config(flags)
 
 
+def test_a_declared_refusal_or_conflict_is_answered_for_the_strategy_its_twin_and_as_a_prompt_rule(monkeypatch):
+    # Every registered strategy takes chunks (CHUNK_REFUSED and CHUNK_POOL_REFUSED are empty): what a new one would
+    # declare is tried on tova. A refusal holds whatever the other flags; a conflict with the flags it names only.
+    from strategies.tova import TovaCache
+
+    uses = [["--cache_strategy", "tova"], ["--cache_strategy", "debug_tova"],
+            ["--cache_strategy", "heavy_hitter", "--prompt_compression_strategy", "tova"]]
+    monkeypatch.setattr(TovaCache, "chunked_prefill_refusal", "a refusal for the test")
+    for use in uses:
+        with pytest.raises(UserError, match=r"the \w+ cache cannot compress .* \(a refusal for the test\)"):
+            cache_config(["--prefill_chunk", "8", *use])
+    monkeypatch.setattr(TovaCache, "chunked_prefill_refusal", None)
+    monkeypatch.setattr(TovaCache, "chunked_prefill_conflict",
+                        classmethod(lambda cls, args: "pooled" if args.budget_allocation == "adakv" else None))
+    for use in uses:
+        assert cache_config(["--prefill_chunk", "8", *use]).prefill_chunk == 8
+        with pytest.raises(UserError, match=r"chunk by chunk \(pooled\)"):
+            cache_config(["--prefill_chunk", "8", *use, "--budget_allocation", "adakv"])
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--prefill_chunk", "0"], "--prefill_chunk must be ≥ 1"),
     (["--prefill_chunk", "2048"], "larger than the model's context of 1024"),
