@@ -197,7 +197,8 @@ class PooledCache(KVCache):
         """Inside it the cache is row b's head h alone (n_kv = 1): every [B, n_kv, ...] buffer and tensor
         attribute is viewed at [b, h] (in-place writes land in the pool's buffers), and with `slots` the
         per-slot buffers (pos, mask, the strategy's slot buffers) at the head's slots, so hooks that read
-        slots 0..n−1 (`carry_over`) read the head's held tokens. Attributes set inside are undone on exit."""
+        slots 0..n−1 (`carry_over`) read the head's held tokens; `first_kv_head` is h. Attributes set inside are
+        undone on exit."""
         B, H = self.inserted.shape
         per_slot = {"pos", "mask", *self.slot_buffers}
         swapped, saved = [], {key: value for key, value in vars(self).items() if not key.startswith("_")}
@@ -210,7 +211,7 @@ class PooledCache(KVCache):
         for key, value in saved.items():
             if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (B, H):
                 setattr(self, key, value[b : b + 1, h : h + 1])
-        self.n_kv_heads = 1
+        self.n_kv_heads, self.first_kv_head = 1, h
         try:
             yield self
         finally:

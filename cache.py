@@ -144,6 +144,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     # One K/V pool of n_kv·L slots shared by the heads (budget_allocation.py, --budget_allocation adakv):
     # keys()/values() are [B, 1, n_kv·L, D] and `mask` [B, n_kv, 1, n_kv·L] says which slots each head holds.
     pooled: ClassVar[bool] = False
+    # The layer's index of this cache's first KV head: 0, but inside a pool's head view (PooledCache.head_view) the
+    # viewed head's, so what is drawn per head (keyformer's noise) stays the head's own.
+    first_kv_head: int = 0
     # Buffers without a row dimension: the same for every row (the row context leaves them whole).
     row_shared_buffers: ClassVar[tuple[str, ...]] = ()
 

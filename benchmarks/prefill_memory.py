@@ -24,7 +24,7 @@ that holds. Linux only on the CPU (/proc).
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --lengths 1024 8192 --strategies recent_global
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --rerotate_positions --lengths 1024 4096 16384
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --cache_bits 2 --cache_quantization kivi
-    OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --budget_allocation adakv --strategies snapkv kvzip
+    OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --budget_allocation adakv --strategies heavy_hitter kvzip
     python -m benchmarks.prefill_memory --device cuda --random_weights llama-3.1-8b --budget 8192 --chunk 4096 \\
         --lengths 32768 131072 --one_shot_max 32768 --out results/prefill_memory.json
 """

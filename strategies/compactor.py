@@ -35,8 +35,9 @@ Where this differs from the paper (and from kvpress's press):
 - Statistics leave out the sinks but include the recent window (whose tokens become candidates at decode);
   kvpress's press leaves out its first 8 and last 4 tokens.
 - The z-scores' statistics are each batch row's (kvpress's are the whole batch's, which makes a row's scores
-  depend on the others); the last, partial chunk is a softmax over its own keys from its own queries (kvpress
-  pads it).
+  depend on the others); with a pool (--budget_allocation adakv) under --prefill_chunk, each head's own after
+  the first chunk (the pool re-prefills its heads one at a time: budget_allocation.PooledCache.reprefill); the
+  last, partial chunk is a softmax over its own keys from its own queries (kvpress pads it).
 The attention logits are q·k unscaled (no 1/√d), as kvpress's non-causal attention and the authors' engine
 (softmax scale 1): a sharper distribution than the layer's own attention, which the z-score does not undo.
 """

@@ -96,8 +96,8 @@ class KeyformerCache(ScoredOnce, LayerSeed, KVCache):
         B, n_kv, T = k.shape[:3]
         rep = q.shape[1] // n_kv
         positions = cache.scored_positions(k)[:, :, None, None, :]  # [B, 1 or n_kv, 1, 1, T]
-        seeds = head_seeds(cache.seed if own else random_seed(cache),
-                           torch.arange(q.shape[1], device=k.device).view(1, n_kv, rep, 1, 1))
+        heads = torch.arange(q.shape[1], device=k.device) + cache.first_kv_head * rep  # the layer's query heads
+        seeds = head_seeds(cache.seed if own else random_seed(cache), heads.view(1, n_kv, rep, 1, 1))
         tau = float(cache.setting(cls.TAU_INIT))
         noise = cache.setting(cls.NOISE) == "gumbel"
         total = torch.zeros(B, n_kv, T, device=k.device)

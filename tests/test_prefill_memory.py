@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from benchmarks.prefill_memory import build_parser, cache_flags, context_length, plan, profile_table, targets
-from cache_setup import cache_config
 from benchmarks.resident_memory import peak_since, reset_peak, status_bytes
+from cache_setup import cache_config
 from errors import UserError
 from eval.bench.profile import KIND_NAMES
 from strategies.tova import TovaCache
