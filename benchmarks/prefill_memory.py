@@ -17,8 +17,8 @@ past the context (or past `--one_shot_max`) are measured chunked only; a strateg
 `--think_ratio`, ...: cache_spec.add_storage_arguments, the same definitions as generate.py's) and the head
 budgets' (`--budget_allocation adakv`, `--adakv_floor`: cache_spec.add_allocation_arguments) apply to every
 row: a chunked prefill under a lossy storage (ThinK, KIVI) keeps the held tokens' exact keys (and values)
-until the prompt is in, and a pool re-prefills each head over its own held tokens, and these rows measure what
-that holds. Linux only on the CPU (/proc).
+until the prompt is in, a pool re-prefills each head over its own held tokens, and these rows measure what that
+holds. Linux only on the CPU (/proc).
 
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory                     # budget 256, 1k..4k tokens
     OMP_NUM_THREADS=1 python -m benchmarks.prefill_memory --lengths 1024 8192 --strategies recent_global
