@@ -245,26 +245,56 @@ class PooledCache(KVCache):
                                cat(self.chunk_queries[b, :, held], q[b, h * rep : (h + 1) * rep], 1), carried)
         seen = self.inserted + T
         self.reset()
-        keep = self.chunk_pairs(heads, end, T)  # (b, h) -> sorted indices into its virtual prompt
+        layer = self.gather_layer_statistics(heads, end, T)
+        keep = self.chunk_pairs(heads, end, T, layer)  # (b, h) -> sorted indices into its virtual prompt
         self.write_pairs(heads, keep, seen)
-        chunk = T
-        for (b, h), (positions, keys, values, queries, carried) in heads.items():
+        for (b, h), head in heads.items():
+            positions, keys, _, queries, _ = head
             slot_token = torch.zeros(self.pool_slots, dtype=torch.long, device=k.device)
             start = int(self.offset[b, h])
             slot_token[start : start + len(keep[b, h])] = keep[b, h]
-            with self.head_view(b, h):
-                self.virtual_prompt(carried, positions, end, len(positions) - chunk)
-                self.observe_prompt_values(values[None, None])
+            with self.virtual_head(b, h, head, end, T, layer):
                 self.after_prefill(slot_token.view(1, 1, -1), positions.view(1, 1, -1), keys[None, None],
                                    queries[None])
 
-    def virtual_prompt(self, carried: object, positions: Tensor, end: int, held: int) -> None:
-        """Inside a head view: the head's carried inputs, and its virtual prompt's positions, end and held count
-        (what `scored_positions`, `scored_length` and `scored_held_tokens` answer)."""
-        self.take_over(carried)
-        self.scored_pos, self.scored_end, self.scored_held = positions.view(1, 1, -1), end, held
+    @contextmanager
+    def virtual_head(self, b: int, h: int, head: tuple, end: int, chunk: int,
+                     layer: dict[int, dict[str, Tensor]] | None = None) -> Iterator[PooledCache]:
+        """Inside: row b's head h alone (`head_view`) with its virtual prompt `head` (positions, keys, values,
+        queries, carried inputs): the carried inputs taken over, the positions, end and held count that
+        `scored_positions`, `scored_length` and `scored_held_tokens` answer, its values observed, and
+        `layer_statistics` row b's of `layer` (`gather_layer_statistics`)."""
+        positions, _, values, _, carried = head
+        with self.head_view(b, h):
+            self.take_over(carried)
+            self.scored_pos, self.scored_end, self.scored_held = positions.view(1, 1, -1), end, len(positions) - chunk
+            self.observe_prompt_values(values[None, None])
+            if layer:
+                self.layer_statistics = layer[b]
+            yield self
 
-    def chunk_pairs(self, heads: dict, end: int, chunk: int) -> dict[tuple[int, int], Tensor]:
+    def gather_layer_statistics(self, heads: dict, end: int, chunk: int) -> dict[int, dict[str, Tensor]]:
+        """What a rule takes over the layer's heads together (Compactor's z-scores' moments), from every head's
+        virtual prompt: row b -> name -> the heads' parts (the rule's `head_statistics`) joined along their last
+        dimension; {} when the rule takes nothing so. Inside `virtual_head` it is the `layer_statistics`
+        attribute, so a head scored alone is scored as in a prefill of all heads together."""
+        rule = self.prompt_compressor
+        if rule is None:
+            return {}
+        parts = {}
+        for (b, h), head in heads.items():
+            positions, keys, _, queries, _ = head
+            with self.virtual_head(b, h, head, end, chunk):
+                got = rule.head_statistics(self, keys[None, None], queries[None])
+            if got is None:
+                return {}
+            parts[b, h] = got
+        B, H = self.inserted.shape
+        return {b: {name: torch.cat([parts[b, h][name] for h in range(H)], dim=-1) for name in parts[b, 0]}
+                for b in range(B)}
+
+    def chunk_pairs(self, heads: dict, end: int, chunk: int,
+                    layer: dict[int, dict[str, Tensor]]) -> dict[tuple[int, int], Tensor]:
         """The (head, token) pairs kept out of every head's virtual prompt: (b, h) -> sorted indices."""
         sizes = {len(p) for p, *_ in heads.values()}
         target = self.prompt_target()
@@ -275,10 +305,9 @@ class PooledCache(KVCache):
         B, H = self.inserted.shape
         longest = max(len(p) for p, *_ in heads.values())
         scores = torch.full((B, H, longest), float("-inf"), device=self.pos.device)  # −inf: past a head's prompt
-        for (b, h), (positions, keys, values, queries, carried) in heads.items():
-            with self.head_view(b, h):
-                self.virtual_prompt(carried, positions, end, len(positions) - chunk)
-                self.observe_prompt_values(values[None, None])
+        for (b, h), head in heads.items():
+            positions, keys, _, queries, _ = head
+            with self.virtual_head(b, h, head, end, chunk, layer):
                 got = rule.prompt_scores(self, keys[None, None], queries[None])
             if got is None or got.shape[1] != 1:
                 raise UserError(f"--budget_allocation adakv needs head-specific prompt scores; prompt compression "

@@ -147,6 +147,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     # The layer's index of this cache's first KV head: 0, but inside a pool's head view (PooledCache.head_view) the
     # viewed head's, so what is drawn per head (keyformer's noise) stays the head's own.
     first_kv_head: int = 0
+    # Inside a pool's head view during a chunk's re-prefill: what the rule takes over the layer's heads together,
+    # gathered from every head's virtual prompt (`head_statistics`; PooledCache.gather_layer_statistics).
+    layer_statistics: dict[str, Tensor] | None = None
     # Buffers without a row dimension: the same for every row (the row context leaves them whole).
     row_shared_buffers: ClassVar[tuple[str, ...]] = ()
 
@@ -361,6 +364,13 @@ class KVCache(ChunkedPrefill, nn.Module):
         are kept. `cache` is the layer's cache (of this strategy, or of another that uses this one as its
         --prompt_compression_strategy): settings such as the seed are read from it. None: this strategy
         has no rule to choose prompt tokens by (the full cache keeps everything)."""
+        return None
+
+    @classmethod
+    def head_statistics(cls, cache: KVCache, k: Tensor, q: Tensor) -> dict[str, Tensor] | None:
+        """As a prompt rule, what of one head's prompt (k [B, 1, T, D], q [B, rep, T, D]) the rule takes over
+        the layer's heads together, [B, 1, n] each (None: nothing; a pool's re-prefill, which scores its heads one
+        at a time, gathers these from every head: budget_allocation.PooledCache.gather_layer_statistics)."""
         return None
 
     @classmethod

@@ -35,9 +35,9 @@ Where this differs from the paper (and from kvpress's press):
 - Statistics leave out the sinks but include the recent window (whose tokens become candidates at decode);
   kvpress's press leaves out its first 8 and last 4 tokens.
 - The z-scores' statistics are each batch row's (kvpress's are the whole batch's, which makes a row's scores
-  depend on the others); with a pool (--budget_allocation adakv) under --prefill_chunk, each head's own after
-  the first chunk (the pool re-prefills its heads one at a time: budget_allocation.PooledCache.reprefill); the
-  last, partial chunk is a softmax over its own keys from its own queries (kvpress pads it).
+  depend on the others; a pool re-prefilling its heads one at a time after a chunk gathers every head's parts,
+  `head_statistics`); the last, partial chunk is a softmax over its own keys from its own queries (kvpress
+  pads it).
 The attention logits are q·k unscaled (no 1/√d), as kvpress's non-causal attention and the authors' engine
 (softmax scale 1): a sharper distribution than the layer's own attention, which the z-score does not undo.
 """
@@ -117,12 +117,6 @@ def row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     return flat.mean(dim=-1).view(-1, 1, 1), std.clamp(min=1e-6).view(-1, 1, 1)
 
 
-def z_score(x: Tensor) -> Tensor:
-    """(x − mean) / std over each batch row's heads and tokens (row_moments)."""
-    mean, std = row_moments(x)
-    return (x - mean) / std
-
-
 def blending(cache: KVCache, prompt_tokens: int) -> float:
     """λ: the setting, else the compression ratio: of the prompt when it exceeds the target, else the one decode
     eviction reaches (the budget against prompt + new tokens)."""
@@ -135,25 +129,36 @@ def blending(cache: KVCache, prompt_tokens: int) -> float:
     return max(0.0, 1.0 - cache.max_cache_length / cache.capacity_needed)
 
 
+def scored_parts(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor, g: int) -> tuple[Tensor, ...]:
+    """The keys' mean and whitening map, the leverages and the smoothed attention × ‖v‖ of the tokens after the
+    first g (the sinks): what compactor_scores z-normalises and blends."""
+    mean, whiten = whitening(k[:, :, g:])
+    lev = leverage(k[:, :, g:], mean, whiten)
+    attention = chunk_attention(q[:, :, g:], k[:, :, g:], int(cache.setting(CHUNK)))
+    attention = attention * norms[..., g:]
+    attention = F.avg_pool1d(attention, kernel_size=3, stride=1, padding=1)  # zero padding counted, as kvpress
+    return mean, whiten, lev, attention
+
+
 def compactor_scores(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """The blended scores of prompt keys k [B, n_kv, T, d] (queries q [B, n_head, T, d], value norms [B, n_kv, T]):
     [B, n_kv, T] float32 (the sinks get the largest score), and the statistics a decoded token is
     scored against (whitening, leverage mean and std, λ)."""
     B, H, T, _ = k.shape
     g = min(cache.global_tokens, T)
-    lam = blending(cache, T)
+    # A pool's head scored alone after a chunk takes the moments (and λ) of every head's virtual prompt, as the
+    # layer's heads scored together do (PooledCache.gather_layer_statistics, `head_statistics` below).
+    layer = cache.layer_statistics
+    lam = blending(cache, T if layer is None else float(layer["prompt_tokens"].float().mean()))
     if T - g < 2:  # nothing to take statistics over: every token is a sink or alone
         mean, whiten = whitening(k)
         lev_mean = torch.zeros(B, H, 1, dtype=torch.float64, device=k.device)
         stats = dict(mean=mean, whiten=whiten, lev_mean=lev_mean, lev_std=torch.ones_like(lev_mean), blend=lam)
         return torch.zeros(B, H, T, device=k.device), stats
-    mean, whiten = whitening(k[:, :, g:])
-    lev = leverage(k[:, :, g:], mean, whiten)
-    lev_mean, lev_std = row_moments(lev)
-    attention = chunk_attention(q[:, :, g:], k[:, :, g:], int(cache.setting(CHUNK)))
-    attention = attention * norms[..., g:]
-    attention = F.avg_pool1d(attention, kernel_size=3, stride=1, padding=1)  # zero padding counted, as kvpress
-    scored = (lam * (lev - lev_mean) / lev_std).float() + z_score(attention)
+    mean, whiten, lev, attention = scored_parts(cache, k, q, norms, g)
+    lev_mean, lev_std = row_moments(lev if layer is None else layer["leverage"])
+    att_mean, att_std = row_moments(attention if layer is None else layer["attention"])
+    scored = (lam * (lev - lev_mean) / lev_std).float() + (attention - att_mean) / att_std
     scores = torch.cat([scored.amax(-1, keepdim=True).expand(B, H, g), scored], dim=-1)  # no host read
     return scores, dict(mean=mean, whiten=whiten, lev_mean=lev_mean, lev_std=lev_std, blend=lam)
 
@@ -183,6 +188,18 @@ class CompactorCache(ScoredOnce, PromptValueNorms, KVCache):
     @classmethod
     def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         return compactor_scores(cache, k, q, cls.value_norms_for(cache, k))
+
+    @classmethod
+    def head_statistics(cls, cache: KVCache, k: Tensor, q: Tensor) -> dict[str, Tensor]:
+        """One head's leverages and attention (after the sinks) and its prompt's length, which the z-scores' moments
+        and λ are taken over with the other heads' (the layer's, as one shot)."""
+        T, g = k.shape[2], min(cache.global_tokens, k.shape[2])
+        count = torch.full((k.shape[0], 1, 1), T, device=k.device)
+        if T - g < 2:
+            return {"leverage": k.new_zeros(k.shape[0], 1, 0, dtype=torch.float64),
+                    "attention": k.new_zeros(k.shape[0], 1, 0, dtype=torch.float32), "prompt_tokens": count}
+        _, _, lev, attention = scored_parts(cache, k, q, cls.value_norms_for(cache, k), g)
+        return {"leverage": lev, "attention": attention, "prompt_tokens": count}
 
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         scores, stats = self.scored_prompt(k, q)

@@ -7,6 +7,9 @@ and the layer's n_kv·L slots go to the best (head, token) pairs over all heads 
 - several chunks against a naive Ada-KV written here (per-head rule scores from test_chunked_prefill's naive
   rules, protected tokens, the 0.2·L floor, the top n_kv·L pairs): layer 0's kept positions after every chunk,
   and a one-layer model's logits after the prompt;
+- Compactor, whose z-scores take the layer's moments, against a naive Compactor over every head's virtual prompt;
+- with --adakv_floor 1 (each head its own best L) the uniform chunks' kept positions and logits, every case but
+  LagKV (whose pooled rule scores otherwise by design);
 - every case, several chunks: the pool's invariants after each chunk, decoding afterwards.
 Caches are built without --prefill_chunk and fed by chunked_prefill directly (the flag only tells
 generate.prefill the chunk size).
@@ -15,6 +18,7 @@ generate.prefill the chunk size).
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -28,6 +32,7 @@ from tests.strategy_matrix import (
     CHUNKABLE,
     GLOBAL,
     PROMPT,
+    RECENT,
     attach,
     cache_args,
     held_positions,
@@ -35,6 +40,7 @@ from tests.strategy_matrix import (
     token_ids,
 )
 from tests.test_chunked_prefill import ATOL, BUDGET, generate_chunk_runs, layer0_qkv, naive_scores, run_prompt
+from tests.test_compactor import naive_chunk_attention, naive_leverage, z_scores
 
 CASES = [s for s in ADAKV if s in CHUNKABLE and s not in CHUNK_POOL_REFUSED]
 POOLED = ["--budget_allocation", "adakv", "--snapkv_window", "4", "--snapkv_kernel", "1"]
@@ -56,10 +62,12 @@ def test_adakv_one_chunk_equals_the_one_shot_pooled_prefill(strategy, storage):
     assert chunked[1:] == whole[1:]
 
 
-def naive_adaptive_chunks(rule: str, q, k, v, chunk: int, budget: int, heads: int, prompt: int = PROMPT):
+def naive_adaptive_chunks(rule: str | None, q, k, v, chunk: int, budget: int, heads: int, prompt: int = PROMPT,
+                          score_heads=None):
     """Ada-KV chunk by chunk, from its definition: head h's candidates are what it holds + the chunk; when the
     layer's candidates exceed heads·budget, the protected ones (sinks, the rule's recent window) and each head's
-    floor·budget best stay, and the best pairs over all heads fill heads·budget."""
+    floor·budget best stay, and the best pairs over all heads fill heads·budget. Each head scored alone by
+    `rule`, or all together by `score_heads(candidates)` -> [(scores, recent window)] a head."""
     held = [[] for _ in range(heads)]
     history = []
     for start in range(0, prompt, chunk):
@@ -69,8 +77,9 @@ def naive_adaptive_chunks(rule: str, q, k, v, chunk: int, budget: int, heads: in
             held = cands
         else:
             pairs = []  # (priority, score, head, position): priority 1 for protected and floor pairs
-            for h, cand in enumerate(cands):
-                score, recent = naive_scores(rule, cand, budget, q, k, v, h)
+            scored = score_heads(cands) if score_heads else [naive_scores(rule, c, budget, q, k, v, h)
+                                                             for h, c in enumerate(cands)]
+            for h, (cand, (score, recent)) in enumerate(zip(cands, scored, strict=True)):
                 n = len(cand)
                 protected = {i for i in range(n) if cand[i] < GLOBAL or i >= n - recent}
                 ranked = sorted(range(n), key=lambda i: (i not in protected, -float(score[i])))
@@ -100,6 +109,47 @@ def test_adakv_layer0_keeps_the_naive_adaptive_choice_after_every_chunk(strategy
             chunked_prefill(model, ids[:, : min(n, PROMPT)], chunk, decode_one_token)
             assert held_positions(caches[0]) == expected[n // chunk - 1], n
     assert any(len({len(h) for h in step}) > 1 for step in expected)  # the heads really hold different counts
+
+
+def naive_pooled_compactor(cands: list[list[int]], q, k, v, budget: int) -> list[tuple[list[float], int]]:
+    """Compactor over every head's virtual prompt (its held positions + the chunk, in order), by its definition
+    (tests/test_compactor.py's naive leverage and chunk attention, float64): each head's leverages and smoothed
+    attention × ‖v‖ over its tokens after the sinks, z-normalised with the moments of every head's together, λ
+    the layer's compression ratio (budget against the heads' mean virtual prompt); sinks first."""
+    rep = q.shape[0] // len(cands)
+    lam = 1 - budget * len(cands) / sum(map(len, cands))
+    levs, smooths = [], []
+    for h, cand in enumerate(cands):
+        keys, scored = k[h, cand].double(), list(range(GLOBAL, len(cand)))
+        levs.append(naive_leverage(keys, scored))
+        raw = naive_chunk_attention(q[h * rep : (h + 1) * rep, cand].double(), keys, scored, 256)
+        weighted = {i: raw[i] * float(v[h, cand[i]].double().norm()) for i in scored}
+        smooths.append({i: (weighted.get(i - 1, 0.0) + weighted[i] + weighted.get(i + 1, 0.0)) / 3 for i in scored})
+    every_lev = [lev[i] for h, lev in enumerate(levs) for i in range(GLOBAL, len(cands[h]))]
+    mean, std = statistics.mean(every_lev), statistics.stdev(every_lev)
+    attention = z_scores({(h, i): s[i] for h, s in enumerate(smooths) for i in s})
+    blended = [[lam * (levs[h][i] - mean) / std + attention[h, i] for i in range(GLOBAL, len(c))]
+               for h, c in enumerate(cands)]
+    return [([math.inf] * GLOBAL + scores, RECENT) for scores in blended]
+
+
+@pytest.mark.parametrize("chunk", [5, 6, 8, 9])  # at 8 a head's own λ would keep otherwise
+def test_adakv_compactor_layer0_keeps_the_naive_choice_with_the_layers_moments(chunk):
+    """A pool's heads are re-prefilled one at a time after a chunk, and Compactor's z-scores still take the
+    moments (and λ) of every head's virtual prompt together, as its one-shot prefill takes the layer's."""
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, pooled_args("compactor"))
+    heads = model.args.n_kv_head
+    with torch.inference_mode():
+        q, k, v = layer0_qkv(model, ids[:, :PROMPT])
+        expected = naive_adaptive_chunks(None, q, k, v, chunk, int(BUDGET), heads,
+                                         score_heads=lambda cands: naive_pooled_compactor(cands, q, k, v, int(BUDGET)))
+        for n in range(chunk, PROMPT + chunk, chunk):
+            model.reset_caches()
+            chunked_prefill(model, ids[:, : min(n, PROMPT)], chunk, decode_one_token)
+            assert held_positions(caches[0]) == expected[n // chunk - 1], n
+    assert any(len({len(h) for h in step}) > 1 for step in expected)
 
 
 @pytest.mark.parametrize("strategy", ["tova", "l2"])
@@ -165,10 +215,9 @@ def test_generate_runs_adakv_chunks_and_one_chunk_is_the_one_shot_run(tiny_dir, 
         assert sum(layer) == 8 * len(layer)
 
 
-# Pooled, these score otherwise than uniform by design: LagKV ranks nothing across heads (its pooled rule scores the
-# keys alone, strategies/lagkv.py), and Compactor's z-scores, whose moments are the layer's one shot, are each head's
-# own when a pool re-prefills its heads one at a time after a chunk (docs/limitations.md).
-POOLED_OTHERWISE = ("lagkv", "compactor")
+# Pooled, LagKV scores otherwise than uniform by design: it ranks nothing across heads (its pooled rule scores the
+# keys alone, strategies/lagkv.py).
+POOLED_OTHERWISE = ("lagkv",)
 
 
 @pytest.mark.parametrize("strategy", [s for s in CASES if s.removeprefix("debug_") not in POOLED_OTHERWISE])
@@ -176,7 +225,8 @@ def test_a_floor_of_the_whole_budget_keeps_what_the_uniform_cache_keeps_chunk_by
     """--adakv_floor 1: every head keeps its own best L of its virtual prompt, which is the uniform cache's choice,
     so the pool's chunks (each head re-prefilled alone over its own held tokens, in a head view) keep the uniform
     chunks' positions on every layer, and the logits and greedy tokens follow (atol 1e-5). (Found keyformer's
-    noise drawn for the first KV head in every head view.)"""
+    noise drawn for the first KV head in every head view, and Compactor's z-scores normalised per head where the
+    layer's heads are normalised together: `head_statistics`.)"""
     model = make_tiny_model()
     attach(model, cache_args(strategy, BUDGET, "dense", *POOLED[2:]))
     uniform = run_prompt(model, token_ids(), 5)
