@@ -117,7 +117,7 @@ def row_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     return flat.mean(dim=-1).view(-1, 1, 1), std.clamp(min=1e-6).view(-1, 1, 1)
 
 
-def blending(cache: KVCache, prompt_tokens: int) -> float:
+def blending(cache: KVCache, prompt_tokens: float) -> float:
     """λ: the setting, else the compression ratio: of the prompt when it exceeds the target, else the one decode
     eviction reaches (the budget against prompt + new tokens)."""
     value = cache.setting(BLENDING)
