@@ -65,7 +65,11 @@ def test_cuda_eager_keeps_what_the_cpu_keeps(strategy, storage):
 AXES = {"adakv": (tuple(ALLOCATIONS["adakv"]), ADAKV), "rerotate_positions": (("--rerotate_positions",), ALL),
         "prefill_chunk": (("--prefill_chunk", "8"), CHUNKABLE),
         # ThinK's whole held keys during the chunks (cache_chunking.py), under three kinds of prompt rule.
-        "think_prefill_chunk": (("--prefill_chunk", "8", *STORAGES["think"]), ["heavy_hitter", "tova", "full"])}
+        "think_prefill_chunk": (("--prefill_chunk", "8", *STORAGES["think"]), ["heavy_hitter", "tova", "full"]),
+        # A pool's chunks: each head re-prefilled alone (its own sinks for kvzip, the layer's moments for compactor,
+        # its own noise for keyformer).
+        "adakv_prefill_chunk": ((*ALLOCATIONS["adakv"], "--prefill_chunk", "8"),
+                                ["heavy_hitter", "kvzip", "compactor", "keyformer"])}
 
 
 def past_the_context(strategy: str, flags: tuple) -> int | None:
