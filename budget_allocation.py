@@ -283,7 +283,7 @@ class PooledCache(KVCache):
             return {}
         parts = {}
         for (b, h), head in heads.items():
-            positions, keys, _, queries, _ = head
+            _, keys, _, queries, _ = head
             with self.virtual_head(b, h, head, end, chunk):
                 got = rule.head_statistics(self, keys[None, None], queries[None])
             if got is None:
