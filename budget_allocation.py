@@ -47,7 +47,7 @@ from cache import KVCache, row_positions
 from cache_chunking import Rerotation
 from errors import UserError
 from kv_storage import scatter_slots
-from prompt_compression import adaptive_prompt_tokens
+from prompt_compression import adaptive_prompt_tokens, restash_scoring, stashed_scoring
 from strategies import CACHE_STRATEGIES, get_strategy
 from strategies.debug import DebugCache, debug_strategy
 
@@ -246,16 +246,17 @@ class PooledCache(KVCache):
         seen = self.inserted + T
         self.reset()
         layer = self.gather_layer_statistics(heads, end, T)
-        keep = self.chunk_pairs(heads, end, T, layer)  # (b, h) -> sorted indices into its virtual prompt
+        keep, scorings = self.chunk_pairs(heads, end, T, layer)  # (b, h) -> sorted indices into its virtual prompt
         self.write_pairs(heads, keep, seen)
         for (b, h), head in heads.items():
             positions, keys, _, queries, _ = head
             slot_token = torch.zeros(self.pool_slots, dtype=torch.long, device=k.device)
             start = int(self.offset[b, h])
             slot_token[start : start + len(keep[b, h])] = keep[b, h]
+            head_keys = keys[None, None]
             with self.virtual_head(b, h, head, end, T, layer):
-                self.after_prefill(slot_token.view(1, 1, -1), positions.view(1, 1, -1), keys[None, None],
-                                   queries[None])
+                restash_scoring(self, scorings.get((b, h)), head_keys)
+                self.after_prefill(slot_token.view(1, 1, -1), positions.view(1, 1, -1), head_keys, queries[None])
 
     @contextmanager
     def virtual_head(self, b: int, h: int, head: tuple, end: int, chunk: int,
@@ -294,28 +295,32 @@ class PooledCache(KVCache):
                 for b in range(B)}
 
     def chunk_pairs(self, heads: dict, end: int, chunk: int,
-                    layer: dict[int, dict[str, Tensor]]) -> dict[tuple[int, int], Tensor]:
-        """The (head, token) pairs kept out of every head's virtual prompt: (b, h) -> sorted indices."""
+                    layer: dict[int, dict[str, Tensor]]) -> tuple[dict[tuple[int, int], Tensor], dict]:
+        """The (head, token) pairs kept out of every head's virtual prompt: (b, h) -> sorted indices; and what
+        each head's rule computed scoring it (`stashed_scoring`), which its after_prefill takes back rather than
+        scoring the head once more."""
         sizes = {len(p) for p, *_ in heads.values()}
         target = self.prompt_target()
         if len(sizes) == 1 and sizes.pop() <= target:  # every head holds the whole prompt so far, and it fits
-            return {key: torch.arange(len(p), device=p.device) for key, (p, *_) in heads.items()}
+            return {key: torch.arange(len(p), device=p.device) for key, (p, *_) in heads.items()}, {}
         rule = self.prompt_compressor
         window = rule.prompt_protected_window(self)
         B, H = self.inserted.shape
         longest = max(len(p) for p, *_ in heads.values())
         scores = torch.full((B, H, longest), float("-inf"), device=self.pos.device)  # −inf: past a head's prompt
+        scorings = {}
         for (b, h), head in heads.items():
             positions, keys, _, queries, _ = head
             with self.virtual_head(b, h, head, end, chunk, layer):
                 got = rule.prompt_scores(self, keys[None, None], queries[None])
+                scorings[b, h] = stashed_scoring(self)
             if got is None or got.shape[1] != 1:
                 raise UserError(f"--budget_allocation adakv needs head-specific prompt scores; prompt compression "
                                 f"'{rule.name}' gives none")
             protected = (positions < self.global_tokens) | (positions >= end - window)
             scores[b, h, : len(positions)] = got[0, 0].float().masked_fill(protected, float("inf"))
         chosen = adaptive_prompt_tokens(scores, 0, 0, target, int(self.floor_fraction * target))
-        return {(b, h): chosen[b, h, : len(p)].nonzero()[:, 0] for (b, h), (p, *_) in heads.items()}
+        return {(b, h): chosen[b, h, : len(p)].nonzero()[:, 0] for (b, h), (p, *_) in heads.items()}, scorings
 
     def write_pairs(self, heads: dict, keep: dict, seen: Tensor) -> None:
         """The kept pairs into the pool, head h from its new offset, in position order; quotas as at a

@@ -404,3 +404,15 @@ class ScoredOnce:
     def reset(self) -> None:
         super().reset()
         self.__dict__.pop("prompt_scoring", None)
+
+
+def stashed_scoring(cache: object) -> tuple | None:
+    """What a ScoredOnce rule's `prompt_scores` kept on `cache` for its after_prefill; None if nothing."""
+    return cache.__dict__.get("prompt_scoring")
+
+
+def restash_scoring(cache: object, stashed: tuple | None, k: Tensor) -> None:
+    """Give `cache` back a scoring taken by `stashed_scoring`, now for keys `k` (the same keys as another tensor:
+    a pool's head re-entered after a chunk, its head view gone in between), so after_prefill does not score again."""
+    if stashed is not None:
+        cache.__dict__["prompt_scoring"] = (k, *stashed[1:])

@@ -10,7 +10,9 @@ and the layer's n_kv·L slots go to the best (head, token) pairs over all heads 
 - Compactor, whose z-scores take the layer's moments, against a naive Compactor over every head's virtual prompt;
 - with --adakv_floor 1 (each head its own best L) the uniform chunks' kept positions and logits, every case but
   LagKV (whose pooled rule scores otherwise by design);
-- every case, several chunks: the pool's invariants after each chunk, decoding afterwards.
+- every case, several chunks: the pool's invariants after each chunk, decoding afterwards;
+- a rule that scores once for its after_prefill too (ScoredOnce) scores no head more often in a pool's chunks
+  than in the uniform cache's.
 Caches are built without --prefill_chunk and fed by chunked_prefill directly (the flag only tells
 generate.prefill the chunk size).
 """
@@ -24,6 +26,8 @@ import pytest
 import torch
 
 from generate import chunked_prefill, decode_one_token
+from prompt_compression import ScoredOnce
+from strategies import CACHE_STRATEGIES
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     ADAKV,
@@ -235,3 +239,29 @@ def test_a_floor_of_the_whole_budget_keeps_what_the_uniform_cache_keeps_chunk_by
     assert pooled[2] == uniform[2]
     assert pooled[1] == uniform[1]
     torch.testing.assert_close(pooled[0], uniform[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", [s for s in CASES if s in CACHE_STRATEGIES and issubclass(CACHE_STRATEGIES[s],
+                                                                                               ScoredOnce)])
+def test_a_pools_chunks_score_each_head_once_a_chunk(strategy, monkeypatch):
+    """A pool re-prefills its heads one at a time after a chunk: the scores its choice took are handed to each
+    head's after_prefill (`restash_scoring`), as the uniform cache's are, rather than computed again. Counted as
+    heads scored (`scoring`'s keys' head dimension, summed over its calls): equal to the uniform chunks'."""
+    cls = CACHE_STRATEGIES[strategy]
+    owner = next(c for c in cls.__mro__ if "scoring" in vars(c))
+    scoring = vars(owner)["scoring"].__func__
+    heads_scored = []
+
+    def counted(c, cache, k, q):
+        heads_scored.append(k.shape[1])
+        return scoring(c, cache, k, q)
+
+    monkeypatch.setattr(owner, "scoring", classmethod(counted))
+    model = make_tiny_model()
+    attach(model, cache_args(strategy, BUDGET, "dense", *POOLED[2:]))
+    run_prompt(model, token_ids(), 5, steps=0)
+    uniform = sum(heads_scored)
+    heads_scored.clear()
+    attach(model, pooled_args(strategy))
+    run_prompt(model, token_ids(), 5, steps=0)
+    assert uniform > 0 and sum(heads_scored) == uniform
