@@ -386,16 +386,17 @@ def check_budget_allocation(args: argparse.Namespace) -> None:
                     if c.head_specific and not c.profiles_prompt and not getattr(c, "variable_occupancy", False))
     for name in dict.fromkeys(args.cache_strategy):
         own = getattr(get_strategy(name), "shadow_class", get_strategy(name))
+        twin = "debug_" if own is not get_strategy(name) else ""  # a debug_ twin is told the poolable twins
+        choices = ", ".join(twin + n for n in pooled)
         if own.profiles_prompt:
             raise UserError(f"--budget_allocation adakv: the {name} cache sizes its heads by its own policies "
-                            f"(FastGen); use one of: {', '.join(pooled)}")
+                            f"(FastGen); use one of: {choices}")
         if getattr(own, "variable_occupancy", False):
             raise UserError(f"--budget_allocation adakv: the {name} cache holds a variable number of tokens per head "
-                            f"(a pool never reuses released slots); use one of: {', '.join(pooled)}")
+                            f"(a pool never reuses released slots); use one of: {choices}")
         if not own.head_specific:
             raise UserError(f"--budget_allocation adakv shares a layer's budget between KV heads by their own "
-                            f"scores, but the {name} cache keeps the same tokens in every head; use one of: "
-                            f"{', '.join(pooled)}")
+                            f"scores, but the {name} cache keeps the same tokens in every head; use one of: {choices}")
     for name in dict.fromkeys(args.prompt_compression_strategy):
         if name not in ("auto", "full") and not get_strategy(name).head_specific:
             raise UserError(f"--budget_allocation adakv allocates by per-head prompt scores, and prompt compression "

@@ -399,11 +399,12 @@ def test_uniform_allocation_builds_the_registered_caches(explicit):
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--cache_strategy", "recent_global"], "keeps the same tokens in every head"),
-    (["--cache_strategy", "debug_random"], "keeps the same tokens in every head"),
+    (["--cache_strategy", "debug_random"], "keeps the same tokens in every head; use one of: debug_capkv, "),
+    (["--cache_strategy", "random"], "keeps the same tokens in every head; use one of: capkv, "),
     (["--cache_strategy", "full"], "keeps the same tokens in every head"),
     (["--cache_strategy", "heavy_hitter", "recent_global"], "recent_global cache keeps the same tokens"),
     (["--cache_strategy", "hybrid"], "sizes its heads by its own policies"),
-    (["--cache_strategy", "debug_hybrid"], "sizes its heads by its own policies"),
+    (["--cache_strategy", "debug_hybrid"], r"sizes its heads by its own policies \(FastGen\); use one of: debug_capkv"),
     (["--prompt_compression_strategy", "recent_global"], "scores tokens alike in every head"),
     (["--cache_bits", "4", "--cache_quantization", "kivi"], "KIVI"),
     (["--feed_long_prompts"], "nothing would be allocated"),
