@@ -173,6 +173,17 @@ def plan(args: argparse.Namespace) -> list[tuple[Task, argparse.Namespace, Path]
     return runs
 
 
+def check_inputs(runs: list[tuple[Task, argparse.Namespace]]) -> None:
+    """Each run about to start builds and checks its inputs first (Task.check_inputs: its examples or text
+    against the model's context, its dataset rows, the caches it resolves), so that bad input (a --seq_len too
+    short for a task's smallest prompt, a budget its prompts cannot hold) is refused before the first run
+    starts rather than after the runs before it."""
+    for task, config in runs:
+        dtype = parse_dtype(config.dtype, config.device)
+        model, tokenizer = load_model(config.checkpoint_path, config.device, dtype, config.allow_non_finite_weights)
+        task.check_inputs(Runtime(model, tokenizer, config))
+
+
 def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | None = None) -> dict:
     """Run one task under one configuration and write its directory; returns metrics.json's content.
 
@@ -290,10 +301,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_task_flags_read(args.tasks, explicit_dests(parser, argv), parser)
     check_typed_flags(parser, args, argv)
     out_dir = results.check_out_dir(args.out_dir)
+    runs = [(task, config, path, *current_state(task, config, path)) for task, config, path in plan(args)]
+    check_inputs([(task, config) for task, config, _, metrics, _ in runs if metrics is None or args.overwrite])
     done = []
-    for task, config, path in plan(args):
+    for task, config, path, metrics, state in runs:
         label = f"{task.name} {results.strategy_label(config)} budget={results.budget_value(config)}"
-        metrics, state = current_state(task, config, path)
         if metrics is not None and not args.overwrite:
             print(f"{state}: {label} -> {path}", file=sys.stderr)
         else:

@@ -161,3 +161,30 @@ def test_batched_fidelity_run_writes_the_batch_1_records(tiny_dir, tmp_path):
     before = {d: (d / "metrics.json").read_bytes() for d in run_dirs(tmp_path / "batched")}
     cli.main(flags(tmp_path / "batched") + ["--batch_size", "2"])  # finished: skipped, not rerun
     assert {d: (d / "metrics.json").read_bytes() for d in run_dirs(tmp_path / "batched")} == before
+
+
+
+QA_ROWS = {"an answer without text": {"doc": "Paris is in France.", "q": "Where is Paris?", "a": ""},
+           "a context overrun": {"doc": "Paris is in France. " * 60, "q": "Where is Paris?", "a": "France"}}
+
+
+@pytest.mark.parametrize("task, row, message", [
+    ("common_words_extraction", None, "--seq_len 400 is too short for common_words_extraction"),
+    ("qa", "an answer without text", "row 0 of .*: column 'a' \\(--answer_column\\) has no"),
+    ("qa", "a context overrun", "qa: prompts of .* tokens plus 4 new tokens exceed the model's context of 1024"),
+], ids=["a task's smallest prompt", "an answer without text", "a context overrun"])
+def test_a_tasks_inputs_are_refused_before_any_run(tiny_dir, tmp_path, task, row, message):
+    """Inputs found bad only when built (a task's examples against --seq_len, a dataset's rows, the model's
+    context) are built and checked for every run before the first starts (Task.check_inputs): the needle runs
+    listed first do not run, nothing is written (they used to run, and the bad task's run then stopped)."""
+    rows = tmp_path / "qa.jsonl"
+    rows.write_text(json.dumps(QA_ROWS.get(row, {})) + "\n")
+    data = ["--dataset", str(rows), "--prompt_column", "q", "--context_column", "doc", "--answer_column", "a"]
+    flags = ["--tasks", "niah_single", task, "--checkpoint_path", str(tiny_dir), "--seq_len", "400", "--limit", "1",
+             "--max_new_tokens", "4", "--cache_strategy", "keep_it_odd", "--max_cache_length", "0.5",
+             "--out_dir", str(tmp_path / "out"), *(data if task == "qa" else [])]
+    with pytest.raises(UserError, match=message):
+        cli.main(flags)
+    assert list((tmp_path / "out").rglob("*/*")) == []
+    cli.main([*flags[:2], *flags[3:17]])  # the needle runs alone run
+    assert len(run_dirs(tmp_path / "out")) == 2

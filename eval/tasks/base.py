@@ -121,6 +121,12 @@ class Task:
     def run(self, rt: Runtime) -> TaskResult:
         raise NotImplementedError
 
+    def check_inputs(self, rt: Runtime) -> None:
+        """Build and check what a run reads (its examples, text or dataset rows, against the model's context) and
+        the caches it resolves, computing nothing: eval checks every planned run so before the first starts, so
+        bad input is refused at once, not after hours of other runs."""
+        raise NotImplementedError
+
     def derived_intervals(self, items: list[dict]) -> dict:
         """Intervals of aggregates that are functions of item means rather than means themselves
         (eval.uncertainty.bootstrap_function); metric name -> Interval. None by default."""
@@ -214,6 +220,19 @@ def fit_to_length(build: Callable[[int], Example], count: Callable[[Example], in
 # ---- tasks that generate an answer ----------------------------------------------------------------------
 
 
+@dataclass
+class PreparedAnswers:
+    """What a GenerationTask's run answers: its examples, each encoded (ids, context length), the longest prompt,
+    the new tokens, each item's context budget (kvpress protocol; else None) and the caches' specs."""
+
+    examples: list[Example]
+    encoded: list[tuple[list[int], int]]
+    longest: int
+    max_new: int
+    context_budgets: list[int] | None
+    specs: list
+
+
 class GenerationTask(Task):
     """Greedy answers under the configured cache, scored with `score` (RULER's string match by default)."""
 
@@ -233,7 +252,8 @@ class GenerationTask(Task):
 
         return {"string_match": string_match_all(prediction, example.answers)}
 
-    def run(self, rt: Runtime) -> TaskResult:
+    def prepared(self, rt: Runtime) -> PreparedAnswers:
+        """The examples encoded, checked against the model's context, and the caches' specs they resolve."""
         examples = self.examples(rt)
         if not examples:
             raise UserError(f"{self.name}: no examples")
@@ -248,7 +268,17 @@ class GenerationTask(Task):
         kvpress = is_kvpress(self.options["protocol"])
         context_budgets = kvpress_budgets(rt.args, encoded) if kvpress else None
         args = kvpress_cache_args(rt.args, encoded, context_budgets, max_new) if kvpress else rt.args
-        specs = cache_specs(rt, args, longest, max_new)
+        return PreparedAnswers(examples, encoded, longest, max_new, context_budgets,
+                               cache_specs(rt, args, longest, max_new))
+
+    def check_inputs(self, rt: Runtime) -> None:
+        self.prepared(rt)
+
+    def run(self, rt: Runtime) -> TaskResult:
+        prep = self.prepared(rt)
+        examples, encoded, longest, max_new = prep.examples, prep.encoded, prep.longest, prep.max_new
+        context_budgets, specs = prep.context_budgets, prep.specs
+        kvpress = context_budgets is not None
         jobs = [self.answer_job(rt, specs, ids, n_context, None if context_budgets is None else context_budgets[i])
                 for i, (ids, n_context) in enumerate(encoded)]
         timings = Timings()

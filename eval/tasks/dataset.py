@@ -145,7 +145,9 @@ class MultipleChoice(Task):
     defaults = {"split": "train"}
     required = ("dataset", "prompt_column", "answer_column", "choices_column")
 
-    def run(self, rt: Runtime) -> TaskResult:
+    def prepared(self, rt: Runtime) -> tuple[list[tuple], int, int, list]:
+        """Each row as (ids, context length, choices, their option ids, label), the longest prompt, the longest
+        option, and the caches' specs; checked against the model's context."""
         rows = dataset_rows(self)
         chat, o = use_chat(rt), self.options
         items = []
@@ -159,7 +161,14 @@ class MultipleChoice(Task):
         max_option = max(len(opt) for *_, options, _ in items for opt in options)
         if longest + max_option > rt.model.args.context_length:
             raise UserError(f"multiple_choice: prompts of {longest} tokens exceed the model's context")
-        specs = cache_specs(rt, rt.args, longest, max_option)
+        return items, longest, max_option, cache_specs(rt, rt.args, longest, max_option)
+
+    def check_inputs(self, rt: Runtime) -> None:
+        self.prepared(rt)
+
+    def run(self, rt: Runtime) -> TaskResult:
+        o = self.options
+        items, longest, max_option, specs = self.prepared(rt)
         jobs = [AnswerJob(ids, prefill_length(len(ids), n_context, o["query_aware"], o["decode_first_token"],
                                               prefill_limit(rt, specs))) for ids, n_context, *_ in items]
         timings, scored = self.score_options(rt, specs, jobs, [opts for *_, opts, _ in items], longest + max_option)

@@ -123,7 +123,8 @@ class Fidelity(Task):
             return "\n\n".join(parts), f"{o['dataset']}:{o['text_column']}"
         return pydoc_corpus(), "pydoc_data.topics"
 
-    def run(self, rt: Runtime) -> TaskResult:
+    def prepared(self, rt: Runtime) -> tuple[str, str, list[int], list[list[int]], list]:
+        """The text, where it came from, its token ids, the windows cut from it, and the caches' specs."""
         o = self.options
         seq_len, n_prompt, offset = o["seq_len"], o["prefill_tokens"], o["text_offset"]
         if seq_len > rt.model.args.context_length:
@@ -135,8 +136,16 @@ class Fidelity(Task):
         if not windows:
             raise UserError(f"the text ({source}) has {max(len(ids) - offset, 0)} tokens after --text_offset "
                             f"{offset}; fidelity needs --seq_len {seq_len}")
+        return text, source, ids, windows, cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)
+
+    def check_inputs(self, rt: Runtime) -> None:
+        self.prepared(rt)
+
+    def run(self, rt: Runtime) -> TaskResult:
+        o = self.options
+        seq_len, n_prompt = o["seq_len"], o["prefill_tokens"]
+        text, source, ids, windows, specs = self.prepared(rt)  # the specs as teacher_force resolves them
         timings, got = Timings(), Collected()
-        specs = cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)  # as teacher_force resolves them
         batch = rows_per_batch(rt.model, specs, getattr(rt.args, "batch_size", 1))
         with tqdm(total=len(windows) * (seq_len - n_prompt), desc="fidelity", unit="tok", leave=False,
                   disable=rt.progress) as bar:

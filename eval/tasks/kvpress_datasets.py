@@ -21,8 +21,10 @@ import ast
 import io
 import math
 import tokenize
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from errors import UserError
 from eval import scorers
@@ -30,6 +32,7 @@ from eval.data import LOCAL_FORMATS, load_rows, local_rows
 from eval.harness import Runtime, Timings, average_stats
 from eval.tasks.base import COMPRESS_QUESTIONS, Example, GenerationTask, TaskResult, is_kvpress, register_task, use_chat
 
+T = TypeVar("T")
 TEXT_COLUMNS = ("context", "question", "answer_prefix", "task")
 ANSWER_COLUMNS = ("answer", "answers")  # the RULER copy's name, the LongBench copy's
 LAYOUT = "context, question, answer_prefix, answer (or answers), task, max_new_tokens"
@@ -211,7 +214,8 @@ class KvpressDataset(GenerationTask):
         value = scorers.item_score(task, prediction, example.answers, self._classes[task], SCORER_FLAVOR)
         return {SCORE: 100 * value}
 
-    def run(self, rt: Runtime) -> TaskResult:
+    def by_task(self, rt: Runtime, what: Callable[[Runtime], T]) -> list[tuple[str, T]]:
+        """`what` (a GenerationTask's run or check) over each task's rows in turn, with its answer length."""
         o = self.options
         source = o["dataset"]
         rows = parse_rows(load_rows(source, o["dataset_config"], o["split"]), source, o["max_new_tokens"])
@@ -221,10 +225,16 @@ class KvpressDataset(GenerationTask):
         try:
             for (task, max_new), group in task_groups(rows, o["limit"]).items():
                 self._group, o["max_new_tokens"] = group, fixed or max_new
-                results.append((task, super().run(rt)))
+                results.append((task, what(rt)))
         finally:
             o["max_new_tokens"], self._group = fixed, []
-        return merged_result(results)
+        return results
+
+    def check_inputs(self, rt: Runtime) -> None:
+        self.by_task(rt, super().check_inputs)
+
+    def run(self, rt: Runtime) -> TaskResult:
+        return merged_result(self.by_task(rt, super().run))
 
 
 def merged_result(results: list[tuple[str, TaskResult]]) -> TaskResult:
