@@ -121,11 +121,15 @@ class Task:
     def run(self, rt: Runtime) -> TaskResult:
         raise NotImplementedError
 
-    def check_inputs(self, rt: Runtime) -> None:
-        """Build and check what a run reads (its examples, text or dataset rows, against the model's context) and
-        the caches it resolves, computing nothing: eval checks every planned run so before the first starts, so
-        bad input is refused at once, not after hours of other runs."""
+    def prepared(self, rt: Runtime) -> object:
+        """What a run reads, built and checked (its examples, text or dataset rows, against the model's context),
+        and the caches' specs it resolves; the first thing `run` does."""
         raise NotImplementedError
+
+    def check_inputs(self, rt: Runtime) -> None:
+        """`prepared`, computing nothing more: eval calls it for every run it is about to start, before the first
+        starts, so bad input found only there is refused at once, not after hours of other runs."""
+        self.prepared(rt)
 
     def derived_intervals(self, items: list[dict]) -> dict:
         """Intervals of aggregates that are functions of item means rather than means themselves
@@ -270,9 +274,6 @@ class GenerationTask(Task):
         args = kvpress_cache_args(rt.args, encoded, context_budgets, max_new) if kvpress else rt.args
         return PreparedAnswers(examples, encoded, longest, max_new, context_budgets,
                                cache_specs(rt, args, longest, max_new))
-
-    def check_inputs(self, rt: Runtime) -> None:
-        self.prepared(rt)
 
     def run(self, rt: Runtime) -> TaskResult:
         prep = self.prepared(rt)

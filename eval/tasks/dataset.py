@@ -163,9 +163,6 @@ class MultipleChoice(Task):
             raise UserError(f"multiple_choice: prompts of {longest} tokens exceed the model's context")
         return items, longest, max_option, cache_specs(rt, rt.args, longest, max_option)
 
-    def check_inputs(self, rt: Runtime) -> None:
-        self.prepared(rt)
-
     def run(self, rt: Runtime) -> TaskResult:
         o = self.options
         items, longest, max_option, specs = self.prepared(rt)

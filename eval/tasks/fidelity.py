@@ -138,9 +138,6 @@ class Fidelity(Task):
                             f"{offset}; fidelity needs --seq_len {seq_len}")
         return text, source, ids, windows, cache_specs(rt, rt.args, n_prompt, seq_len - n_prompt)
 
-    def check_inputs(self, rt: Runtime) -> None:
-        self.prepared(rt)
-
     def run(self, rt: Runtime) -> TaskResult:
         o = self.options
         seq_len, n_prompt = o["seq_len"], o["prefill_tokens"]
