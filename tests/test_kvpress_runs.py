@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from errors import run_cli
+from errors import UserError, run_cli
 from eval import cli, kvpress_runs, plot, results
 from tests.eval_helpers import (
     byte_tokenizer,
@@ -300,3 +300,17 @@ def test_a_hub_dataset_offline_fails_in_one_line(tiny_dir, tmp_path, capsys, mon
                    "--checkpoint_path", str(tiny_dir), "--cache_strategy", "l2", "--out_dir", str(out),
                    "--no-baseline"], "cannot load dataset 'simonjegou/ruler'", after_progress=True)
     assert not list(out.glob("*/*/*/metrics.json"))
+
+
+def test_a_later_task_groups_bad_row_is_refused_before_any_run(tiny_dir, tmp_path):
+    """kvpress_dataset answers its rows task by task: a qa_1 row past the model's context is refused before the
+    first group (niah_single_1) runs, for the baseline and the strategy alike (eval checks every run's inputs
+    first), and nothing is written."""
+    rows = [*ruler_rows(), {"context": FILLER * 40, "question": "Where is Paris?", "answer_prefix": "Answer:",
+                            "answer": ["France"], "task": "qa_1", "max_new_tokens": 3}]
+    data = write_jsonl(tmp_path / "ruler.jsonl", rows)
+    with pytest.raises(UserError, match="kvpress_dataset: prompts of .* exceed the model's context of 1024"):
+        cli.main(["--tasks", "kvpress_dataset", "--protocol", "kvpress", "--dataset", str(data), "--checkpoint_path",
+                  str(tiny_dir), "--cache_strategy", "recent_global", "--max_cache_length", "0.5",
+                  "--out_dir", str(tmp_path / "out")])
+    assert list((tmp_path / "out").rglob("*/*")) == []
