@@ -127,16 +127,30 @@ def build_row_caches(row_specs: list[list[LayerCacheSpec]], capacities: list[int
     builds its batches here too."""
     if len(row_specs) != len(capacities) or not row_specs:
         raise ValueError(f"{len(row_specs)} rows of specs for {len(capacities)} capacities")
-    widest = []
-    for layer, specs in enumerate(zip(*row_specs, strict=True)):
-        if any(replace(s, max_cache_length=0) != replace(specs[0], max_cache_length=0) for s in specs):
-            raise UserError(f"layer {layer}: the rows' prompts resolve to different caches (strategy, storage or "
-                            "layer policy); batch prompts whose lengths resolve alike, or decode them apart")
-        widest.append(max(specs, key=lambda s: s.max_cache_length))
+    check_rows_agree(row_specs)
+    widest = [max(specs, key=lambda s: s.max_cache_length) for specs in zip(*row_specs, strict=True)]
     caches = build(widest, len(capacities), max(capacities))
     for layer, cache in enumerate(caches):
         cache.set_row_budgets([specs[layer].max_cache_length for specs in row_specs], list(capacities))
     return caches
+
+
+def check_rows_agree(row_specs: list[list[LayerCacheSpec]]) -> None:
+    """Rows batched into one cache per layer must resolve to the same cache but for the budget."""
+    for layer, specs in enumerate(zip(*row_specs, strict=True)):
+        if any(replace(s, max_cache_length=0) != replace(specs[0], max_cache_length=0) for s in specs):
+            raise UserError(f"layer {layer}: the rows' prompts resolve to different caches (strategy, storage or "
+                            "layer policy); batch prompts whose lengths resolve alike, or decode them apart")
+
+
+def row_cache_specs(config: argparse.Namespace, model_args: ModelArgs, prompt_lengths: list[int],
+                    max_new_tokens: int, quiet: bool = True) -> list[list[LayerCacheSpec]]:
+    """Each row's specs, resolved for its own prompt length (notes printed for the first row unless `quiet`),
+    checked to batch together (check_rows_agree)."""
+    row_specs = [cache_specs(config, model_args, n, max_new_tokens, quiet=quiet or b > 0)
+                 for b, n in enumerate(prompt_lengths)]
+    check_rows_agree(row_specs)
+    return row_specs
 
 
 def _build(model: Transformer, specs: list[LayerCacheSpec], batch_size: int, capacity_needed: int,
@@ -172,7 +186,6 @@ def attach_row_caches(model: Transformer, config: argparse.Namespace, prompt_len
                       classes: dict[str, Tensor] | None = None, quiet: bool = True) -> list[list[LayerCacheSpec]]:
     """Caches for one row per prompt length (each followed by `max_new_tokens`), each row with the budgets
     its own length resolves to (setup_row_caches); the specs of every row."""
-    row_specs = [cache_specs(config, model.args, n, max_new_tokens, quiet=quiet or b > 0)
-                 for b, n in enumerate(prompt_lengths)]
+    row_specs = row_cache_specs(config, model.args, prompt_lengths, max_new_tokens, quiet)
     setup_row_caches(model, row_specs, [n + max_new_tokens for n in prompt_lengths], tokenizer, classes)
     return row_specs

@@ -21,7 +21,7 @@ from torch import Tensor
 import cpu_bf16_kernels
 from atomic_files import check_writable
 from cache import finite_float
-from cache_setup import attach_row_caches, cache_specs, setup_caches
+from cache_setup import cache_specs, row_cache_specs, setup_caches, setup_row_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from compiled_step import compile_decode_step
@@ -504,12 +504,15 @@ def main_rows(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer
     eos_ids = eos_ids_for(args, tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
     batches = [order[first : first + args.batch_size] for first in range(0, len(order), args.batch_size)]
+    # Every batch's caches resolved before any decoding: a prompt whose budget cannot hold its protected tokens
+    # fails the run before it starts, not after the batches before it printed.
+    batch_specs = [row_cache_specs(args, model.args, [len(prompts[i]) for i in indices], args.max_new_tokens,
+                                   quiet=k > 0) for k, indices in enumerate(batches)]
     rows, specs_of = [None] * len(prompts), [None] * len(prompts)
     firsts, cache_bytes = [], 0  # each batch's first row (its timings are the batch's) and its largest caches
-    for k, indices in enumerate(batches):
+    for k, (indices, row_specs) in enumerate(zip(batches, batch_specs, strict=True)):
         batch = [prompts[i] for i in indices]
-        row_specs = attach_row_caches(model, args, [len(ids) for ids in batch], args.max_new_tokens, tokenizer,
-                                      quiet=k > 0)
+        setup_row_caches(model, row_specs, [len(ids) + args.max_new_tokens for ids in batch], tokenizer)
         if args.print_cache_spec and k == 0:
             print(format_cache_spec(row_specs[0]))
         note_if_rows_round_by_batch(model, len(batch),

@@ -107,6 +107,24 @@ def test_batched_prompts_give_each_prompt_its_own_run(tmp_path, tiny_dir, capsys
            f"{rows[2]['compression_ratio']})" in out
 
 
+@pytest.mark.parametrize("batch_size", ["1", "2"])
+def test_a_later_batchs_budget_is_refused_before_any_row_decodes(tiny_dir, tmp_path, capsys, batch_size):
+    """Prompts batched longest first: a short prompt whose budget (half of prompt + new tokens) cannot hold the
+    protected tokens is in the last batch; it is refused before the first batch decodes: no row printed, no
+    statistics written (it used to come after the rows before it had printed)."""
+    import generate
+    from errors import UserError
+
+    stats = tmp_path / "stats.json"
+    flags = ["--checkpoint_path", str(tiny_dir), "--no-chat", "--max_new_tokens", "4", "--cache_strategy", "tova",
+             "--max_cache_length", "0.5", "--batch_size", batch_size, "--stats_json", str(stats),
+             "--prompt", "a prompt long enough for its budget to hold the protected tokens", "--prompt",
+             "another prompt long enough for the budget", "--prompt", "hi"]
+    with pytest.raises(UserError, match="budget of 3 tokens is smaller than the protected tokens"):
+        generate.main(flags)
+    assert "---- row" not in capsys.readouterr().out and not stats.exists()
+
+
 def test_a_bfloat16_batch_past_its_batch_invariant_rows_says_so(tiny_dir, capsys, monkeypatch):
     """Past the rows the model keeps batch-invariant (8 with the CPU kernels; 2 here, set by hand) a bfloat16
     batch notes once that a row may keep other tokens than alone; a batch-invariant batch and float32 say
