@@ -274,11 +274,11 @@ class PooledCache(KVCache):
                 self.layer_statistics = layer[b]
             yield self
 
-    def gather_layer_statistics(self, heads: dict, end: int, chunk: int) -> dict[int, dict[str, Tensor]]:
+    def gather_layer_statistics(self, heads: dict, end: int, chunk: int) -> dict[int, dict]:
         """What a rule takes over the layer's heads together (Compactor's z-scores' moments), from every head's
         virtual prompt: row b -> name -> the heads' parts (the rule's `head_statistics`) joined along their last
-        dimension; {} when the rule takes nothing so. Inside `virtual_head` it is the `layer_statistics`
-        attribute, so a head scored alone is scored as in a prefill of all heads together."""
+        dimension, and "heads" -> each head's own; {} when the rule takes nothing so. Inside `virtual_head` it is
+        the `layer_statistics` attribute, so a head scored alone is scored as in a prefill of all heads together."""
         rule = self.prompt_compressor
         if rule is None:
             return {}
@@ -291,8 +291,9 @@ class PooledCache(KVCache):
                 return {}
             parts[b, h] = got
         B, H = self.inserted.shape
-        return {b: {name: torch.cat([parts[b, h][name] for h in range(H)], dim=-1) for name in parts[b, 0]}
-                for b in range(B)}
+        # "heads": each head's own parts too, so that scoring a head alone need not compute them again.
+        return {b: {**{name: torch.cat([parts[b, h][name] for h in range(H)], dim=-1) for name in parts[b, 0]},
+                    "heads": [parts[b, h] for h in range(H)]} for b in range(B)}
 
     def chunk_pairs(self, heads: dict, end: int, chunk: int,
                     layer: dict[int, dict[str, Tensor]]) -> tuple[dict[tuple[int, int], Tensor], dict]:

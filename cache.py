@@ -148,8 +148,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     # viewed head's, so what is drawn per head (keyformer's noise) stays the head's own.
     first_kv_head: int = 0
     # Inside a pool's head view during a chunk's re-prefill: what the rule takes over the layer's heads together,
-    # gathered from every head's virtual prompt (`head_statistics`; PooledCache.gather_layer_statistics).
-    layer_statistics: dict[str, Tensor] | None = None
+    # gathered from every head's virtual prompt (`head_statistics`; PooledCache.gather_layer_statistics), and under
+    # "heads" each head's own.
+    layer_statistics: dict | None = None
     # Buffers without a row dimension: the same for every row (the row context leaves them whole).
     row_shared_buffers: ClassVar[tuple[str, ...]] = ()
 

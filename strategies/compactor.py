@@ -131,8 +131,13 @@ def blending(cache: KVCache, prompt_tokens: float) -> float:
 
 def scored_parts(cache: KVCache, k: Tensor, q: Tensor, norms: Tensor, g: int) -> tuple[Tensor, ...]:
     """The keys' mean and whitening map, the leverages and the smoothed attention × ‖v‖ of the tokens after the
-    first g (the sinks): what compactor_scores z-normalises and blends."""
+    first g (the sinks): what compactor_scores z-normalises and blends. A pool's head scored alone after a chunk
+    takes its leverages and attention from what the pool gathered of it (`head_statistics`) for the layer's
+    moments."""
     mean, whiten = whitening(k[:, :, g:])
+    if cache.layer_statistics is not None:
+        own = cache.layer_statistics["heads"][cache.first_kv_head]
+        return mean, whiten, own["leverage"], own["attention"]
     lev = leverage(k[:, :, g:], mean, whiten)
     attention = chunk_attention(q[:, :, g:], k[:, :, g:], int(cache.setting(CHUNK)))
     attention = attention * norms[..., g:]
