@@ -260,7 +260,7 @@ class PooledCache(KVCache):
 
     @contextmanager
     def virtual_head(self, b: int, h: int, head: tuple, end: int, chunk: int,
-                     layer: dict[int, dict[str, Tensor]] | None = None) -> Iterator[PooledCache]:
+                     layer: dict[int, dict] | None = None) -> Iterator[PooledCache]:
         """Inside: row b's head h alone (`head_view`) with its virtual prompt `head` (positions, keys, values,
         queries, carried inputs): the carried inputs taken over, the positions, end and held count that
         `scored_positions`, `scored_length` and `scored_held_tokens` answer, its values observed, and
@@ -296,7 +296,7 @@ class PooledCache(KVCache):
                     "heads": [parts[b, h] for h in range(H)]} for b in range(B)}
 
     def chunk_pairs(self, heads: dict, end: int, chunk: int,
-                    layer: dict[int, dict[str, Tensor]]) -> tuple[dict[tuple[int, int], Tensor], dict]:
+                    layer: dict[int, dict]) -> tuple[dict[tuple[int, int], Tensor], dict]:
         """The (head, token) pairs kept out of every head's virtual prompt: (b, h) -> sorted indices; and what
         each head's rule computed scoring it (`stashed_scoring`), which its after_prefill takes back rather than
         scoring the head once more."""

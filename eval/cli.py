@@ -157,6 +157,12 @@ def load_model(checkpoint_path: str | None, device: str, dtype: torch.dtype,
     return load_checkpoint(checkpoint_path, device, dtype, allow_non_finite=allow_non_finite)
 
 
+def model_of(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
+    """The model and tokenizer a configuration runs on (loaded once for the runs of one command)."""
+    return load_model(args.checkpoint_path, args.device, parse_dtype(args.dtype, args.device),
+                      args.allow_non_finite_weights)
+
+
 def plan(args: argparse.Namespace) -> list[tuple[Task, argparse.Namespace, Path]]:
     """(task, cache configuration, run directory) for every run asked for; the full cache first."""
     dtype = str(parse_dtype(args.dtype, args.device)).removeprefix("torch.")
@@ -179,9 +185,7 @@ def check_inputs(runs: list[tuple[Task, argparse.Namespace]]) -> None:
     short for a task's smallest prompt, a budget its prompts cannot hold) is refused before the first run
     starts rather than after the runs before it."""
     for task, config in runs:
-        dtype = parse_dtype(config.dtype, config.device)
-        model, tokenizer = load_model(config.checkpoint_path, config.device, dtype, config.allow_non_finite_weights)
-        task.check_inputs(Runtime(model, tokenizer, config))
+        task.check_inputs(Runtime(*model_of(config), config))
 
 
 def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | None = None) -> dict:
@@ -193,7 +197,7 @@ def execute(task: Task, args: argparse.Namespace, path: Path, progress: bool | N
     dtype_name = str(dtype).removeprefix("torch.")
     identity = results.run_identity(args, task.name, task.options, dtype_name)
     inputs = results.input_fingerprints(args, task.options)  # before the run: what it is about to read
-    model, tokenizer = load_model(args.checkpoint_path, args.device, dtype, args.allow_non_finite_weights)
+    model, tokenizer = model_of(args)
     step = decode_one_token
     if args.compile:
         torch._dynamo.reset()  # each run brings new cache modules; start from a clean compile cache

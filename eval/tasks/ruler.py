@@ -275,15 +275,13 @@ def ruler_file_main(argv: list[str]) -> Path:
     if unknown:
         raise UserError(f"ruler_file writes RULER's tasks ({', '.join(RULER_TASKS)}), not {', '.join(unknown)}")
     check_ruler_file_flags(args.tasks, rest)
-    model, tokenizer = cli.load_model(args.checkpoint_path, args.device, cli.parse_dtype(args.dtype, args.device),
-                                      args.allow_non_finite_weights)
-    rt = Runtime(model, tokenizer, args)
+    rt = Runtime(*cli.model_of(args), args)
     chat = use_chat(rt)
     rows = []
     for name in args.tasks:
         task = GENERATORS[name](args)
         for ex in task.examples(rt):
-            rows.append(kvpress_row(name, ex, len(encode_example(tokenizer, ex, chat)[0])))
+            rows.append(kvpress_row(name, ex, len(encode_example(rt.tokenizer, ex, chat)[0])))
     with atomic_target(known.to, known.overwrite) as tmp:
         if known.to.suffix == ".jsonl":
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
