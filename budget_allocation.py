@@ -201,7 +201,10 @@ class PooledCache(KVCache):
         undone on exit."""
         B, H = self.inserted.shape
         per_slot = {"pos", "mask", *self.slot_buffers}
-        swapped, saved = [], {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        # The plain attributes are swapped in the instance dict directly: nn.Module.__setattr__ (which looks
+        # each name up among parameters, buffers and modules) made the views a third of a pool's chunk upkeep.
+        attributes = self.__dict__
+        swapped, saved = [], {key: value for key, value in attributes.items() if not key.startswith("_")}
         for name, buf in list(self._buffers.items()):
             if buf is None or buf.dim() < 2 or buf.shape[:2] != (B, H) or name in self.row_shared_buffers:
                 continue
@@ -210,17 +213,16 @@ class PooledCache(KVCache):
             swapped.append((name, buf))
         for key, value in saved.items():
             if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[:2] == (B, H):
-                setattr(self, key, value[b : b + 1, h : h + 1])
-        self.n_kv_heads, self.first_kv_head = 1, h
+                attributes[key] = value[b : b + 1, h : h + 1]
+        attributes["n_kv_heads"], attributes["first_kv_head"] = 1, h
         try:
             yield self
         finally:
             for name, buf in swapped:
                 self._buffers[name] = buf
-            for key in [key for key in vars(self) if not key.startswith("_") and key not in saved]:
+            for key in [key for key in attributes if not key.startswith("_") and key not in saved]:
                 delattr(self, key)
-            for key, value in saved.items():
-                setattr(self, key, value)
+            attributes.update(saved)
 
     def reprefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, rerotation: Rerotation | None) -> None:
         """Ada-KV after a chunk: head h's virtual prompt is the tokens it holds (its own count) followed by the
@@ -332,15 +334,19 @@ class PooledCache(KVCache):
         self.offset.copy_(self.quota.cumsum(-1) - self.quota)
         rep, D = heads[0, 0][3].shape[0], heads[0, 0][3].shape[-1]
         queries = heads[0, 0][3].new_zeros(B, rep, self.pool_slots, D)
-        for (b, h), (positions, keys, values, head_queries, _) in heads.items():
-            index = keep[b, h]
-            start = int(self.offset[b, h])
-            slots = torch.arange(start, start + len(index), device=index.device)
+        offsets, device = self.offset.tolist(), self.pos.device
+        for b in range(B):  # one write a row: its heads' kept pairs, each head's from its offset on
+            kept = [keep[b, h] for h in range(H)]
+            slots = torch.cat([torch.arange(offsets[b][h], offsets[b][h] + len(kept[h]), device=device)
+                               for h in range(H)])
+            owner = torch.repeat_interleave(torch.arange(H, device=device), counts[b])
+            parts = [[part[kept[h]] for part in heads[b, h][:3]] for h in range(H)]
+            positions, keys, values = (torch.cat(column) for column in zip(*parts))
             with self.row(b):
-                self.storage.write(slots.view(1, 1, -1), keys[index][None, None], values[index][None, None])
-            self.pos[b, h, slots] = positions[index]
-            self.mask[b, h, 0, slots] = True
-            queries[b, :, slots] = head_queries[:, index]
+                self.storage.write(slots.view(1, 1, -1), keys[None, None], values[None, None])
+            self.pos[b, owner, slots] = positions
+            self.mask[b, owner, 0, slots] = True
+            queries[b, :, slots] = torch.cat([heads[b, h][3][:, kept[h]] for h in range(H)], dim=1)
         self.filled.copy_(counts)
         self.inserted.copy_(seen)
         self.chunk_queries = queries
