@@ -43,6 +43,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+import zlib
 from importlib import metadata
 from pathlib import Path
 
@@ -331,7 +332,7 @@ def _read_problem(path: Path, metrics: dict) -> str | None:
         items = read_items(path, with_kept=False) or []
         with zipfile.ZipFile(path / KEPT_FILE) as kept:
             bad = kept.testzip()  # reads every member: a truncated archive fails here or on opening
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, *DAMAGED_ARCHIVE) as e:
         return str(e).splitlines()[0][:120]
     if bad is not None:
         return f"{KEPT_FILE}: {bad} is damaged"
@@ -374,6 +375,9 @@ def write_jsonl_atomic(path: Path, rows: list[dict], overwrite: bool = True) -> 
 
 ITEMS_FILE = "items.jsonl"
 KEPT_FILE = "kept_positions.npz"
+# What reading a damaged or foreign .npz raises: a bad archive, a cut one, a corrupt deflate stream (zlib.error,
+# raised before the member's CRC is checked), a bad .npy header.
+DAMAGED_ARCHIVE = (zipfile.BadZipFile, EOFError, zlib.error, ValueError)
 
 
 def kept_key(index: int, layer: int) -> str:
@@ -423,7 +427,7 @@ def read_items(run: Path, with_kept: bool = True) -> list[dict] | None:
                     while kept_key(it["index"], len(layers)) in kept:
                         layers.append(kept[kept_key(it["index"], len(layers))])
                     it["kept_positions"] = layers
-        except (zipfile.BadZipFile, EOFError, ValueError) as e:  # np.load on a damaged or foreign file
+        except DAMAGED_ARCHIVE as e:  # np.load on a damaged or foreign file
             raise ValueError(f"{KEPT_FILE}: {e}") from None
     return items
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +45,18 @@ def cut_in_half(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
 
+def corrupt_deflate(file: Path) -> None:
+    """The first member's deflate stream starts with a block of the reserved type (header bits 11): zlib
+    refuses it before any CRC is checked, as it does a byte flipped inside a compressed member."""
+    data = bytearray(file.read_bytes())
+    with zipfile.ZipFile(file) as archive:
+        info = archive.infolist()[0]
+    assert info.compress_type == zipfile.ZIP_DEFLATED
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    data[info.header_offset + 30 + name_length + extra_length] = 0xFF
+    file.write_bytes(bytes(data))
+
+
 DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "items.jsonl cut at a line": (lambda r: cut_last_line(r / "items.jsonl"), "items.jsonl holds 1 items, "
                                                                                "metrics.json counts 2"),
@@ -50,6 +64,8 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "items.jsonl deleted": (lambda r: (r / "items.jsonl").unlink(), "items.jsonl is missing"),
     "kept positions deleted": (lambda r: (r / "kept_positions.npz").unlink(), "kept_positions.npz is missing"),
     "kept positions truncated": (lambda r: cut_in_half(r / "kept_positions.npz"), ""),
+    "kept positions' deflate stream corrupt": (lambda r: corrupt_deflate(r / "kept_positions.npz"),
+                                               "invalid block type"),
     "predictions cut mid-line": (lambda r: cut_in_half(r / "predictions.jsonl"), "predictions.jsonl line"),
     "config.json garbage": (lambda r: (r / "config.json").write_bytes(b"\xff{"), "config.json"),
 }
@@ -79,6 +95,13 @@ def test_a_damaged_run_is_not_finished_and_the_table_says_so(case, out, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"warning: damaged run {path}: {problem}; listed from its metrics.json, not counted as finished (eval and "
         "the sweep run it again)"]
+
+
+def test_a_corrupt_deflate_stream_is_a_clear_read_error(out):
+    path = run_dir(out)
+    corrupt_deflate(path / results.KEPT_FILE)
+    with pytest.raises(ValueError, match="kept_positions.npz: .*invalid block type"):
+        results.read_items(path)
 
 
 @pytest.mark.parametrize("case", ["items.jsonl cut at a line", "kept positions deleted"])
