@@ -282,12 +282,17 @@ def rescored(path: Path, benchmark: str) -> tuple[list[dict], dict[str, float]] 
     missing = [c for c in ("task", "predicted_answer", answer) if c not in frame]
     if missing:
         raise UserError(f"{file}: no column {', '.join(map(repr, missing))}; columns: {', '.join(frame.columns)}")
+    if frame.empty:
+        raise UserError(f"{file}: no prediction rows (a header alone, or a quote left open)")
     rows, per_task = [], {}
     for i, r in frame.iterrows():
         refs = parse_answers(r[answer], f"{file} row {i}, column {answer!r}")
         classes = parse_answers(r["all_classes"], f"{file} row {i}, column 'all_classes'") \
             if r.get("all_classes", "").startswith("[") else None
-        value = scorers.item_score(r["task"], r["predicted_answer"], refs, classes, SCORER_FLAVOR)
+        try:
+            value = scorers.item_score(r["task"], r["predicted_answer"], refs, classes, SCORER_FLAVOR)
+        except UserError as e:
+            raise UserError(f"{file} row {i}: {e}") from None
         per_task.setdefault(r["task"], []).append(value)
         rows.append({"index": int(i), "task": r["task"], "answers": refs, "prediction": r["predicted_answer"],
                      SCORE: 100 * value})
@@ -314,6 +319,9 @@ def imported_metrics(path: Path, config: dict, model: str | None) -> tuple[dict,
     rows = []
     if again is not None:
         rows, rescores = again
+        if set(rescores) != set(scores):  # the two files are not of one run: the rescored score would mislead
+            raise UserError(f"{path / 'predictions.csv'}: its tasks ({', '.join(sorted(rescores))}) are not "
+                            f"metrics.json's ({', '.join(sorted(scores))})")
         metrics["n_items"] = len(rows)
         metrics["score_rescored"] = sum(rescores.values()) / len(rescores)
         for t, s in rescores.items():

@@ -229,6 +229,20 @@ def test_bad_kvpress_directories_are_refused_by_file_and_field(tmp_path, capsys)
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("predictions, needles", [
+    (KVPRESS_PREDICTIONS.splitlines()[0] + "\n", ["predictions.csv: no prediction rows"]),
+    (KVPRESS_PREDICTIONS.replace(",qa_1,", ",qa_2,"), ["its tasks (niah_multivalue, qa_2) are not metrics.json's "
+                                                        "(niah_multivalue, qa_1)"]),
+    (KVPRESS_PREDICTIONS.replace("Rome,qa_1", "Rome,squad"), ["predictions.csv row 3: unknown task 'squad'"]),
+], ids=["header only", "another run's tasks", "unknown task"])
+def test_predictions_that_cannot_be_rescored_are_refused_by_file_and_row(tmp_path, capsys, predictions, needles):
+    kv = tmp_path / "kv"
+    write_kvpress_dir(kv, "a", KVPRESS_CONFIG, {"niah_multivalue": {"string_match": 75.0},
+                                                "qa_1": {"string_match": 50.0}}, predictions)
+    fails(capsys, ["import", str(kv), "--out_dir", str(tmp_path / "o")], *needles)
+    assert not (tmp_path / "o").exists()
+
+
 def test_export_refuses_a_run_of_another_task_and_a_token_budget(tiny_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "ruler.jsonl", ruler_rows())
     cli.main(["--tasks", "kvpress_dataset", "--protocol", "kvpress", "--dataset", str(data), "--checkpoint_path",
