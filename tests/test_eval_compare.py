@@ -81,6 +81,22 @@ def test_a_run_without_readable_items_is_refused(damage, fragment, two_runs, tmp
     assert str(reference) in line and fragment in line, line
 
 
+def test_a_damaged_finished_run_is_refused(two_runs, tmp_path, capsys, monkeypatch):
+    """A finished run whose items.jsonl lost its last line still reads, but is damaged: not compared."""
+    run, reference = two_runs
+    (reference / "predictions.jsonl").write_text("")
+    np.savez_compressed(reference / "kept_positions.npz")
+    metrics = {"identity": "0123456789", "n_items": len(KL_REF)}
+    (reference / "metrics.json").write_text(json.dumps(metrics))
+    assert compare.main([str(run), str(reference)])[0]["items"] == 4  # sound: compared
+    (reference / "metrics.json").write_text(json.dumps(metrics | {"n_items": len(KL_REF) + 1}))
+    line = refused(ENTRY, [str(run), str(reference)], tmp_path, capsys, monkeypatch)
+    assert f"{reference} is damaged (items.jsonl holds 4 items, metrics.json counts 5)" in line, line
+    (reference / "metrics.json").write_text('{"identity": ')
+    line = refused(ENTRY, [str(run), str(reference)], tmp_path, capsys, monkeypatch)
+    assert f"{reference} is damaged (metrics.json: Expecting value" in line, line
+
+
 def test_an_unknown_metric_is_refused_with_the_ones_recorded(two_runs, tmp_path, capsys, monkeypatch):
     run, reference = two_runs
     line = refused(ENTRY, [str(run), str(reference), "--metrics", "kl_means"], tmp_path, capsys, monkeypatch)
