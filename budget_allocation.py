@@ -201,8 +201,9 @@ class PooledCache(KVCache):
         undone on exit."""
         B, H = self.inserted.shape
         per_slot = {"pos", "mask", *self.slot_buffers}
-        # The plain attributes are swapped in the instance dict directly: nn.Module.__setattr__ (which looks
-        # each name up among parameters, buffers and modules) made the views a third of a pool's chunk upkeep.
+        # The plain attributes are swapped in the instance dict directly: a pool's chunk opens several views a
+        # head, and nn.Module.__setattr__ (each name looked up among parameters, buffers and modules) took
+        # over half of their cost.
         attributes = self.__dict__
         swapped, saved = [], {key: value for key, value in attributes.items() if not key.startswith("_")}
         for name, buf in list(self._buffers.items()):
