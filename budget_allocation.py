@@ -342,7 +342,7 @@ class PooledCache(KVCache):
                                for h in range(H)])
             owner = torch.repeat_interleave(torch.arange(H, device=device), counts[b])
             parts = [[part[kept[h]] for part in heads[b, h][:3]] for h in range(H)]
-            positions, keys, values = (torch.cat(column) for column in zip(*parts))
+            positions, keys, values = (torch.cat(column) for column in zip(*parts, strict=True))
             with self.row(b):
                 self.storage.write(slots.view(1, 1, -1), keys[None, None], values[None, None])
             self.pos[b, owner, slots] = positions

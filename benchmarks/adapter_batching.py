@@ -110,19 +110,22 @@ def main(argv: list[str] | None = None) -> dict:
         rows = run()
         return time.perf_counter() - t0, rows
 
+    def cache_for(lengths: int | list[int]):  # the tokenizer: sepllm and hybrid need its token classes
+        return make_cache(model, flags, lengths, new, tokenizer=tokenizer)
+
     def batched() -> tuple[float, list[list[int]]]:
-        cache = make_cache(model, flags, [len(p) for p in prompts], new, tokenizer=tokenizer)
+        cache = cache_for([len(p) for p in prompts])
         return timed(lambda: generate_rows(model, prompts, cache, new, chunk))
 
     def one_by_one() -> tuple[float, list[list[int]]]:
-        caches = [make_cache(model, flags, len(p), new, tokenizer=tokenizer) for p in prompts]
+        caches = [cache_for(len(p)) for p in prompts]
         return timed(lambda: [generate_rows(model, [p], c, new, chunk)[0]
                               for p, c in zip(prompts, caches, strict=True)])
 
     def full_batched() -> tuple[float, list[list[int]]]:  # transformers' own cache (no eviction): the reference
         return timed(lambda: generate_rows(model, prompts, None, new, chunk))
 
-    generate_rows(model, prompts[:1], make_cache(model, flags, len(prompts[0]), new), 2, chunk)  # warm-up, not counted
+    generate_rows(model, prompts[:1], cache_for(len(prompts[0])), 2, chunk)  # warm-up, not counted
     rounds = alternate({"batched": batched, "one_by_one": one_by_one, "full_batched": full_batched}, args.rounds)
     tokens = len(prompts) * new
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from atomic_files import check_writable, write_json_atomic
 from cache import cache_statistics
-from cache_setup import attach_caches, cache_config
+from cache_setup import attach_caches, cache_config, cache_specs
 from cache_spec import LayerCacheSpec
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from compiled_step import compile_decode_step
@@ -32,10 +32,13 @@ def pydoc_prompt(tokenizer, n_tokens: int) -> list[int]:
     return tokenizer.encode(text)[:n_tokens]
 
 
+def strategy_config(strategy: str, budget: float) -> argparse.Namespace:
+    return cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)])
+
+
 def attach(model, tokenizer, ids: list[int], strategy: str, budget: float, new: int) -> list[LayerCacheSpec]:
     """The caches generate.py would give this strategy, budget and sequence (sliding layers included)."""
-    config = cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)])
-    return attach_caches(model, config, len(ids), new, tokenizer)
+    return attach_caches(model, strategy_config(strategy, budget), len(ids), new, tokenizer)
 
 
 def run(model, tokenizer, ids, strategy: str, budget: float, new: int, compiled: bool) -> dict:
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     compiled = not a.no_compile
     runs = [("full", 1.0)] + [(s, b) for s in a.strategies for b in a.budgets]
+    for strategy, budget in runs:  # a budget too small for a strategy's protected tokens stops before any run
+        cache_specs(strategy_config(strategy, budget), model.args, len(ids), a.max_new_tokens)
     rows = []
     for strategy, budget in tqdm(runs, desc="strategy_report", unit="run"):
         row = run(model, tokenizer, ids, strategy, budget, a.max_new_tokens, compiled)

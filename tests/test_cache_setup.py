@@ -118,3 +118,20 @@ def test_cache_specs_apply_the_window_policy_and_the_budget_check(tmp_path):
     assert [s.strategy for s in specs] == ["recent_global", "recent_global", "l2", "recent_global"]
     with pytest.raises(UserError, match="rerotate_positions"):
         attach_caches(model, cache_config(rerotate_positions=True), 30, model.args.context_length)
+
+
+def test_the_strategy_report_checks_every_budget_before_its_first_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A budget too small for a strategy's protected tokens stops the report before any strategy runs, not
+    after the runs listed before it."""
+    from benchmarks import strategy_report
+    from tests.bad_input_matrix import ENTRY_POINTS, refused
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a run started before every budget was checked")
+
+    monkeypatch.setattr(strategy_report, "run", tripwire)
+    entry = ENTRY_POINTS["python -m benchmarks.strategy_report"]
+    argv = [*entry.prefix(tmp_path), "--budgets", "0.5", "2", "--checkpoint_path", str(tiny_dir), "--no_compile",
+            "--prompt_tokens", "40", "--max_new_tokens", "4"]
+    line = refused(entry, argv, tmp_path, capsys, monkeypatch, early=False)
+    assert "budget of 2 tokens is smaller than the protected tokens" in line, line

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from errors import UserError
+from strategies import CACHE_STRATEGIES, get_strategy
 from tests.adapter_helpers import (
     ARCHS,
     BATCH_LENGTHS,
@@ -430,4 +431,20 @@ def test_the_adapter_batching_benchmark_reports_rows_equal_alone(tmp_path, chunk
     assert len(report["rounds"]) == rounds and report["batched_tok_s"] > 0 and report["one_by_one_tok_s"] > 0
     assert report["transformers_cache_batched_tok_s"] > 0
     assert out.is_file()
+
+
+TOKEN_CLASS_STRATEGIES = [s for s in CACHE_STRATEGIES if get_strategy(s).needs_token_classes]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", TOKEN_CLASS_STRATEGIES)
+def test_the_adapter_batching_benchmark_runs_strategies_that_read_token_classes(tmp_path, strategy, hf_bundled,
+                                                                                 hf_bundled_tokenizer, monkeypatch):
+    """Every cache the benchmark makes (its warm-up's too) gets the tokenizer, which these strategies read."""
+    from benchmarks import adapter_batching
+
+    monkeypatch.setattr(adapter_batching, "load_model", lambda: (hf_bundled, hf_bundled_tokenizer))
+    report = adapter_batching.main(["--cache_strategy", strategy, "--prompts", "2", "--min_tokens", "64",
+                                    "--max_new_tokens", "2", "--rounds", "1", "--out", str(tmp_path / "a.json")])
+    assert report["cache_strategy"] == strategy and report["same_tokens"] is True
 
