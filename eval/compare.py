@@ -141,18 +141,6 @@ def required_items(run_dir: Path) -> list[dict]:
     return items
 
 
-def damage(run_dir: Path) -> str | None:
-    """What is wrong with a finished run's files (results.damage), if it has a metrics.json: a damaged run is
-    never counted, here neither (items.jsonl cut at a line would pair fewer items without a word)."""
-    try:
-        metrics = json.loads((run_dir / "metrics.json").read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return f"metrics.json: {str(e).splitlines()[0][:100]}"
-    return results.damage(run_dir, metrics) if isinstance(metrics, dict) else "metrics.json is not a JSON object"
-
-
 def flag_differences(run_dir: Path, reference_dir: Path) -> list[str]:
     """The flags the two runs were made with that differ, as `flag: run's value vs reference's`."""
     def flags(d: Path) -> dict:
@@ -170,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     for run_dir in (args.run, args.reference):
         required_items(run_dir)
-        problem = damage(run_dir)
+        problem = results.run_damage(run_dir)
         if problem is not None:
             raise UserError(f"{run_dir} is damaged ({problem}): python -m eval with its flags runs it again")
     ours, theirs = run_items(args.run), run_items(args.reference)

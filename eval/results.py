@@ -305,6 +305,18 @@ def damage(path: Path, metrics: dict) -> str | None:
     return problem
 
 
+def run_damage(path: Path) -> str | None:
+    """`damage` of a run directory as it is on disk, its metrics.json read here (a damaged one is the problem);
+    None without a metrics.json (not a finished run of python -m eval: its other checks apply)."""
+    try:
+        metrics = json.loads((path / "metrics.json").read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"metrics.json: {str(e).splitlines()[0][:100]}"
+    return damage(path, metrics) if isinstance(metrics, dict) else "metrics.json is not a JSON object"
+
+
 def _stat_key(file: Path) -> tuple[int, int, int, int]:
     st = file.stat()
     if not file.is_file():

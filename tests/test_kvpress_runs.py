@@ -254,6 +254,21 @@ def test_export_refuses_a_run_of_another_task_and_a_token_budget(tiny_dir, tmp_p
     assert not (tmp_path / "kv").exists()
 
 
+@pytest.mark.parametrize("damage, needle", [
+    (lambda run: (run / "items.jsonl").write_text("".join((run / "items.jsonl").read_text().splitlines(True)[:-1])),
+     "items.jsonl holds 5 items, metrics.json counts 6"),
+    (lambda run: (run / "predictions.jsonl").write_text('{"index": 0'), "predictions.jsonl line 1"),
+    (lambda run: (run / "metrics.json").write_text("[]"), "metrics.json is not a JSON object"),
+], ids=["items cut at a line", "predictions cut", "metrics not an object"])
+def test_export_refuses_a_damaged_run(tiny_dir, tmp_path, capsys, damage, needle):
+    _, dirs = run_ours(tiny_dir, tmp_path)
+    damage(dirs["recent_global"])
+    capsys.readouterr()
+    fails(capsys, ["export", str(dirs["recent_global"]), "--to", str(tmp_path / "kv")],
+          f"{dirs['recent_global']} is damaged ({needle}")
+    assert not (tmp_path / "kv").exists()
+
+
 def test_longbench_rows_export_one_kvpress_directory_per_task(tiny_dir, tmp_path):
     rows = [{"context": "Question: What is a dog? Type: animal\n" * 3, "question": "What is a cat?",
              "answer_prefix": "Type:", "answers": ["animal"], "all_classes": ["animal", "plant"], "task": "trec",
