@@ -25,7 +25,11 @@ from flag_types import count
 
 
 def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
-    """(config.json, items by index) of a finished run; a UserError when it has no items."""
+    """(config.json, items by index) of a finished run; a UserError when it is damaged (as eval would find it:
+    not counted, run again) or has no items."""
+    problem = results.run_damage(run_dir)
+    if problem is not None:
+        raise UserError(f"{run_dir} is damaged ({problem}): python -m eval with its flags runs it again")
     try:
         config = json.loads((run_dir / "config.json").read_text())
         items = results.read_items(run_dir)
@@ -33,20 +37,31 @@ def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
         raise UserError(f"cannot read run {run_dir}: {e}") from None
     if items is None:
         raise UserError(f"run {run_dir} has no {results.ITEMS_FILE} (written before items were recorded)")
+    if not items:
+        raise UserError(f"run {run_dir}: {results.ITEMS_FILE} holds no item")
+    if not isinstance(config, dict) or not {"flags", "identity"} <= config.keys():
+        raise UserError(f"run {run_dir}: config.json is not a run's configuration (no flags or identity)")
     return config, {it["index"]: it for it in items}
+
+
+def replayable(run_dir: Path, index: int) -> tuple[dict, dict, GenerationTask]:
+    """(config.json, the item, its task) of item `index` of a finished run of a generation task; checked
+    before a model loads."""
+    config, items = stored_run(Path(run_dir))
+    if index not in items:
+        raise UserError(f"run {run_dir} has no item {index} (items: {min(items)}..{max(items)})")
+    task = get_task(config["identity"]["task"])(argparse.Namespace(**config["flags"]))
+    if not isinstance(task, GenerationTask):
+        raise UserError(f"replay supports generation tasks, not {task.name}")
+    return config, items[index], task
 
 
 def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: object) -> dict:
     """Greedy answer, scores and kept positions of item `index` of `run_dir`, computed again with `model`
     (the run's model: config.json's inputs say which)."""
-    config, items = stored_run(Path(run_dir))
-    if index not in items:
-        raise UserError(f"run {run_dir} has no item {index} (items: 0..{max(items)})")
+    config, item, task = replayable(run_dir, index)
     args = argparse.Namespace(**config["flags"])
-    task = get_task(config["identity"]["task"])(args)
-    if not isinstance(task, GenerationTask):
-        raise UserError(f"replay supports generation tasks, not {task.name}")
-    item, max_new = items[index], task.options["max_new_tokens"]
+    max_new = task.options["max_new_tokens"]
     ids = item["context_ids"] + item["question_ids"]
     kvpress = is_kvpress(task.options.get("protocol"))
     if kvpress:  # this item's context budget, in caches of the run's slots (sized from all its items)
@@ -93,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     from checkpoint import parse_dtype
     from eval.cli import load_model
 
-    config, _ = stored_run(Path(args.run_dir))
+    config, _, _ = replayable(Path(args.run_dir), args.item)  # a bad run or item is refused before the model loads
     flags = config["flags"]
     dtype = parse_dtype(flags["dtype"], flags["device"])
     model, tokenizer = load_model(flags["checkpoint_path"], flags["device"], dtype)

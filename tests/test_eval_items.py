@@ -125,14 +125,26 @@ def test_items_store_token_ids_and_kept_positions_and_replay(tiny_dir, tmp_path)
         replay.replay_item(dirs["recent_global"], 7, model, tokenizer)
 
 
-def test_replay_command_line(tiny_dir, tmp_path, capsys):
+def test_replay_command_line(tiny_dir, tmp_path, capsys, monkeypatch):
     cli.main(niah_flags(tiny_dir, tmp_path, "0.5", "--no-baseline", "--limit", "1"))
     (run,) = [p.parent for p in tmp_path.glob("*/*/*/metrics.json")]
     capsys.readouterr()
     replay.main([str(run), "--item", "0"])
     assert capsys.readouterr().out.splitlines()[:3] == ["answer tokens: same", "scores: same", "kept positions: same"]
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("the model loaded before the run and item were checked")
+
+    monkeypatch.setattr(cli, "load_model", tripwire)
+    with pytest.raises(UserError, match=r"has no item 5 \(items: 0..0\)"):
+        replay.main([str(run), "--item", "5"])
+    items = (run / results.ITEMS_FILE).read_text()
+    (run / results.ITEMS_FILE).write_text("")
+    with pytest.raises(UserError, match=r"is damaged \(items.jsonl holds 0 items, metrics.json counts 1\)"):
+        replay.main([str(run)])
+    (run / results.ITEMS_FILE).write_text(items)
     (run / results.ITEMS_FILE).unlink()
-    with pytest.raises(UserError, match="has no items.jsonl"):
+    with pytest.raises(UserError, match=r"is damaged \(items.jsonl is missing\): python -m eval with its flags"):
         replay.main([str(run)])
 
 
@@ -171,5 +183,5 @@ def test_damaged_items_cost_only_that_run_its_intervals(tiny_dir, tmp_path, caps
     (run / results.ITEMS_FILE).write_text('{"index": 0, "metrics": {}}\n')
     with pytest.raises(ValueError, match="kept_positions.npz"):
         results.read_items(run)
-    with pytest.raises(UserError, match="cannot read run"):
+    with pytest.raises(UserError, match=r"is damaged \(File is not a zip file\)"):
         replay.main([str(run)])
