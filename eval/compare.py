@@ -158,9 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     for run_dir in (args.run, args.reference):
         required_items(run_dir)
-        problem = results.run_damage(run_dir)
-        if problem is not None:
-            raise UserError(f"{run_dir} is damaged ({problem}): python -m eval with its flags runs it again")
+        results.check_not_damaged(run_dir)
     ours, theirs = run_items(args.run), run_items(args.reference)
     recorded = sorted({k for m in ours.values() for k, v in m.items() if isinstance(v, (int, float))}
                       & {k for m in theirs.values() for k in m})

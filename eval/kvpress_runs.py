@@ -119,11 +119,9 @@ def export_run(run_dir: Path, to: Path, model: str | None = None, press_name: st
                data_dir: str | None = None, overwrite: bool = False) -> list[Path]:
     """kvpress's directories for one finished kvpress_dataset run of ours; returns them."""
     metrics = _read_json(run_dir / "metrics.json", "metrics.json")
-    problem = results.run_damage(run_dir) if isinstance(metrics, dict) else "metrics.json is not a JSON object"
-    if problem is None and "identity" not in metrics:
-        problem = "metrics.json has no identity: not a finished run of python -m eval"
-    if problem is not None:  # a damaged run is never counted, nor exported
-        raise UserError(f"{run_dir} is damaged ({problem}): python -m eval with its flags runs it again")
+    results.check_not_damaged(run_dir)
+    if "identity" not in metrics:
+        raise UserError(f"{run_dir}: its metrics.json has no identity: not a finished run of python -m eval")
     config = _read_json(run_dir / "config.json", "config.json")
     if metrics.get("task") != TASK:
         raise UserError(f"{run_dir}: a {metrics.get('task')!r} run; only {TASK} runs have kvpress's columns")

@@ -27,9 +27,7 @@ from flag_types import count
 def stored_run(run_dir: Path) -> tuple[dict, dict[int, dict]]:
     """(config.json, items by index) of a finished run; a UserError when it is damaged (as eval would find it:
     not counted, run again) or has no items."""
-    problem = results.run_damage(run_dir)
-    if problem is not None:
-        raise UserError(f"{run_dir} is damaged ({problem}): python -m eval with its flags runs it again")
+    results.check_not_damaged(run_dir)
     try:
         config = json.loads((run_dir / "config.json").read_text())
         items = results.read_items(run_dir)

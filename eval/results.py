@@ -317,6 +317,14 @@ def run_damage(path: Path) -> str | None:
     return damage(path, metrics) if isinstance(metrics, dict) else "metrics.json is not a JSON object"
 
 
+def check_not_damaged(path: Path) -> None:
+    """A UserError when `run_damage` finds the run damaged: commands that read a finished run (compare, replay,
+    kvpress export) never count a damaged one, as eval does not."""
+    problem = run_damage(path)
+    if problem is not None:
+        raise UserError(f"{path} is damaged ({problem}): python -m eval with its flags runs it again")
+
+
 def _stat_key(file: Path) -> tuple[int, int, int, int]:
     st = file.stat()
     if not file.is_file():
