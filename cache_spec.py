@@ -444,6 +444,10 @@ def resolve_cache_spec(
             window = hp["recent_window"]
             hp["recent_window"] = round(window * budget) if window < 1 else int(window)
         protected = hp.get("global_tokens", 0) + hp.get("recent_window", 0)
+        if protected == 0 and getattr(getattr(cls, "shadow_class", cls), "holds_only_protected", False):
+            raise UserError(f"layer {layer}: {name} streams heads (or layers) with only the sinks and the recent "
+                            "window, and with --global_tokens 0 and --recent_window 0 (after rounding) they would "
+                            "hold no token: give one of them at least 1")
         if budget < total and budget < protected + 1:
             raise UserError(
                 f"layer {layer}: budget of {budget} tokens is smaller than the protected tokens "

@@ -92,6 +92,9 @@ class StreamingHeads(VariableOccupancy, KVCache):
 
     hyperparameters = ("global_tokens", "recent_window")
     head_specific = True
+    # A streaming head holds the sinks and the window and nothing else, not even the token it decodes (the
+    # window counts it): with neither, its attention has no key (NaN). cache_spec refuses that.
+    holds_only_protected = True
 
     def __init__(self, batch_size: int, n_kv_heads: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, n_kv_heads, *args, **kwargs)

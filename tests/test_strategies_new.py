@@ -15,6 +15,7 @@ import torch
 from cache import cache_statistics
 from errors import UserError
 from generate import decode_one_token, prefill
+from strategies import CACHE_STRATEGIES, get_strategy
 from strategies.duo_attention import retrieval_heads
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
@@ -159,6 +160,27 @@ def test_duo_attention_settings_out_of_range_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="duo_heads_path"):
         attach(make_tiny_model(), cache_args("duo_attention", "16", "dense", "--duo_heads_path",
                                              str(tmp_path / "missing.json")))
+
+
+STREAMING = [n for n in CACHE_STRATEGIES if getattr(get_strategy(n), "holds_only_protected", False)]
+
+
+@pytest.mark.parametrize("strategy", STREAMING + ["debug_" + n for n in STREAMING])
+def test_streaming_heads_that_would_hold_no_token_are_refused(strategy):
+    """A streaming head holds the sinks and the window only (the window counts the decoded token): with
+    neither it has no key to attend to. Refused; one sink, or a window of one, decodes finite logits."""
+    model, ids = make_tiny_model(), token_ids()
+    with pytest.raises(UserError, match="--global_tokens 0 and --recent_window 0 .* would hold no token"):
+        attach(model, cache_args(strategy, "16", "dense", "--global_tokens", "0", "--recent_window", "0"))
+    for sinks, window in ((1, 0), (0, 1)):
+        protected = ["--global_tokens", str(sinks), "--recent_window", str(window)]
+        attach(model, cache_args(strategy, "16", "dense", *protected))
+        with torch.inference_mode():
+            model.reset_caches()
+            prefill(model, ids[:, :PROMPT])
+            logits = decode_one_token(model, ids[:, PROMPT : PROMPT + 1], torch.tensor([PROMPT]))
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        assert torch.isfinite(logits).all(), (sinks, window)
 
 
 # ---- chunkkv -----------------------------------------------------------------------------------------------
