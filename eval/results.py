@@ -262,21 +262,26 @@ def content_id(identity: dict, inputs: dict) -> str:
 
 def read_metrics(path: Path) -> dict | None:
     """A run directory's metrics.json, or None with a warning naming it when it is damaged."""
-    file = path / "metrics.json"
+    metrics, problem = _metrics_file(path)
+    if problem is not None:
+        print(f"warning: skipping damaged run {path}: {problem}", file=sys.stderr)
+    return metrics
+
+
+def _metrics_file(path: Path) -> tuple[dict | None, str | None]:
+    """(metrics.json's content, None), (None, what is wrong with it), or (None, None) when there is none."""
     try:
-        metrics = json.loads(file.read_bytes().decode("utf-8"))
+        metrics = json.loads((path / "metrics.json").read_bytes().decode("utf-8"))
         if not isinstance(metrics, dict):
             raise ValueError("not a JSON object")
         missing = [k for k in REQUIRED_KEYS if k not in metrics]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
     except FileNotFoundError:
-        return None
+        return None, None
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        print(f"warning: skipping damaged run {path}: metrics.json: {str(e).splitlines()[0][:120]}",
-              file=sys.stderr)
-        return None
-    return metrics
+        return None, f"metrics.json: {str(e).splitlines()[0][:120]}"
+    return metrics, None
 
 
 # Every file a finished run has (finish_run writes metrics.json last, then swaps the directory in whole).
@@ -308,13 +313,8 @@ def damage(path: Path, metrics: dict) -> str | None:
 def run_damage(path: Path) -> str | None:
     """`damage` of a run directory as it is on disk, its metrics.json read here (a damaged one is the problem);
     None without a metrics.json (not a finished run of python -m eval: its other checks apply)."""
-    try:
-        metrics = json.loads((path / "metrics.json").read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return f"metrics.json: {str(e).splitlines()[0][:100]}"
-    return damage(path, metrics) if isinstance(metrics, dict) else "metrics.json is not a JSON object"
+    metrics, problem = _metrics_file(path)
+    return problem if metrics is None else damage(path, metrics)
 
 
 def check_not_damaged(path: Path) -> None:

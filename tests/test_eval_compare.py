@@ -86,7 +86,8 @@ def test_a_damaged_finished_run_is_refused(two_runs, tmp_path, capsys, monkeypat
     run, reference = two_runs
     (reference / "predictions.jsonl").write_text("")
     np.savez_compressed(reference / "kept_positions.npz")
-    metrics = {"identity": "0123456789", "n_items": len(KL_REF)}
+    metrics = {"model": "tiny", "task": "fidelity", "strategy": "full", "budget": 1.0, "identity": "0123456789",
+               "n_items": len(KL_REF)}
     (reference / "metrics.json").write_text(json.dumps(metrics))
     assert compare.main([str(run), str(reference)])[0]["items"] == 4  # sound: compared
     (reference / "metrics.json").write_text(json.dumps(metrics | {"n_items": len(KL_REF) + 1}))

@@ -258,7 +258,7 @@ def test_export_refuses_a_run_of_another_task_and_a_token_budget(tiny_dir, tmp_p
     (lambda run: (run / "items.jsonl").write_text("".join((run / "items.jsonl").read_text().splitlines(True)[:-1])),
      "items.jsonl holds 5 items, metrics.json counts 6"),
     (lambda run: (run / "predictions.jsonl").write_text('{"index": 0'), "predictions.jsonl line 1"),
-    (lambda run: (run / "metrics.json").write_text("[]"), "metrics.json is not a JSON object"),
+    (lambda run: (run / "metrics.json").write_text("[]"), "metrics.json: not a JSON object"),
 ], ids=["items cut at a line", "predictions cut", "metrics not an object"])
 def test_export_refuses_a_damaged_run(tiny_dir, tmp_path, capsys, damage, needle):
     _, dirs = run_ours(tiny_dir, tmp_path)
