@@ -69,8 +69,8 @@ def prefill(model: Transformer, prompt: Tensor, prefill_length: int | None = Non
 
 
 def prefill_chunk_of(model: Transformer) -> int:
-    """The --prefill_chunk the attached caches were configured with (0: the prompt at once). Layers whose
-    cache a model policy replaced (a sliding window's) carry none, so the largest is the run's."""
+    """The --prefill_chunk the attached caches were configured with (0: the prompt at once); every layer carries
+    it, a sliding window's too (model_policies.py)."""
     return max((cache.prefill_chunk for cache in model.caches()), default=0)
 
 

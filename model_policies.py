@@ -36,9 +36,12 @@ def apply_model_layer_policies(
         if spec.strategy.removeprefix("debug_") != "full":
             replaced.append(spec.layer)
         # Re-rotation carries over: a window of contiguous tokens at ranks 0..n-1 has the same relative
-        # positions as at its original ones, so it changes nothing inside the window.
+        # positions as at its original ones, so it changes nothing inside the window. So does the prompt's
+        # chunking: a model whose every layer slides would otherwise prefill in one shot (its whole prompt's
+        # activations at once), and a quantized window's later chunks read its held keys dequantized.
         out.append(LayerCacheSpec(spec.layer, WINDOW_STRATEGY, window, {"global_tokens": 0}, WINDOW_STRATEGY,
-                                  spec.storage, rerotate_positions=spec.rerotate_positions))
+                                  spec.storage, rerotate_positions=spec.rerotate_positions,
+                                  prefill_chunk=spec.prefill_chunk))
     if windowed and not quiet:
         note = f" instead of the requested strategy on layers {', '.join(map(str, replaced))}" if replaced else ""
         print(f"note: {len(windowed)} of {len(specs)} layers attend to a sliding window of "

@@ -324,8 +324,6 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
         raise UserError("the hybrid cache needs the tokenizer's special and punctuation tokens: pass "
                         "make_cache(..., tokenizer=tokenizer) (or token_classes=)")
     caches = _build_layer_caches(flags, args, lengths, max_new_tokens, weight.dtype, weight.device, token_classes)
-    # --prefill_chunk as typed: a layer whose cache a model policy replaced (a sliding window's) carries none, yet
-    # takes the prompt's chunks like every layer (its window keeps the same tokens either way).
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     return EvictionCache(caches, args, lengths, flags.prefill_chunk or 0, eos)
 

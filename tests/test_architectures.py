@@ -185,3 +185,25 @@ def test_packed_rows_prefill_as_each_row_alone(arch_dir, chunk):
             alone = prefill(model, prompt[None])
         torch.testing.assert_close(together[b : b + 1], alone, atol=1e-4, rtol=1e-4, msg=f"row {b}")
         assert rows_kept[b] == kept(), f"row {b}"
+
+
+def test_sliding_layers_take_the_prompt_in_chunks_too(arch_dir, monkeypatch):
+    """--prefill_chunk reaches the window caches as it reaches every other layer: on a model whose every layer
+    slides (Mistral, Phi-3 with a window) the prompt still goes through the model chunk by chunk, not at once
+    (which would hold the whole prompt's activations), and a quantized window's later chunks read its held keys
+    dequantized, as the transformers adapter's chunks do (tests/test_transformers_adapter_chunked.py)."""
+    arch, directory, _ = arch_dir
+    model, _ = load_checkpoint(directory, "cpu", torch.float32)
+    caches = attach(model, PROMPT, 8, cache_strategy=["recent_global"], max_cache_length=[16], prefill_chunk=5)
+    assert [c.prefill_chunk for c in caches] == [5] * model.args.n_layer
+    fed, forward = [], type(model).forward
+
+    def counting(self, x, *args, **kwargs):
+        fed.append(x.shape[1])
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    model.reset_caches()
+    with torch.inference_mode():
+        prefill(model, torch.tensor([list(range(3, 3 + PROMPT))]))
+    assert fed == [5, 5, 5, 5, 4]
