@@ -407,6 +407,10 @@ class KVCache(ChunkedPrefill, nn.Module):
     # answer): a strategy may then skip the statistics only decode eviction reads (heavy_hitter's H2O sums),
     # and slots are taken in order, unscored (`never_full`).
     evicts_after_prompt: bool = True
+    # A sliding layer's window cache (model_policies.py; its window, 0 otherwise) is the model's own attention:
+    # the two settings above, which the kvpress protocols give every cache, leave it alone (it keeps the prompt's
+    # last `window` tokens and slides on after it, as the layer attends).
+    sliding_window: int = 0
     # Keys are stored before RoPE and the layer rotates them by rank at each step (--rerotate_positions,
     # rerotation.py): the cache itself only stores what it is given.
     rerotate_positions: bool = False
@@ -420,7 +424,8 @@ class KVCache(ChunkedPrefill, nn.Module):
         for key, value in settings.items():
             if not hasattr(type(self), key):
                 raise TypeError(f"unknown cache setting {key!r}")
-            setattr(self, key, value)
+            if not (self.sliding_window and key in ("prompt_budget", "evicts_after_prompt")):
+                setattr(self, key, value)
         self.never_full = self.rows_never_full()
 
     def setting(self, setting: Setting) -> object:

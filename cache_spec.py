@@ -134,6 +134,8 @@ class LayerCacheSpec:
     # The prompt rule's own settings (Setting.prompt_rule: SnapKV's window and kernel for heavy_hitter's).
     prompt_settings: dict = field(default_factory=dict)
     prefill_chunk: int = 0  # --prefill_chunk: the prompt fed this many tokens at a time (0: at once)
+    # A sliding layer's window cache (model_policies.py): its window in tokens, 0 for every other layer.
+    sliding_window: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -516,7 +518,7 @@ def build_caches(
                     capacity_needed=capacity_needed, **spec.hyperparameters)
         settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
                         prompt_settings=dict(spec.prompt_settings), rerotate_positions=spec.rerotate_positions,
-                        prefill_chunk=spec.prefill_chunk)
+                        prefill_chunk=spec.prefill_chunk, sliding_window=spec.sliding_window)
         if getattr(cls, "needs_token_classes", False):
             if token_classes is None:
                 raise UserError(f"the {spec.strategy} cache needs the tokenizer's special and punctuation tokens")

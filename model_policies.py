@@ -41,7 +41,7 @@ def apply_model_layer_policies(
         # activations at once), and a quantized window's later chunks read its held keys dequantized.
         out.append(LayerCacheSpec(spec.layer, WINDOW_STRATEGY, window, {"global_tokens": 0}, WINDOW_STRATEGY,
                                   spec.storage, rerotate_positions=spec.rerotate_positions,
-                                  prefill_chunk=spec.prefill_chunk))
+                                  prefill_chunk=spec.prefill_chunk, sliding_window=window))
     if windowed and not quiet:
         note = f" instead of the requested strategy on layers {', '.join(map(str, replaced))}" if replaced else ""
         print(f"note: {len(windowed)} of {len(specs)} layers attend to a sliding window of "

@@ -54,6 +54,13 @@ def replayable(run_dir: Path, index: int) -> tuple[dict, dict, GenerationTask]:
     return config, items[index], task
 
 
+def protocol_slots(stored: list[dict]) -> int:
+    """The slots a kvpress-protocol run gave its layers (every layer alike), read from its recorded spec: a
+    layer's that is not a sliding window's cache (model_policies.py), whose budget is the window. A model whose
+    every layer slides keeps its windows whatever the slots."""
+    return next((s["max_cache_length"] for s in stored if not s.get("sliding_window")), stored[0]["max_cache_length"])
+
+
 def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: object) -> dict:
     """Greedy answer, scores and kept positions of item `index` of `run_dir`, computed again with `model`
     (the run's model: config.json's inputs say which)."""
@@ -66,7 +73,7 @@ def replay_item(run_dir: Path, index: int, model: torch.nn.Module, tokenizer: ob
         n_context = len(item["context_ids"])
         budget = kvpress_prompt_budget(kvpress_budgets(args, [(ids, n_context)])[0], len(ids), item["n_prefill"],
                                        n_context)
-        slots = float(config["cache_spec"][0]["max_cache_length"])
+        slots = float(protocol_slots(config["cache_spec"]))
         args = argparse.Namespace(**{**vars(args), "max_cache_length": [slots], "cache_length_pattern": "tile"})
     rt = Runtime(model, tokenizer, args, progress=True)
     specs = cache_specs(rt, args, config["prompt_tokens_max"], max_new)

@@ -35,6 +35,30 @@ def byte_tokenizer() -> Tokenizer:
     return backend
 
 
+SLIDING_WINDOW = 64  # write_tiny_sliding_checkpoint's window: shorter than the eval tests' contexts
+
+
+def write_tiny_sliding_checkpoint(directory: Path) -> Path:
+    """A tiny random Gemma 3 (layers 0, 1 and 3 slide over SLIDING_WINDOW tokens, layer 2 attends to everything),
+    written by transformers, with the byte-level tokenizer: a model whose sliding layers get window caches."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, sliding_window=SLIDING_WINDOW,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)  # sharp attention, as tests/arch_helpers.py's models
+    model.save_pretrained(str(directory))
+    byte_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def write_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
     """make_tiny_model(seed) as config.json + model.safetensors + tokenizer.json (vocab: the 256 bytes)."""
     directory.mkdir(parents=True, exist_ok=True)

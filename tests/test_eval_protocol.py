@@ -15,7 +15,9 @@ from strategies.heavy_hitter import HeavyHitterCache
 from tests.conftest import make_tiny_model
 from tests.eval_helpers import (
     PYDOC_EXCERPT,
+    SLIDING_WINDOW,
     one_thread,  # noqa: F401  (an autouse fixture: one torch thread)
+    write_tiny_sliding_checkpoint,
 )
 from tests.strategy_matrix import ALL, STORAGES, VARIABLE, attach, cache_args, prompt_then_rest, token_ids
 
@@ -65,6 +67,37 @@ def test_kvpress_protocol_compresses_each_context_to_its_budget_and_never_evicts
     # Replayed from the stored token ids: the same answer and kept positions.
     model, tokenizer = cli.load_model(str(tiny_dir), "cpu", torch.float32)
     again = replay.replay_item(dirs["heavy_hitter"], 1, model, tokenizer)
+    assert again["output_ids"] == items[1]["output_ids"]
+    assert replay.same_kept(again["kept_positions"], items[1]["kept_positions"])
+
+
+def test_kvpress_protocol_leaves_sliding_windows_to_slide(tmp_path):
+    """On a model with sliding layers (a tiny Gemma 3) whose window is shorter than the contexts, those layers'
+    caches are the window (model_policies.py), which the protocol leaves alone: they keep the context's last
+    SLIDING_WINDOW tokens, not its budget, and go on sliding while the question and answer come (they were told
+    nothing is evicted after the prompt, and wrote past their slots). The other layer compresses to the budget
+    and keeps the rest. The compression ratio is each layer's 1 − held / seen, averaged; replay agrees."""
+    checkpoint = write_tiny_sliding_checkpoint(tmp_path / "gemma3")
+    cli.main(kvpress_flags(checkpoint, tmp_path / "out", "--cache_strategy", "heavy_hitter", "--max_cache_length",
+                           "0.25", "--global_tokens", "2", "--recent_window", "4", "--no-baseline"))
+    run = next(p.parent for p in (tmp_path / "out").glob("*/*/*/metrics.json"))
+    items = results.read_items(run)
+    predictions = [json.loads(x) for x in (run / "predictions.jsonl").read_text().splitlines()]
+    for it, pred in zip(items, predictions, strict=True):
+        n_context, n_question, n_output = (len(it[k]) for k in ("context_ids", "question_ids", "output_ids"))
+        assert n_context > SLIDING_WINDOW
+        budget = int(n_context * 0.25)
+        for i, layer in enumerate(it["kept_positions"]):
+            held = [sorted(head[head >= 0].tolist()) for head in layer]
+            if i == 2:
+                assert all(len(h) == budget for h in held)
+            else:
+                assert all(h == list(range(n_context - SLIDING_WINDOW, n_context)) for h in held)
+        seen = n_context + n_question + n_output - 1
+        window_ratio, global_ratio = 1 - SLIDING_WINDOW / seen, 1 - (budget + n_question + n_output - 1) / seen
+        assert pred["compression_ratio"] == pytest.approx((3 * window_ratio + global_ratio) / 4, abs=1e-4)
+    model, tokenizer = cli.load_model(str(checkpoint), "cpu", torch.float32)
+    again = replay.replay_item(run, 1, model, tokenizer)
     assert again["output_ids"] == items[1]["output_ids"]
     assert replay.same_kept(again["kept_positions"], items[1]["kept_positions"])
 
