@@ -81,10 +81,11 @@ def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Ten
     T = prompt.shape[1]
     # KVzip's rule scores each chunk by a pass that also reads the chunk's repeat input (strategies/kvzip.py).
     reconstruction = ChunkedReconstruction.for_prompt(model, prompt)
+    step_last = last_token_is_a_step(model)
     try:
         for start in range(0, T, chunk):
             end = min(start + chunk, T)
-            if end - start == 1:
+            if end - start == 1 and step_last:
                 logits = step(model, prompt[:, start:end], torch.tensor([start], device=prompt.device))
             elif reconstruction is not None:
                 logits = reconstruction.chunk(prompt, start, end)
@@ -97,6 +98,13 @@ def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Ten
         if reconstruction is not None:
             reconstruction.end()
     return logits
+
+
+def last_token_is_a_step(model: Transformer) -> bool:
+    """Whether a prompt's last chunk of one token is a decode step (as transformers' chunked prefill feeds it),
+    or a chunk like the others: under the kvpress protocol (a prompt budget set) decode steps never evict, so
+    that token is compressed with the prompt by the prompt rule, to the prompt's budget."""
+    return not any(cache.prompt_budget for cache in model.caches())
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:

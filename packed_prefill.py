@@ -106,7 +106,8 @@ def prefill_packed_chunks(model: nn.Module, prompts: list[Tensor], cache_rows: l
     try:
         for start in range(0, max(len(p) for p in prompts), chunk):
             pieces = {i: p[start : start + chunk] for i, p in enumerate(prompts) if len(p) > start}
-            for i in [i for i, piece in pieces.items() if len(piece) == 1]:
+            # (Under the kvpress protocol, a prompt budget set, it is a chunk: generate.last_token_is_a_step.)
+            for i in [i for i, piece in pieces.items() if len(piece) == 1 and budgets[i] is None]:
                 with model.cache_row(cache_rows[i]):  # the eager decode step, as generate.prefill feeds it alone
                     logits[i] = model(pieces.pop(i).view(1, 1), torch.tensor([start], device=device))[0, -1]
             order = list(pieces)

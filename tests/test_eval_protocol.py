@@ -102,6 +102,26 @@ def test_kvpress_protocol_leaves_sliding_windows_to_slide(tmp_path):
     assert replay.same_kept(again["kept_positions"], items[1]["kept_positions"])
 
 
+@pytest.mark.parametrize("batch", ["1", "3", "3-packed"])
+def test_kvpress_protocol_compresses_a_chunked_context_to_its_budget(tiny_dir, tmp_path, monkeypatch, batch):
+    """With --prefill_chunk 5 the first item's context (196 tokens) ends in a chunk of one token, which outside
+    the protocol is a decode step; under it decode steps never evict, so that token is compressed with the
+    context by the prompt rule: every item keeps exactly its budget per head (it kept one more), alone, in
+    rows, and with the rows' chunks packed (a GPU's path)."""
+    if batch == "3-packed":
+        import cpu_bf16_kernels
+
+        monkeypatch.setattr(cpu_bf16_kernels, "batch_invariant", lambda weight, rows: False)
+    cli.main(kvpress_flags(tiny_dir, tmp_path, "--cache_strategy", "tova", "--max_cache_length", "0.25",
+                           "--global_tokens", "2", "--recent_window", "4", "--no-baseline", "--prefill_chunk", "5",
+                           "--batch_size", batch.split("-")[0]))
+    items = results.read_items(next(p.parent for p in tmp_path.glob("*/*/*/metrics.json")))
+    assert len(items[0]["context_ids"]) % 5 == 1
+    for it in items:
+        for layer in it["kept_positions"]:
+            assert ((layer >= 0).sum(axis=1) == int(len(it["context_ids"]) * 0.25)).all()
+
+
 def test_kvpress_protocol_query_aware_compresses_context_and_question_to_the_same_slots(tiny_dir, tmp_path):
     """SnapKV's setting: the whole prompt is prefilled and compressed to the context's budget + the question's
     length (the slots the query-agnostic arm uses), with the question in the observation window."""
@@ -129,6 +149,7 @@ def test_kvpress_protocol_query_aware_compresses_context_and_question_to_the_sam
 @pytest.mark.parametrize(("more", "message"), [
     (["--tasks", "fidelity"], "applies to tasks that answer"),
     (["--decode_first_token"], "does not combine"),
+    (["--prefill_chunk", "1"], "token by token as decode steps"),
     (["--max_cache_length", "0.5", "0.25"], "one --max_cache_length"),
 ])
 def test_kvpress_protocol_refuses_what_it_cannot_mean(tiny_dir, tmp_path, more, message):

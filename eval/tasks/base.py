@@ -346,6 +346,10 @@ def check_kvpress_flags(args: argparse.Namespace) -> None:
     if getattr(args, "decode_first_token", False) or getattr(args, "feed_long_prompts", False):
         raise UserError("--protocol kvpress compresses the prompt once and answers without evicting: it does not "
                         "combine with --decode_first_token or --feed_long_prompts")
+    if getattr(args, "prefill_chunk", None) == 1:
+        raise UserError("--protocol kvpress compresses the prompt once and answers without evicting: --prefill_chunk 1 "
+                        "feeds the prompt token by token as decode steps (as --feed_long_prompts); use chunks of 2 or "
+                        "more tokens")
     budgets = getattr(args, "max_cache_length", None) or [None]
     if len(budgets) != 1 or getattr(args, "cache_length_pattern", "tile") not in ("tile", "repeat"):
         raise UserError("--protocol kvpress takes one --max_cache_length (per item, of its context) and no "
