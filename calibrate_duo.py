@@ -57,6 +57,17 @@ def check_args(args: argparse.Namespace) -> None:
                         "must evict for a loss to show")
 
 
+def check_windows(model, seq_len: int) -> None:
+    """Every layer must be measured, so no sliding window may be shorter than a window of text: a sliding layer
+    then keeps its own window (model_policies.py), not the pattern, and would have no score, which would shift
+    the file's rows against the layers."""
+    windows = [w for i in range(model.args.n_layer) if (w := model.args.layer_window(i))]
+    if windows and seq_len > min(windows):
+        raise UserError(f"--seq_len {seq_len} is longer than the model's sliding window of {min(windows)} tokens: its "
+                        f"sliding layers would keep their window, not the pattern measured; use --seq_len ≤ "
+                        f"{min(windows)}")
+
+
 def window_losses(model, ids: torch.Tensor, args: argparse.Namespace) -> list[list[float]]:
     """Mean attention loss per layer and KV head of the streaming pattern over one window [1, T]."""
     budget = args.global_tokens + args.recent_window
@@ -78,6 +89,7 @@ def main(argv: list[str] | None = None) -> Path:
     check_args(args)
     t0 = time.perf_counter()
     out, name, model, chosen, windows = start_calibration(args, DUO_DIR)
+    check_windows(model, args.seq_len)
     per_window = [window_losses(model, window, args)
                   for window in tqdm(windows, desc="calibrate duo", unit="window", mininterval=5)]
     scores = [[round(sum(w[layer][h] for w in per_window) / len(per_window), 5)

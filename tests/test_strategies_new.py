@@ -144,6 +144,23 @@ def test_duo_attention_reads_head_roles_from_a_calibration_file(tmp_path):
         attach(model, cache_args("duo_attention", "1.0", "dense", "--duo_heads_path", str(path)))
 
 
+def test_duo_calibration_measures_every_layer_of_a_model_with_sliding_windows(tmp_path):
+    """On a tiny Gemma 3 (layers 0, 1 and 3 slide over 64 tokens) windows of text longer than 64 would leave the
+    sliding layers their own window, unmeasured: refused in one line (the file had one row, of layer 2, which
+    a duo cache read as layer 0's). Within the window every layer gets its row, finite and ≥ 0."""
+    import calibrate_duo
+    from tests.eval_helpers import SLIDING_WINDOW, write_tiny_sliding_checkpoint
+
+    checkpoint = write_tiny_sliding_checkpoint(tmp_path / "gemma3")
+    base = ["--checkpoint_path", str(checkpoint), "--windows", "2", "--global_tokens", "2", "--recent_window", "8"]
+    with pytest.raises(UserError, match=f"sliding window of {SLIDING_WINDOW} tokens"):
+        calibrate_duo.main([*base, "--seq_len", str(SLIDING_WINDOW + 1), "--out", str(tmp_path / "long.json")])
+    assert not (tmp_path / "long.json").exists()
+    out = calibrate_duo.main([*base, "--seq_len", str(SLIDING_WINDOW), "--out", str(tmp_path / "duo.json")])
+    scores = json.loads(out.read_text())["scores"]
+    assert len(scores) == 4 and all(len(row) == 2 and all(0 <= x < math.inf for x in row) for row in scores)
+
+
 def test_retrieval_heads_are_the_top_fraction_over_all_layers():
     gen = torch.Generator().manual_seed(0)
     scores = torch.rand(5, 3, generator=gen).tolist()
