@@ -77,8 +77,12 @@ def load_head_scores(path: Path) -> dict:
         scores = data["scores"]
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"--duo_heads_path {path}: not a head-role file of calibrate_duo.py ({e})") from None
-    if not scores or any(len(layer) != len(scores[0]) for layer in scores):
+    rows = isinstance(scores, list) and scores and all(isinstance(layer, list) for layer in scores)
+    if not rows or any(len(layer) != len(scores[0]) for layer in scores):
         raise UserError(f"--duo_heads_path {path}: the scores are not one row of KV heads per layer")
+    if data.get("n_layer", len(scores)) != len(scores):
+        raise UserError(f"--duo_heads_path {path}: {len(scores)} rows of scores for {data['n_layer']} layers (a file "
+                        "calibrated past a sliding window left those layers out): calibrate it again")
     if not all(isinstance(x, (int, float)) and math.isfinite(x) for layer in scores for x in layer):
         raise UserError(f"--duo_heads_path {path}: non-finite head scores")
     return data

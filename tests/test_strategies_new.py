@@ -139,9 +139,11 @@ def test_duo_attention_reads_head_roles_from_a_calibration_file(tmp_path):
     assert [c.retrieval[0].tolist() for c in caches] == [[0.0, 0.0], [1.0, 1.0]]
     held = [[len(h) for h in held_positions(c)] for c in caches]
     assert held == [[GLOBAL + RECENT] * 2, [TOTAL] * 2]
-    path.write_text(json.dumps({"scores": [[0.1, 0.2, 0.3]]}))
-    with pytest.raises(UserError, match="KV heads"):
-        attach(model, cache_args("duo_attention", "1.0", "dense", "--duo_heads_path", str(path)))
+    for bad, message in [({"scores": [[0.1, 0.2, 0.3]]}, "KV heads"), ({"scores": 5}, "one row of KV heads"),
+                         ({"n_layer": 2, "scores": [[0.1, 0.2]]}, "1 rows of scores for 2 layers")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(UserError, match=message):
+            attach(model, cache_args("duo_attention", "1.0", "dense", "--duo_heads_path", str(path)))
 
 
 def test_duo_calibration_measures_every_layer_of_a_model_with_sliding_windows(tmp_path):
