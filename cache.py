@@ -336,12 +336,13 @@ class KVCache(ChunkedPrefill, nn.Module):
     def update_state(self, probs: Tensor) -> None:
         """This step's attention probabilities over the slots, [B, n_kv, rep, L] (rep query heads per KV head)."""
 
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        """Token ids [B, T] entering the model (the prompt, then one per step), for needs_token_ids caches."""
+    def observe_tokens(self, token_ids: Tensor, chunk: bool = False) -> None:
+        """Token ids [B, T] entering the model (the prompt, then one per step), for needs_token_ids caches.
+        `chunk`: a prompt chunk's, even of one token (the kvpress protocol's last chunk), not a decode step's."""
 
-    def observe_gates(self, log_gates: Tensor) -> None:
+    def observe_gates(self, log_gates: Tensor, chunk: bool = False) -> None:
         """Log forget gates [B, n_kv, T] (float32, ≤ 0) of the tokens entering this layer, for needs_gates
-        caches; called before `prefill` / `insert` with the same tokens."""
+        caches; called before `prefill` / `insert` with the same tokens. `chunk`: as observe_tokens'."""
 
     def reset(self) -> None:
         self.chunk_queries = self.chunk_keys = self.chunk_values = None

@@ -20,7 +20,7 @@ from torch import Tensor
 
 import cpu_bf16_kernels
 from atomic_files import check_writable
-from cache import finite_float
+from cache import KVCache, finite_float
 from cache_setup import cache_specs, row_cache_specs, setup_caches, setup_row_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
@@ -104,7 +104,7 @@ def last_token_is_a_step(model: Transformer) -> bool:
     """Whether a prompt's last chunk of one token is a decode step (as transformers' chunked prefill feeds it),
     or a chunk like the others: under the kvpress protocol (a prompt budget set) decode steps never evict, so
     that token is compressed with the prompt by the prompt rule, to the prompt's budget."""
-    return not any(cache.prompt_budget for cache in model.caches())
+    return not any(c.prompt_budget for cache in model.caches() for c in cache.modules() if isinstance(c, KVCache))
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor) -> Tensor:

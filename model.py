@@ -299,13 +299,13 @@ class Attention(nn.Module):
         log_gates = self.gate(x) if cache.needs_gates else None
         if rows is None:
             if log_gates is not None:
-                cache.observe_gates(log_gates)
+                cache.observe_gates(log_gates, chunk=True)
             y = self.attend_chunk(q, k, v, input_pos, cos_table, sin_table)
         else:
             parts = []
             for i, span in enumerate(rows.spans):
                 with cache.row(rows.cache_rows[i]):
-                    row_turn(cache, rows, i, log_gates)
+                    row_turn(cache, rows, i, log_gates, chunk=True)
                     parts.append(self.attend_chunk(q[:, :, span], k[:, :, span], v[:, :, span], input_pos[span],
                                                    cos_table, sin_table))
             y = torch.cat(parts, dim=2)
@@ -556,7 +556,7 @@ class Transformer(nn.Module):
             self.cache_epoch += 1  # the rows' contexts are entered layer by layer (see cache_row)
         for cache in caches:
             if cache.needs_token_ids and rows is None:  # e.g. FastGen's special-token and punctuation policies
-                cache.observe_tokens(idx)
+                cache.observe_tokens(idx, chunk)
         # Re-rotating caches after the prompt: the layers index the tables by rank (rotate_by_rank), and
         # input_pos, which may lie past the context then, indexes nothing.
         by_rank = bool(caches) and caches[0].rerotate_positions and (append or idx.shape[1] == 1)

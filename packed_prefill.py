@@ -54,17 +54,17 @@ def store_row(cache: nn.Module, rows: PackedRows, i: int, input_pos: Tensor, k: 
         cache.prefill(input_pos[span], k[:, :, span], v[:, :, span], q[:, :, span], **stored)
 
 
-def row_turn(cache: nn.Module, rows: PackedRows, i: int, log_gates: Tensor | None) -> None:
+def row_turn(cache: nn.Module, rows: PackedRows, i: int, log_gates: Tensor | None, chunk: bool = False) -> None:
     """What row i's cache (in its row context) takes before its tokens: its prompt budget, its token ids and
     gates. A cache keeps the latest prompt's ids, gates and budget, so each row's go in just before its
-    tokens."""
+    tokens. `chunk`: the tokens are a prompt chunk (KVCache.observe_tokens)."""
     span = rows.spans[i]
     if rows.prompt_budgets and rows.prompt_budgets[i] is not None:
         cache.configure(prompt_budget=rows.prompt_budgets[i])
     if cache.needs_token_ids:
-        cache.observe_tokens(rows.ids[:, span])
+        cache.observe_tokens(rows.ids[:, span], chunk)
     if log_gates is not None:
-        cache.observe_gates(log_gates[..., span])
+        cache.observe_gates(log_gates[..., span], chunk)
 
 
 def packed_groups(lengths: list[int]) -> list[range]:

@@ -84,11 +84,11 @@ class DebugCache(KVCache):
     def room(self) -> int:
         return min(super().room(), self.shadow.room())
 
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        self.shadow.observe_tokens(token_ids)
+    def observe_tokens(self, token_ids: Tensor, chunk: bool = False) -> None:
+        self.shadow.observe_tokens(token_ids, chunk)
 
-    def observe_gates(self, log_gates: Tensor) -> None:
-        self.shadow.observe_gates(log_gates)
+    def observe_gates(self, log_gates: Tensor, chunk: bool = False) -> None:
+        self.shadow.observe_gates(log_gates, chunk)
 
     def update_state(self, probs: Tensor) -> None:
         # The full cache fills slots in order, so slot i holds position i: gather by the shadow's positions.

@@ -40,8 +40,8 @@ class GatedCache(KVCache):
         # The prompt's gates [B, H, T] between observe_gates and prefill (eager only; cleared after use).
         self.prompt_log_gates: Tensor | None = None
 
-    def observe_gates(self, log_gates: Tensor) -> None:
-        if log_gates.shape[-1] == 1:
+    def observe_gates(self, log_gates: Tensor, chunk: bool = False) -> None:
+        if log_gates.shape[-1] == 1 and not chunk:
             self.incoming_log_gate.copy_(log_gates)
         else:
             self.prompt_log_gates = log_gates

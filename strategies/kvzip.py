@@ -166,11 +166,11 @@ class ScoringPrefillCache(CaptureCache):
         self.rerotate_positions = cache.rerotate_positions
         self.needs_gates, self.needs_token_ids = cache.needs_gates, cache.needs_token_ids
 
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        self.cache.observe_tokens(token_ids[:, : self.context])
+    def observe_tokens(self, token_ids: Tensor, chunk: bool = False) -> None:
+        self.cache.observe_tokens(token_ids[:, : self.context], chunk)
 
-    def observe_gates(self, log_gates: Tensor) -> None:
-        self.cache.observe_gates(log_gates[..., : self.context])
+    def observe_gates(self, log_gates: Tensor, chunk: bool = False) -> None:
+        self.cache.observe_gates(log_gates[..., : self.context], chunk)
 
     def prefill(self, input_pos: Tensor, k: Tensor, v: Tensor, q: Tensor, k_store: Tensor | None = None) -> None:
         self.observe(self.layer, q, k)
@@ -374,13 +374,13 @@ class ChunkPassCache(CaptureCache):
     def chunk_held_values(self) -> Tensor:
         return self.cache.chunk_held_values()
 
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        if self.prefills:
-            self.cache.observe_tokens(token_ids[:, : self.chunk])
+    def observe_tokens(self, token_ids: Tensor, chunk: bool = False) -> None:
+        if self.prefills:  # a prompt chunk's, even of one token
+            self.cache.observe_tokens(token_ids[:, : self.chunk], True)
 
-    def observe_gates(self, log_gates: Tensor) -> None:
+    def observe_gates(self, log_gates: Tensor, chunk: bool = False) -> None:
         if self.prefills:
-            self.cache.observe_gates(log_gates[..., : self.chunk])
+            self.cache.observe_gates(log_gates[..., : self.chunk], True)
 
     def held_sinks(self, rerotation: Rerotation | None) -> tuple[Tensor, Tensor]:
         """Each head's first s held tokens, those at positions below SCORING_SINKS among them, as the pass attended

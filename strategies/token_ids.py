@@ -51,8 +51,8 @@ class ReadsTokenIds:
         super().__init__(batch_size, *args, **kwargs)
         self.register_buffer("current_token", torch.zeros(batch_size, 1, dtype=torch.long, device=self.pos.device))
 
-    def observe_tokens(self, token_ids: Tensor) -> None:
-        if token_ids.shape[1] > 1:
+    def observe_tokens(self, token_ids: Tensor, chunk: bool = False) -> None:
+        if token_ids.shape[1] > 1 or chunk:
             self.prompt_ids = token_ids
         else:
             self.current_token.copy_(token_ids)

@@ -25,8 +25,10 @@ import torch
 import generate
 from cache_setup import cache_config
 from errors import UserError, run_cli
+from eval.harness import configure_prompt_budget
 from generate import chunked_prefill, compile_decode_step, decode_one_token, prefill
 from rope import apply_rope
+from strategies import CACHE_STRATEGIES
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import (
     CHUNK_POOL_REFUSED,
@@ -36,6 +38,7 @@ from tests.strategy_matrix import (
     GLOBAL,
     PROMPT,
     RECENT,
+    VARIABLE,
     attach,
     cache_args,
     held_positions,
@@ -291,6 +294,28 @@ def test_kvpress_protocol_chunked_context_then_the_question_appended(strategy):
     chunked, held = run("6")
     assert torch.isfinite(chunked).all()
     assert all(set(range(20, PROMPT)) <= h for layer in held for h in layer)  # the question, whole
+
+
+@pytest.mark.parametrize("strategy", [s for s in CHUNKABLE if s.removeprefix("debug_") != "full"])
+def test_kvpress_protocol_compresses_a_one_token_last_chunk_with_the_context(strategy):
+    """Under the kvpress protocol (a prompt budget of 8, nothing evicted after the prompt) a 19-token context in
+    chunks of 6 ends in a chunk of one token. There a decode step would evict nothing and keep 9, so that token is
+    compressed with the context by the prompt rule: every strategy and twin's cache (a twin's shadow) holds at
+    most 8 tokens per head, and exactly 8 where its occupancy is fixed (FastGen's policies, which profile the
+    prompt, may hold fewer)."""
+    model = make_tiny_model()
+    caches = attach(model, cache_args(strategy, "12", "dense", "--prefill_chunk", "6"))
+    configure_prompt_budget(caches, 8)
+    with torch.inference_mode():
+        model.reset_caches()
+        logits = chunked_prefill(model, token_ids()[:, :19], 6, decode_one_token)
+    assert torch.isfinite(logits).all()
+    for cache in map(inner, caches):
+        held = cache.held_tokens()
+        assert int(held.max()) <= 8
+        name = strategy.removeprefix("debug_")
+        if name not in VARIABLE and not CACHE_STRATEGIES[name].profiles_prompt:
+            assert int(held.min()) == 8
 
 
 @pytest.mark.slow
