@@ -33,6 +33,7 @@ from checkpoint import add_checkpoint_argument
 from errors import CliParser, UserError, run_cli
 from flag_types import THREADS, count
 from generate import decode_one_token, prefill
+from model import Transformer
 from strategies.duo_attention import DUO_DIR
 from train_gates import start_calibration
 
@@ -57,7 +58,7 @@ def check_args(args: argparse.Namespace) -> None:
                         "must evict for a loss to show")
 
 
-def check_windows(model, seq_len: int) -> None:
+def check_windows(model: Transformer, seq_len: int) -> None:
     """Every layer must be measured, so no sliding window may be shorter than a window of text: a sliding layer
     then keeps its own window (model_policies.py), not the pattern, and would have no score, which would shift
     the file's rows against the layers."""
