@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
     flags = cache_config(["--cache_strategy", args.cache_strategy, "--max_cache_length", str(args.max_cache_length),
                           *(["--prefill_chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])])
     attach_row_caches(model, flags, [len(p) for p in prompts], args.max_new_tokens, tokenizer, quiet=True)
-    prefilled(model, prompts[:1] * len(prompts), together=True)  # warm-up, not counted
+    for together in (True, False):  # warm-up, not counted: each row its own prompt, which its cache is sized for
+        prefilled(model, prompts, together)
     rounds = []
     for r in range(args.rounds):
         order = [True, False] if r % 2 == 0 else [False, True]

@@ -151,3 +151,18 @@ def test_the_batched_prefill_benchmark_reports_rows_equal_alone(tiny_dir, tmp_pa
     assert out.exists()
     with pytest.raises(UserError, match="--decode_steps 5: at most --max_new_tokens"):
         batched_prefill.main([*argv, "--decode_steps", "5"])
+
+
+@pytest.mark.parametrize("strategy", ["full", "debug_heavy_hitter"])
+def test_the_batched_prefill_benchmark_runs_caches_sized_to_their_rows(tiny_dir, tmp_path, strategy):
+    """Four prompts of 58-40 tokens with 4 new: the longest outgrows the shortest row's 44 slots. The full
+    cache, and a debug cache's full reference, are sized to each row's own prompt, so no row may be given
+    another row's prompt (the benchmark's warm-up once gave every row the longest)."""
+    from benchmarks import batched_prefill
+
+    report = batched_prefill.main(["--checkpoint_path", str(tiny_dir), "--prompts", "4", "--min_tokens", "40",
+                                   "--step_tokens", "6", "--max_new_tokens", "4", "--cache_strategy", strategy,
+                                   "--max_cache_length", "0.5" if strategy.startswith("debug") else "1",
+                                   "--rounds", "1", "--out", str(tmp_path / "report.json")])
+    assert report["prompt_tokens"] == [58, 52, 46, 40]
+    assert all(r["same_kept_positions"] and r["max_logit_difference"] < ATOL for r in report["rounds"])
