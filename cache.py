@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -85,6 +86,10 @@ class Setting:
     # rule): typed otherwise, the flag is refused as ignored (ignored_flags.py).
     read_if: tuple[str, object] | None = None
     check_value: Callable[[object], object] | None = None  # raises UserError (e.g. a parser of the value)
+    # A calibration file's setting (gates, head roles, query filters): the folder of shipped files its default
+    # comes from. The file given, else that folder, is an input of every run that reads the setting, hashed into
+    # its identity (eval.results.input_fingerprints): a recalibrated file must not pass for the finished run's.
+    shipped_files: Path | None = None
 
     def add_argument(self, group: argparse._ArgumentGroup, owner: str) -> None:
         text = f"{owner}: {self.help}"

@@ -51,7 +51,8 @@ import numpy as np
 import pandas as pd
 
 from atomic_files import atomic_target, atomic_write, recover_dir, remove_leftovers, replace_dir, temp_dir_beside
-from cache_spec import cache_flag_defaults
+from cache import Setting
+from cache_spec import cache_flag_defaults, strategy_settings
 from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
 from eval.data import input_fingerprint
@@ -243,15 +244,16 @@ def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
         elif value and Path(value).exists():  # a directory: the task refuses it; otherwise a name
             data[key] = path_fingerprint(value)
     read = {hp for name in args.cache_strategy for hp in get_strategy(name).hyperparameters}
-    if "gates_path" in read:
-        from gates import GATES_DIR
-
-        data["gates"] = path_fingerprint(args.gates_path or GATES_DIR)
-    if "duo_heads_path" in read:  # DuoAttention's calibrated head roles compute its numbers too
-        from strategies.duo_attention import DUO_DIR
-
-        data["duo_heads"] = path_fingerprint(getattr(args, "duo_heads_path", None) or DUO_DIR)
+    for setting in calibration_settings().values():
+        if setting.name in read:  # keyed "gates", "duo_heads", "qfilters": the identities of earlier runs stand
+            data[setting.name.removesuffix("_path")] = path_fingerprint(getattr(args, setting.name, None)
+                                                                        or setting.shipped_files)
     return {"model": path_fingerprint(model), "data": data, "code": code_version()}
+
+
+def calibration_settings() -> dict[str, Setting]:
+    """The strategies' calibration-file settings (Setting.shipped_files), by the key of their fingerprint."""
+    return {s.name.removesuffix("_path"): s for _, s in strategy_settings() if s.shipped_files is not None}
 
 
 def content_id(identity: dict, inputs: dict) -> str:
@@ -371,7 +373,9 @@ def changed_inputs(path: Path, inputs: dict) -> list[str]:
     names = {"model": "model file", "code": "code"}
     changed = [names[k] for k in names if old.get(k) != inputs.get(k)]
     old_data, new_data = old.get("data") or {}, inputs.get("data") or {}
-    changed += [f"--{k}" for k in sorted(set(old_data) | set(new_data)) if old_data.get(k) != new_data.get(k)]
+    flags = {key: setting.name for key, setting in calibration_settings().items()}
+    changed += [f"--{flags.get(k, k)}" for k in sorted(set(old_data) | set(new_data))
+                if old_data.get(k) != new_data.get(k)]
     return changed or ["configuration"]
 
 

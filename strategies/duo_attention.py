@@ -132,7 +132,7 @@ class DuoAttentionCache(StreamingHeads):
         FRACTION := Setting("duo_retrieval_fraction", 0.5, type=finite_float, low=0.0, high=1.0,
                             help="fraction of the model's KV heads that keep everything (retrieval heads); "
                                  "the others keep the sinks and the recent window"),
-        PATH := Setting("duo_heads_path", None, type=str,
+        PATH := Setting("duo_heads_path", None, type=str, shipped_files=DUO_DIR,
                         help="head scores from calibrate_duo.py (default: the shipped file when it fits)"),
     )
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, register_strategy, row_positions
 from errors import UserError
+from gates import GATES_DIR
 from kv_storage import scatter_slots
 
 
@@ -26,7 +27,7 @@ from kv_storage import scatter_slots
 class GatedCache(KVCache):
     name = "gated"
     hyperparameters = ("global_tokens", "recent_window")
-    settings = (Setting("gates_path", None, type=str,
+    settings = (Setting("gates_path", None, type=str, shipped_files=GATES_DIR,
                         help="a gates file from train_gates.py (default: the shipped file matching the model)"),)
     head_specific = True
     needs_gates = True

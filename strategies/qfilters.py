@@ -42,7 +42,7 @@ from errors import UserError
 QFILTERS_DIR = Path(__file__).resolve().parent.parent / "qfilters"
 SHIPPED = QFILTERS_DIR / "SmolLM2-135M-Instruct.json"
 
-PATH = Setting("qfilters_path", None, type=str,
+PATH = Setting("qfilters_path", None, type=str, shipped_files=QFILTERS_DIR,
                help="per-layer, per-KV-head query directions from calibrate_qfilters.py (default: the shipped "
                     "file when it fits the model)")
 

@@ -76,6 +76,56 @@ def test_an_edited_text_file_is_run_again(tmp_path, capsys):
     assert len(run_dirs(tmp_path / "out")) == 1 and len(table(tmp_path / "out")) == 1
 
 
+def calibrate(setting: str, checkpoint: Path, out: Path, variant: int) -> None:
+    """A calibration file for `setting` that fits the tiny checkpoint, from the command that writes such files;
+    variants 0 and 1 differ in content."""
+    import calibrate_duo
+    import calibrate_qfilters
+    import train_gates
+
+    if setting == "gates_path":
+        train_gates.main(["--checkpoint_path", str(checkpoint), "--out", str(out), "--steps", "2", "--seq_len", "32",
+                          "--max_train_tokens", "256", "--seed", str(variant)])
+    else:
+        command = {"duo_heads_path": calibrate_duo, "qfilters_path": calibrate_qfilters}[setting]
+        extra = ["--global_tokens", "2", "--recent_window", "8"] if setting == "duo_heads_path" else []
+        command.main(["--checkpoint_path", str(checkpoint), "--out", str(out), "--seq_len", "48",
+                      "--windows", str(1 + variant), *extra])
+
+
+CALIBRATED = {"gates_path": "gated", "duo_heads_path": "duo_attention", "qfilters_path": "qfilters"}
+
+
+def test_every_calibration_setting_is_covered_below():
+    assert set(CALIBRATED) == {s.name for s in results.calibration_settings().values()}
+
+
+@pytest.mark.parametrize("setting", sorted(CALIBRATED))
+def test_a_recalibrated_file_is_run_again(tmp_path, capsys, setting):
+    """A calibration file is an input of the run: replaced by another calibration (same path, new content),
+    the finished run is not passed off as the new file's; left at its default, the shipped folder is hashed."""
+    model = write_tiny_checkpoint(tmp_path / "model")
+    path = tmp_path / ("calibration.safetensors" if setting == "gates_path" else "calibration.json")
+    first_file, second_file = tmp_path / "first", tmp_path / "second"
+    calibrate(setting, model, first_file, 0)
+    calibrate(setting, model, second_file, 1)
+    assert first_file.read_bytes() != second_file.read_bytes()
+    run = [*flags(model, tmp_path / "out"), "--cache_strategy", CALIBRATED[setting], f"--{setting}", str(path)]
+    path.write_bytes(first_file.read_bytes())
+    (first,) = cli.main(run)
+    path.write_bytes(second_file.read_bytes())  # recalibrated in place
+    capsys.readouterr()
+    (second,) = cli.main(run)
+    assert f"changed since the finished run: --{setting}" in capsys.readouterr().err
+    assert second["identity"] != first["identity"]
+    assert len(run_dirs(tmp_path / "out")) == 1 and len(table(tmp_path / "out")) == 1
+    args = cli.parse_args(run[:-2])  # the default: the shipped files
+    ((task, config, _),) = cli.plan(args)
+    shipped = results.calibration_settings()[setting.removesuffix("_path")].shipped_files
+    assert results.input_fingerprints(config, task.options)["data"][setting.removesuffix("_path")] \
+        == results.path_fingerprint(shipped) != {}
+
+
 def test_identity_covers_model_data_and_code(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "model")
     args = cli.parse_args(flags(model, tmp_path / "out"))
