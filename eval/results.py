@@ -75,6 +75,10 @@ REQUIRED_KEYS = ("model", "task", "strategy", "budget")
 NOT_COMPUTE = ("eval/plot.py", "eval/compare.py", "eval/replay.py", "eval/sweep.py", "eval/sweep_ray.py",
                "eval/kvpress_runs.py",
                "eval/bench/", "eval/reproduce/", "train_gates.py", "tests/", "benchmarks/")
+# What computes numbers besides Python: the C/C++ kernels of the CPU's bf16 and quantized attention (built on
+# first use), and the word list the RULER-style tasks draw their keys and lists from.
+COMPUTE_SUFFIXES = (".py", ".c", ".cpp", ".h")
+COMPUTE_DATA = ("eval/data/",)
 
 
 
@@ -206,8 +210,9 @@ def path_fingerprint(path: str | Path) -> dict | None:
 
 
 def compute_sources(root: Path = ROOT) -> list[Path]:
-    """Every Python file below `root` that computes numbers: all of them but NOT_COMPUTE, hidden folders
-    and virtual environments (a folder holding pyvenv.cfg), which are not even walked."""
+    """Every source file below `root` that computes numbers (Python and the C/C++ kernels: all of them but
+    NOT_COMPUTE; the tasks' data, COMPUTE_DATA); hidden folders and virtual environments (a folder holding
+    pyvenv.cfg) are not even walked."""
     found = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and d != "__pycache__"
@@ -215,14 +220,15 @@ def compute_sources(root: Path = ROOT) -> list[Path]:
         for name in names:
             path = Path(folder) / name
             rel = path.relative_to(root).as_posix()
-            if name.endswith(".py") and not any(rel == n or (n.endswith("/") and rel.startswith(n))
-                                                for n in NOT_COMPUTE):
+            source = name.endswith(COMPUTE_SUFFIXES) and not any(rel == n or (n.endswith("/") and rel.startswith(n))
+                                                                 for n in NOT_COMPUTE)
+            if source or rel.startswith(COMPUTE_DATA):
                 found.append(path)
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
 def code_version(root: Path = ROOT) -> dict:
-    """The code that computes the numbers: a hash of its Python sources (a git commit would miss
+    """The code that computes the numbers: a hash of its sources (compute_sources; a git commit would miss
     uncommitted edits), and the Python (pydoc_data differs between versions) and torch versions."""
     digest = hashlib.sha256()
     for path in compute_sources(root):

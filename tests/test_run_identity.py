@@ -320,6 +320,28 @@ def test_a_source_moved_into_a_package_still_changes_the_identity(tmp_path):
     assert results.code_version(tmp_path)["sources_sha256"] != before
 
 
+def test_the_kernels_and_the_word_list_are_in_the_identity(tmp_path):
+    """The CPU's C/C++ kernels compute bf16 and quantized attention, and the RULER-style tasks draw their items
+    from eval/data/words.txt: an edit to either changes the code version; prose and tests' data do not."""
+    for rel, text in [("cache.py", "A = 1\n"), ("kernels.c", "int a;\n"), ("ops.cpp", "int b;\n"),
+                      ("common.h", "int c;\n"), ("eval/data/words.txt", "apple\n"), ("README.md", "x\n"),
+                      ("tests/data/text.txt", "y\n"), ("benchmarks/k.c", "int d;\n")]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert [p.relative_to(tmp_path).as_posix() for p in results.compute_sources(tmp_path)] == \
+        ["cache.py", "common.h", "eval/data/words.txt", "kernels.c", "ops.cpp"]
+    before = results.code_version(tmp_path)["sources_sha256"]
+    for rel in ("README.md", "tests/data/text.txt", "benchmarks/k.c"):
+        (tmp_path / rel).write_text("changed\n")
+    assert results.code_version(tmp_path)["sources_sha256"] == before
+    for rel in ("kernels.c", "eval/data/words.txt"):
+        (tmp_path / rel).write_text("changed\n")
+        assert results.code_version(tmp_path)["sources_sha256"] != before
+        before = results.code_version(tmp_path)["sources_sha256"]
+    hashed = {p.relative_to(ROOT).as_posix() for p in results.compute_sources()}
+    assert {"cpu_bf16_kernels.c", "cpu_quantized_attention.c", "eval/data/words.txt"} <= hashed
+
+
 def test_every_strategy_file_is_in_the_identity():
     from strategies import CACHE_STRATEGIES
 
