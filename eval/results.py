@@ -251,7 +251,7 @@ def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
             data[key] = path_fingerprint(value)
     read = {hp for name in args.cache_strategy for hp in get_strategy(name).hyperparameters}
     for setting in calibration_settings().values():
-        if setting.name in read:  # keyed "gates", "duo_heads", "qfilters": the identities of earlier runs stand
+        if setting.name in read:  # keyed by the name less "_path" ("gates", "duo_heads"), as runs have recorded them
             data[setting.name.removesuffix("_path")] = path_fingerprint(getattr(args, setting.name, None)
                                                                         or setting.shipped_files)
     return {"model": path_fingerprint(model), "data": data, "code": code_version()}
