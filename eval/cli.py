@@ -153,14 +153,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 @functools.lru_cache(maxsize=1)
 def load_model(checkpoint_path: str | None, device: str, dtype: torch.dtype,
-               allow_non_finite: bool = False) -> tuple[Transformer, Tokenizer]:
+               allow_non_finite: bool = False, files: str = "") -> tuple[Transformer, Tokenizer]:
+    """`files`: the checkpoint's fingerprint, part of the cache's key only (see model_of)."""
     return load_checkpoint(checkpoint_path, device, dtype, allow_non_finite=allow_non_finite)
 
 
 def model_of(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
-    """The model and tokenizer a configuration runs on (loaded once for the runs of one command)."""
+    """The model and tokenizer a configuration runs on: loaded once for the runs of one command (a sweep's
+    worker), and again when the checkpoint's files changed since, whose new hash the next runs record."""
+    files = json.dumps(results.path_fingerprint(results.checkpoint_location(args.checkpoint_path)), sort_keys=True)
     return load_model(args.checkpoint_path, args.device, parse_dtype(args.dtype, args.device),
-                      args.allow_non_finite_weights)
+                      args.allow_non_finite_weights, files)
 
 
 def plan(args: argparse.Namespace) -> list[tuple[Task, argparse.Namespace, Path]]:

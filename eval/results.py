@@ -238,9 +238,14 @@ def code_version(root: Path = ROOT) -> dict:
             "torch": _version("torch")}
 
 
+def checkpoint_location(checkpoint_path: str | None) -> Path:
+    """The file or directory a --checkpoint_path value loads from (the bundled GGUF without one)."""
+    return bundled_checkpoint_path() if checkpoint_path is None else Path(checkpoint_path)
+
+
 def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
     """Content hashes of every file the run reads: model, task data, gates; and the code version."""
-    model = bundled_checkpoint_path() if args.checkpoint_path is None else Path(args.checkpoint_path)
+    model = checkpoint_location(args.checkpoint_path)
     data = {}
     for key in ("text_file", "dataset", "haystack"):
         value = task_options.get(key)

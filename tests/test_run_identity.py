@@ -126,6 +126,20 @@ def test_a_recalibrated_file_is_run_again(tmp_path, capsys, setting):
         == results.path_fingerprint(shipped) != {}
 
 
+def test_a_checkpoint_replaced_between_runs_of_one_process_is_loaded_again(tmp_path):
+    """A sweep's worker loads the model once for its runs: when the checkpoint at the same path is replaced
+    between two runs, the second runs on the new weights (it records their hash), not on the loaded ones."""
+    model = write_tiny_checkpoint(tmp_path / "model", seed=0)
+    cli.load_model.cache_clear()
+    (old,) = cli.main(flags(model, tmp_path / "out"))
+    write_tiny_checkpoint(tmp_path / "model", seed=1)
+    (new,) = cli.main(flags(model, tmp_path / "out"))
+    cli.load_model.cache_clear()
+    (fresh,) = cli.main(flags(model, tmp_path / "fresh"))
+    assert new["identity"] == fresh["identity"] != old["identity"]
+    assert new["kl_mean"] == pytest.approx(fresh["kl_mean"], abs=1e-6) and new["kl_mean"] != old["kl_mean"]
+
+
 def test_identity_covers_model_data_and_code(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "model")
     args = cli.parse_args(flags(model, tmp_path / "out"))
