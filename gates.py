@@ -64,13 +64,15 @@ def new_gates(model: Transformer, init_bias: float = INIT_BIAS) -> list[Gate]:
     return [Gate(a.dim, a.n_kv_head, init_bias).to(device) for _ in range(a.n_layer)]
 
 
-def attach_gates(model: Transformer, gates: list[Gate] | None) -> None:
-    """Give layer i gate i (None removes them). Gates stay float32 on the model's device."""
+def attach_gates(model: Transformer, gates: list[Gate] | None, source: Path | None = None) -> None:
+    """Give layer i gate i (None removes them). Gates stay float32 on the model's device. `source`: the file they
+    were loaded from (None: made in memory, random or being trained), read by prepare_gates."""
     if gates is not None and len(gates) != model.args.n_layer:
         raise ValueError(f"got {len(gates)} gates for {model.args.n_layer} layers")
     device = model.tok_embeddings.weight.device
     for i, layer in enumerate(model.layers):
         layer.attention.gate = None if gates is None else gates[i].to(device=device, dtype=torch.float32)
+    model.gates_file = source
 
 
 def attached_gates(model: Transformer) -> list[Gate] | None:
@@ -231,15 +233,17 @@ def find_gates_file(model: Transformer, directory: Path = GATES_DIR) -> Path | N
 
 
 def prepare_gates(model: Transformer, gates_path: str | None) -> None:
-    """Make sure `model` carries gates for a gated cache: the given file, else the gates already attached
-    (e.g. random ones in tests), else the shipped file that matches the model, else a UserError."""
+    """Make sure `model` carries gates for a gated cache: the given file, else the gates made in memory and
+    attached (random ones in tests), else the shipped file that matches the model, else a UserError. Files are
+    read at every call: a model serves many runs (eval loads it once), and gates an earlier run loaded from
+    another file, or from a shipped file since replaced, are not this run's."""
     if gates_path:
-        attach_gates(model, load_gates(gates_path, model))
+        attach_gates(model, load_gates(gates_path, model), Path(gates_path))
         return
-    if attached_gates(model) is not None:
+    if attached_gates(model) is not None and getattr(model, "gates_file", None) is None:
         return
     path = find_gates_file(model)
     if path is None:
         raise UserError(f"no trained gates for this model ({describe(model_shape(model))}) in {GATES_DIR}; "
                         f"{TRAIN_HINT}")
-    attach_gates(model, load_gates(path, model))
+    attach_gates(model, load_gates(path, model), path)

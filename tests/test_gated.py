@@ -142,6 +142,31 @@ def smoke_train(checkpoint, out, *extra: str):
                              "--seq_len", "32", "--max_train_tokens", "256", *extra])
 
 
+def test_runs_of_one_process_each_read_their_own_gates(tiny_checkpoint, tmp_path, monkeypatch):
+    """eval loads a model once for its runs: a run with --gates_path A, then one with the default gates (here
+    file B, standing in for the shipped file), computes the second with B's gates, as a fresh process does;
+    and B replaced in place is read again."""
+    from eval import cli
+
+    a, b = smoke_train(tiny_checkpoint, tmp_path / "a.safetensors"), tmp_path / "b.safetensors"
+    smoke_train(tiny_checkpoint, b, "--seed", "1")
+    monkeypatch.setattr("gates.find_gates_file", lambda model: b)
+
+    def kl(out: str, *more: str) -> float:
+        (metrics,) = cli.main(["--tasks", "fidelity", "--checkpoint_path", str(tiny_checkpoint), "--seq_len", "64",
+                               "--prefill_tokens", "16", "--no-baseline", "--cache_strategy", "gated",
+                               "--max_cache_length", "0.5", "--out_dir", str(tmp_path / out), *more])
+        return metrics["kl_mean"]
+
+    cli.load_model.cache_clear()
+    with_a = kl("a", "--gates_path", str(a))
+    default = kl("default")
+    cli.load_model.cache_clear()
+    assert default == pytest.approx(kl("fresh"), abs=1e-6) and default != pytest.approx(with_a, abs=1e-6)
+    b.write_bytes(a.read_bytes())  # the default file replaced by A's gates
+    assert kl("replaced") == pytest.approx(with_a, abs=1e-6)
+
+
 def test_smoke_training_writes_a_loadable_deterministic_file(tiny_checkpoint, tmp_path, bundled):
     out = smoke_train(tiny_checkpoint, tmp_path / "gates.safetensors")
     assert out.stat().st_size < 1_000_000
