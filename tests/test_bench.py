@@ -193,6 +193,32 @@ def test_paired_fraction_pairs_each_block_with_the_probes_around_it(bundled, mon
     assert got == pytest.approx(30.0)
 
 
+@pytest.mark.parametrize("steps", [2, 4])
+def test_the_paired_bound_decodes_only_the_steps_the_cache_has_room_for(bundled, monkeypatch, steps):
+    """`--new_tokens` below 1 + BOUND_BLOCKS: the blocks shrink to what the full cache of prompt + new slots
+    holds (one step a block left 5 steps for 4 slots: an index past the cache, a traceback under --compile)."""
+    from cache_setup import attach_caches
+    from eval.bench import measure
+    from eval.bench.plan import cache_args
+    from generate import decode_one_token
+
+    model, tokenizer = bundled
+    ids = list(range(100, 116))
+    attach_caches(model, cache_args("full", 1.0), len(ids), steps, tokenizer)
+    decoded = []
+    real_block = measure._decode_block
+
+    def counted_block(model, step, state, n, times):
+        decoded.append(n)
+        real_block(model, step, state, n, times)
+
+    monkeypatch.setattr(measure, "read_rate", lambda x, repeats=5: 1e9)
+    monkeypatch.setattr(measure, "_decode_block", counted_block)
+    monkeypatch.setattr(measure, "probe_buffer", lambda device, megabytes=512: torch.ones(4))
+    assert measure.paired_fraction_of_bound(model, ids, decode_one_token, steps, weights=7 * 10**8, kv=10**8) > 0
+    assert sum(decoded) == steps and all(n >= 1 for n in decoded)
+
+
 def test_random_weight_shapes_are_the_real_models(bundled):
     """`--random_weights smollm2-135m` has the bundled checkpoint's shapes (read from its GGUF): the shape table
     is checked against a real model, and the random model is built without touching its weights' memory."""

@@ -200,8 +200,10 @@ def paired_fraction_of_bound(model, ids: list[int], step, steps: int, weights: i
     just before and just after it (their mean), the median over `blocks` blocks: on a shared host the rate
     moves by up to 2x within minutes, so one probe taken before the rows (`fraction_of_bound`) can be far
     from the rate the steps had. The caches (full, `len(ids) + steps` slots) are prefilled again with `ids`;
-    one step, then `blocks` blocks of (steps - 1) // blocks steps."""
+    one step, then up to `blocks` blocks of (steps - 1) // blocks steps (fewer blocks where fewer steps are left:
+    the cache has room for `steps`)."""
     device = model.tok_embeddings.weight.device
+    blocks = max(1, min(blocks, steps - 1))
     state = {"caches": model.caches()}
     buffer = probe_buffer(device)
     with torch.inference_mode():
@@ -212,7 +214,7 @@ def paired_fraction_of_bound(model, ids: list[int], step, steps: int, weights: i
         rates, fractions = [read_rate(buffer)], []
         for _ in range(blocks):
             times: list[float] = []
-            _decode_block(model, step, state, max(1, (steps - 1) // blocks), times)
+            _decode_block(model, step, state, (steps - 1) // blocks, times)
             rates.append(read_rate(buffer))
             fractions.append(1 / times[0] / bandwidth_bound((rates[-2] + rates[-1]) / 2, weights, kv))
     del buffer
