@@ -64,9 +64,9 @@ def new_gates(model: Transformer, init_bias: float = INIT_BIAS) -> list[Gate]:
     return [Gate(a.dim, a.n_kv_head, init_bias).to(device) for _ in range(a.n_layer)]
 
 
-def attach_gates(model: Transformer, gates: list[Gate] | None, source: Path | None = None) -> None:
+def attach_gates(model: Transformer, gates: list[Gate] | None, source: tuple | None = None) -> None:
     """Give layer i gate i (None removes them). Gates stay float32 on the model's device. `source`: the file they
-    were loaded from (None: made in memory, random or being trained), read by prepare_gates."""
+    were loaded from, as file_stamp gives it (None: made in memory, random or being trained), read by prepare_gates."""
     if gates is not None and len(gates) != model.args.n_layer:
         raise ValueError(f"got {len(gates)} gates for {model.args.n_layer} layers")
     device = model.tok_embeddings.weight.device
@@ -232,18 +232,30 @@ def find_gates_file(model: Transformer, directory: Path = GATES_DIR) -> Path | N
     return None
 
 
+def file_stamp(path: Path) -> tuple | None:
+    """(path, inode, size, mtime) of a file, None where there is none: another stamp means other content."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def prepare_gates(model: Transformer, gates_path: str | None) -> None:
     """Make sure `model` carries gates for a gated cache: the given file, else the gates made in memory and
-    attached (random ones in tests), else the shipped file that matches the model, else a UserError. Files are
-    read at every call: a model serves many runs (eval loads it once), and gates an earlier run loaded from
-    another file, or from a shipped file since replaced, are not this run's."""
+    attached (random ones in tests), else the shipped file that matches the model, else a UserError. A model
+    serves many runs (eval loads it once): gates an earlier run loaded from another file, or from a file since
+    replaced, are not this run's; the very file already attached is kept (new gate modules would make a
+    compiled step compile again)."""
     if gates_path:
-        attach_gates(model, load_gates(gates_path, model), Path(gates_path))
+        path = Path(gates_path)
+    elif attached_gates(model) is not None and getattr(model, "gates_file", None) is None:
         return
-    if attached_gates(model) is not None and getattr(model, "gates_file", None) is None:
-        return
-    path = find_gates_file(model)
-    if path is None:
-        raise UserError(f"no trained gates for this model ({describe(model_shape(model))}) in {GATES_DIR}; "
-                        f"{TRAIN_HINT}")
-    attach_gates(model, load_gates(path, model), path)
+    else:
+        path = find_gates_file(model)
+        if path is None:
+            raise UserError(f"no trained gates for this model ({describe(model_shape(model))}) in {GATES_DIR}; "
+                            f"{TRAIN_HINT}")
+    stamp = file_stamp(path)
+    if stamp is None or attached_gates(model) is None or getattr(model, "gates_file", None) != stamp:
+        attach_gates(model, load_gates(path, model), stamp)

@@ -167,6 +167,21 @@ def test_runs_of_one_process_each_read_their_own_gates(tiny_checkpoint, tmp_path
     assert kl("replaced") == pytest.approx(with_a, abs=1e-6)
 
 
+def test_the_attached_file_is_kept_until_it_changes(tiny_checkpoint, tmp_path):
+    """Caches built again on one model (eval's batches, the bench's rows) keep the gate modules of a file already
+    attached, so a compiled step is not compiled again; the file rewritten, its new gates are loaded."""
+    path = smoke_train(tiny_checkpoint, tmp_path / "gates.safetensors")
+    model = make_tiny_model(seed=0)
+    prepare_gates(model, str(path))
+    first = attached_gates(model)
+    prepare_gates(model, str(path))
+    assert all(a is b for a, b in zip(attached_gates(model), first, strict=True))
+    smoke_train(tiny_checkpoint, path, "--seed", "1", "--overwrite")
+    prepare_gates(model, str(path))
+    assert not any(a is b for a, b in zip(attached_gates(model), first, strict=True))
+    assert not torch.equal(attached_gates(model)[0].proj.weight, first[0].proj.weight)
+
+
 def test_smoke_training_writes_a_loadable_deterministic_file(tiny_checkpoint, tmp_path, bundled):
     out = smoke_train(tiny_checkpoint, tmp_path / "gates.safetensors")
     assert out.stat().st_size < 1_000_000
