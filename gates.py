@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from atomic_files import atomic_target
 from errors import UserError
+from file_stamps import file_stamp
 from model import Transformer
 
 GATES_DIR = Path(__file__).resolve().parent / "gates"
@@ -230,15 +231,6 @@ def find_gates_file(model: Transformer, directory: Path = GATES_DIR) -> Path | N
         if metadata.get("format") == FORMAT and identity_mismatch(metadata, model) is None:
             return path
     return None
-
-
-def file_stamp(path: Path) -> tuple | None:
-    """(path, inode, size, mtime) of a file, None where there is none: another stamp means other content."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def prepare_gates(model: Transformer, gates_path: str | None) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from errors import UserError
+from file_stamps import file_signature
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 LOCAL_FORMATS = (".json", ".jsonl", ".csv", ".parquet")
@@ -48,18 +49,12 @@ def text_sha256(text: str) -> str:
 @dataclass(frozen=True)
 class _Snapshot:
     data: bytes
-    stat: tuple[int, ...]  # _signature of the file the bytes were read from
+    stat: tuple[int, ...]  # file_signature of the file the bytes were read from
 
 
 # The bytes of each input file as last hashed by input_fingerprint (one entry per file, replaced when it
 # is hashed again: every run hashes its inputs before it reads them).
 _SNAPSHOTS: dict[str, _Snapshot] = {}
-
-
-def _signature(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when a file is replaced or rewritten. ctime is part of it: `cp -p`, `rsync -a` and
-    os.utime restore the modification time, but nothing but the kernel sets ctime."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _checked_file(path: Path, what: str) -> None:
@@ -74,9 +69,9 @@ def _read(path: Path, what: str) -> _Snapshot:
     _checked_file(path, what)
     try:
         with path.open("rb") as f:
-            before = _signature(os.fstat(f.fileno()))
+            before = file_signature(os.fstat(f.fileno()))
             data = f.read()
-            after = _signature(os.fstat(f.fileno()))
+            after = file_signature(os.fstat(f.fileno()))
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
     if before != after:  # rewritten in place while being read: the bytes may be a mix of two versions
@@ -103,7 +98,7 @@ def input_bytes(path: str | Path, what: str = "input file") -> bytes:
     if hashed is None:
         return _read(path, what).data
     try:
-        current = _signature(path.stat())
+        current = file_signature(path.stat())
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
     if current != hashed.stat:

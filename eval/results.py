@@ -56,6 +56,7 @@ from cache_spec import cache_flag_defaults, strategy_settings
 from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
 from eval.data import input_fingerprint
+from file_stamps import file_signature
 from strategies import CACHE_STRATEGIES, get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,14 +181,13 @@ def check_out_dir(path: str | Path) -> Path:
 
 # ---- what the numbers depend on beyond the flags --------------------------------------------------------
 
-_FILE_HASHES: dict[tuple[str, int, int, int, int], str] = {}
+_FILE_HASHES: dict[tuple, str] = {}
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's content, computed once per process for a given (path, inode, size, mtime, ctime):
-    `cp -p`, `rsync -a` and os.utime restore the mtime of a replaced file, but not its ctime."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    """sha256 of a file's content, computed once per process for a given path and file_signature (ctime
+    included: `cp -p` restores the mtime of a replaced file)."""
+    key = (str(path.resolve()), *file_signature(path.stat()))
     if key not in _FILE_HASHES:
         digest = hashlib.sha256()
         with path.open("rb") as f:
@@ -244,7 +244,7 @@ def checkpoint_location(checkpoint_path: str | None) -> Path:
 
 
 def input_fingerprints(args: argparse.Namespace, task_options: dict) -> dict:
-    """Content hashes of every file the run reads: model, task data, gates; and the code version."""
+    """Content hashes of every file the run reads: model, task data, calibration files; and the code version."""
     model = checkpoint_location(args.checkpoint_path)
     data = {}
     for key in ("text_file", "dataset", "haystack"):
