@@ -220,10 +220,14 @@ class EvictionLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Our attention ignores transformers' masks (the slots carry their own); generate still builds one from
         # these sizes: the prompt's own keys (padding is refused from it), then the slots, as StaticLayer does. A
-        # padded batch's later prompt chunk: its own positions' keys (each row's padding is read from them).
+        # later chunk (a prompt's in --prefill_chunk, the kvpress question): its own positions' keys, from which the
+        # forward hook reads each row's tokens (the mask's diagonal), as for a padded batch's chunk; keys from 0
+        # would leave a chunk past a sliding window (Mistral's) outside its own mask, read as padding only.
         if self.row_chunk_plan is not None:
             return query_length, self.positions_fed
-        return (query_length if query_length > 1 else self.cache.mask.shape[-1]), 0
+        if query_length > 1:
+            return query_length, int(self.get_seq_length()) if self.prefilled else 0
+        return self.cache.mask.shape[-1], 0
 
     def get_max_length(self) -> int:
         return self.cache.capacity_needed  # prompt + new tokens the caches were sized for (full / debug_)

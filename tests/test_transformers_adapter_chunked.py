@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cache_setup import attach_caches, cache_config
 from errors import UserError
 from eval.batching import TIED_SCORES
+from generate import prefill
 from tests.adapter_helpers import (
     ARCHS,
     BUDGET,
@@ -28,7 +30,8 @@ from tests.adapter_helpers import (
     tiny_prompt,
     transformers,
 )
-from tests.strategy_matrix import CHUNKABLE
+from tests.strategy_matrix import CHUNKABLE, held_positions
+from tests.test_transformers_adapter import LOGIT_ATOL
 
 CHUNK = 16
 
@@ -61,11 +64,18 @@ def test_one_token_chunks_are_the_token_by_token_feed(strategy, arch_models):
                     prefill_chunk_size=1)
 
 
+# Chunks within the tiny models' sliding window (12 tokens) and past it: a later chunk's mask is read for its rows'
+# tokens, and once covered keys from 0, so a chunk longer than the window (on Mistral, whose every layer slides)
+# saw none of its own tokens and was refused as padding only.
+ARCH_CHUNKS = [8, 16]
+
+
+@pytest.mark.parametrize("chunk", ARCH_CHUNKS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_chunked_prefill_matches_our_loop_on_every_architecture(arch, arch_models):
+def test_a_chunked_prefill_matches_our_loop_on_every_architecture(arch, chunk, arch_models):
     hf, model, tokenizer = arch_models[arch]
-    flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--prefill_chunk", "8"]
-    assert_same_run(hf, model, tokenizer, flags, tiny_prompt(30), prefill_chunk_size=8)
+    flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--prefill_chunk", str(chunk)]
+    assert_same_run(hf, model, tokenizer, flags, tiny_prompt(40), prefill_chunk_size=chunk)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -160,12 +170,13 @@ def test_a_chunked_padded_batch_with_storages_patterns_and_adakv_matches_each_ro
                                            CHUNKED_BATCH, tokenizer)
 
 
+@pytest.mark.parametrize("chunk", ARCH_CHUNKS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_chunked_padded_batch_matches_each_row_alone_on_every_architecture(arch, arch_models):
+def test_a_chunked_padded_batch_matches_each_row_alone_on_every_architecture(arch, chunk, arch_models):
     hf, _, tokenizer = arch_models[arch]
-    flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--prefill_chunk", "8"]
-    prompts = [distinct_prompt(n, seed) for seed, n in enumerate([30, 17])]  # the window (12) binds in both
-    assert_batch_equals_rows_alone(hf, flags, prompts, tokenizer, prefill_chunk_size=8)
+    flags = [*COMMON, "--cache_strategy", "heavy_hitter", "--max_cache_length", "16", "--prefill_chunk", str(chunk)]
+    prompts = [distinct_prompt(n, seed) for seed, n in enumerate([40, 17])]  # the window (12) binds in both
+    assert_batch_equals_rows_alone(hf, flags, prompts, tokenizer, prefill_chunk_size=chunk)
 
 
 def test_a_chunked_padded_batch_needs_make_caches_prompt_lengths(arch_models):
@@ -207,3 +218,31 @@ def test_a_chunked_padded_batch_cut_short_then_reset_runs_as_fresh(arch_models):
     assert any(q is not None for c in cache.kv_caches for q, *_ in c.row_chunk_state.values())
     cache.reset()
     assert hf_generate_batch(hf, prompts, cache, prefill_chunk_size=CHUNK)[0] == fresh
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_chunk_after_the_prompt_matches_our_append_on_every_architecture(arch, arch_models):
+    """The kvpress protocol's question: a chunk after the prompt in one forward call goes into the cache's empty
+    slots on both sides (KVCache.append); logits of every question position within LOGIT_ATOL, the same held
+    positions. A sliding layer's window cache is full after the prompt: the adapter refuses the chunk in one line
+    before any layer stores it (eval feeds such a question token by token instead)."""
+    hf, model, tokenizer = arch_models[arch]
+    ids = tiny_prompt(40)
+    prompt, question = ids[:24], ids[24:]
+    flags = cache_flags(["--cache_strategy", "heavy_hitter", "--max_cache_length", "48"])  # room for the question
+    specs = attach_caches(model, cache_config(flags), len(prompt), len(question) + 1, tokenizer)
+    cache = ta.make_cache(hf, flags, len(prompt), len(question) + 1, tokenizer=tokenizer)
+    with torch.inference_mode():
+        hf(torch.tensor([prompt]), cache=cache, use_cache=True)
+        if any(spec.sliding_window for spec in specs):
+            with pytest.raises(UserError, match="a layer has room for 0"):
+                hf(torch.tensor([question]), cache=cache, use_cache=True)
+            assert all(int(c.inserted.max()) == len(prompt) for c in cache.kv_caches)
+            return
+        theirs = hf(torch.tensor([question]), cache=cache, use_cache=True).logits[0]
+        model.reset_caches()
+        prefill(model, torch.tensor([prompt]))
+        ours = model(torch.tensor([question]), torch.arange(len(prompt), len(ids)), append=True)[0]
+    torch.testing.assert_close(theirs.float(), ours, atol=LOGIT_ATOL, rtol=0)
+    for layer, (their_cache, our_cache) in enumerate(zip(cache.kv_caches, model.caches(), strict=True)):
+        assert held_positions(their_cache) == held_positions(our_cache), f"layer {layer}"
