@@ -28,6 +28,7 @@ from kv_storage import DENSE, SCHEMES, THINK_FIELDS, StorageSpec
 from strategies import CACHE_STRATEGIES, get_strategy, prompt_rules
 from strategies.critical_kv import PromptValueNorms, prompt_values_refusal
 from strategies.paper_names import paper_name_hint
+from strategies.token_ids import TOKEN_CLASSES_NEEDED
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 # How far funnel/pyramid budgets move away from the mean: the first and last layers get (1 ∓ slope)×.
@@ -521,7 +522,7 @@ def build_caches(
                         prefill_chunk=spec.prefill_chunk, sliding_window=spec.sliding_window)
         if getattr(cls, "needs_token_classes", False):
             if token_classes is None:
-                raise UserError(f"the {spec.strategy} cache needs the tokenizer's special and punctuation tokens")
+                raise UserError(f"the {spec.strategy} cache {TOKEN_CLASSES_NEEDED}")
             settings["token_classes"] = token_classes
         cache.configure(**settings)
         caches.append(cache)

@@ -63,6 +63,7 @@ except ImportError as e:  # transformers is optional for the tool: only this mod
 
 from cache import KVCache
 from model import ModelArgs
+from strategies.token_ids import TOKEN_CLASSES_NEEDED
 from transformers_cache import LAYER_KEY, SUPPORTED_MODEL_TYPES, EvictionCache
 
 ATTENTION_NAME = "kv_eviction"
@@ -105,20 +106,19 @@ def parse_cache_flags(flags: Sequence[str] | argparse.Namespace) -> argparse.Nam
         raise UserError("--feed_long_prompts is not supported from transformers (generate prefills the whole "
                         "prompt); its token-by-token feed is --prefill_chunk 1 with generate(..., "
                         "prefill_chunk_size=1), or choose a --prompt_compression_strategy")
-    if _needs(flags, "needs_gates"):
-        gated = [s for s in flags.cache_strategy if "gated" in s]
+    if gated := _needing(flags, "needs_gates"):
         raise UserError(f"{', '.join(gated)}: learned gates are attached to this project's model only; use "
                         "generate.py / eval for gated caches, or another strategy here")
     return flags
 
 
-def _needs(flags: argparse.Namespace, need: str) -> bool:
-    """Whether a requested strategy declares `need`; a debug_ twin's needs are its shadow's (on the class
-    they are properties, only read on instances)."""
+def _needing(flags: argparse.Namespace, need: str) -> list[str]:
+    """The requested strategies that declare `need`, once each; a debug_ twin's needs are its shadow's (on the
+    class they are properties, only read on instances)."""
     from strategies import get_strategy
 
-    classes = [get_strategy(s) for s in flags.cache_strategy]
-    return any(getattr(getattr(c, "shadow_class", c), need) for c in classes)
+    return [s for s in dict.fromkeys(flags.cache_strategy)
+            if getattr(getattr(get_strategy(s), "shadow_class", get_strategy(s)), need)]
 
 
 # ---- the model: architecture check, attention function, token ids -----------------------------------------
@@ -320,8 +320,8 @@ def make_cache(model: torch.nn.Module, flags: Sequence[str] | argparse.Namespace
     weight = next(model.parameters())
     if token_classes is None and tokenizer is not None:
         token_classes = tokenizer_classes(tokenizer, args.vocab_size)
-    if token_classes is None and _needs(flags, "needs_token_classes"):
-        raise UserError("the hybrid cache needs the tokenizer's special and punctuation tokens: pass "
+    if token_classes is None and (needing := _needing(flags, "needs_token_classes")):
+        raise UserError(f"the {needing[0]} cache {TOKEN_CLASSES_NEEDED}: pass "
                         "make_cache(..., tokenizer=tokenizer) (or token_classes=)")
     caches = _build_layer_caches(flags, args, lengths, max_new_tokens, weight.dtype, weight.device, token_classes)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)

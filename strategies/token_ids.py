@@ -36,6 +36,10 @@ def token_classes(tokenizer, vocab_size: int) -> dict[str, Tensor]:
     return {"special": special, "punct": punct & ~special, "separator": separator & ~special}
 
 
+# What a strategy reading token_classes lacks without them (hybrid: special and punctuation tokens; sepllm: separators).
+TOKEN_CLASSES_NEEDED = "needs the tokenizer's token classes (its special, punctuation and separator tokens)"
+
+
 class ReadsTokenIds:
     """Mixed in before KVCache by a strategy that reads the token ids the model is given and the tokenizer's
     classes of them (`token_classes`): the last prompt or chunk given at once (`prompt_ids`, eager) and the token
@@ -64,5 +68,5 @@ class ReadsTokenIds:
     def token_class(self, name: str, ids: Tensor) -> Tensor:
         """Whether each of `ids` is in the tokenizer's class `name` (token_classes), as bools of ids' shape."""
         if self.token_classes is None:
-            raise UserError(f"the {self.name} cache needs token classes from the tokenizer (cache_spec.build_caches)")
+            raise UserError(f"the {self.name} cache {TOKEN_CLASSES_NEEDED} (cache_spec.build_caches)")
         return self.token_classes[name][ids]

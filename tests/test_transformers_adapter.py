@@ -246,8 +246,18 @@ def test_compiled_matches_eager_without_recompiling(recipe, rows, arch_models, m
 def test_gated_caches_are_refused(arch_models):
     hf = arch_models["llama"][0]
     for name in [s for s in ALL if needs_gates(s)]:
-        with pytest.raises(UserError, match="learned gates"):
+        with pytest.raises(UserError, match=f"^{name}: learned gates"):
             ta.make_cache(hf, [*COMMON, "--cache_strategy", name, "--max_cache_length", "16"], 24, NEW)
+
+
+@pytest.mark.parametrize("name", [s for s in ALL if get_strategy(s.removeprefix("debug_")).needs_token_classes])
+def test_caches_that_read_token_classes_need_the_tokenizer_and_say_which(name, arch_models):
+    """Without a tokenizer (or token_classes) the refusal names the strategy that reads them: it once named
+    hybrid for sepllm, whose classes are the separators."""
+    hf = arch_models["llama"][0]
+    flags = [*COMMON, "--cache_strategy", "recent_global", name, "--cache_strategy_pattern", "repeat"]
+    with pytest.raises(UserError, match=f"^the {name} cache needs the tokenizer's token classes .*pass make_cache"):
+        ta.make_cache(hf, [*flags, "--max_cache_length", "16"], 24, NEW)
 
 
 @pytest.mark.parametrize("flags, message", [
