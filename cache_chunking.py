@@ -38,7 +38,7 @@ strategy defines for choosing among many new tokens at once; a chunk of one toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -256,3 +256,12 @@ class ChunkedPrefill:
         if self.scored_pos is not None and self.scored_pos.shape[-1] == k.shape[2]:
             return self.scored_end
         return k.shape[2]
+
+
+def end_chunked_prefill(caches: Iterable[ChunkedPrefill]) -> None:
+    """The chunked prompt is in: every cache drops its held queries and finishes its prefill (hybrid applies its
+    policies' cut then), once, before the first decode step. A last chunk of one token is that step, as
+    transformers' chunked prefill feeds it, so generate.py's loops end the prefill before it, as the transformers
+    adapter does."""
+    for cache in caches:
+        cache.end_chunked_prefill()

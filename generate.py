@@ -21,6 +21,7 @@ from torch import Tensor
 import cpu_bf16_kernels
 from atomic_files import check_writable
 from cache import KVCache, finite_float
+from cache_chunking import end_chunked_prefill
 from cache_setup import cache_specs, row_cache_specs, setup_caches, setup_row_caches
 from cache_spec import LayerCacheSpec, add_cache_arguments, check_cache_flags, format_cache_spec, parse_args_with_preset
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
@@ -82,10 +83,14 @@ def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Ten
     # KVzip's rule scores each chunk by a pass that also reads the chunk's repeat input (strategies/kvzip.py).
     reconstruction = ChunkedReconstruction.for_prompt(model, prompt)
     step_last = last_token_is_a_step(model)
+    ended = False
     try:
         for start in range(0, T, chunk):
             end = min(start + chunk, T)
             if end - start == 1 and step_last:
+                if end == T:  # the prompt's last token is the first decode step: the prefill ends before it
+                    end_chunked_prefill(model.caches())
+                    ended = True
                 logits = step(model, prompt[:, start:end], torch.tensor([start], device=prompt.device))
             elif reconstruction is not None:
                 logits = reconstruction.chunk(prompt, start, end)
@@ -93,11 +98,12 @@ def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Ten
                 input_pos = torch.arange(start, end, device=prompt.device)
                 logits = model(prompt[:, start:end], input_pos, last_logits_only=True, chunk=True)[:, -1]
     finally:
-        for cache in model.caches():
-            cache.end_chunked_prefill()
+        if not ended:
+            end_chunked_prefill(model.caches())
         if reconstruction is not None:
             reconstruction.end()
     return logits
+
 
 
 def last_token_is_a_step(model: Transformer) -> bool:

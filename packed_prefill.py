@@ -21,6 +21,8 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
+from cache_chunking import end_chunked_prefill
+
 # The most tokens one packed forward pass takes; a longer prompt goes alone.
 PREFILL_BATCH_TOKENS = 8192
 
@@ -103,12 +105,16 @@ def prefill_packed_chunks(model: nn.Module, prompts: list[Tensor], cache_rows: l
     device = prompts[0].device
     budgets = prompt_budgets or [None] * len(prompts)
     logits: list[Tensor | None] = [None] * len(prompts)
+    ended: set[int] = set()  # rows whose prefill has ended (their last chunk was one token, a decode step)
     try:
         for start in range(0, max(len(p) for p in prompts), chunk):
             pieces = {i: p[start : start + chunk] for i, p in enumerate(prompts) if len(p) > start}
             # (Under the kvpress protocol, a prompt budget set, it is a chunk: generate.last_token_is_a_step.)
             for i in [i for i, piece in pieces.items() if len(piece) == 1 and budgets[i] is None]:
                 with model.cache_row(cache_rows[i]):  # the eager decode step, as generate.prefill feeds it alone
+                    if start + 1 == len(prompts[i]):  # the row's first decode step: its prefill ends before it
+                        end_chunked_prefill(model.caches())
+                        ended.add(i)
                     logits[i] = model(pieces.pop(i).view(1, 1), torch.tensor([start], device=device))[0, -1]
             order = list(pieces)
             for group in packed_groups([len(pieces[i]) for i in order]):
@@ -121,8 +127,8 @@ def prefill_packed_chunks(model: nn.Module, prompts: list[Tensor], cache_rows: l
                 for i, row_logits in zip(part, out, strict=True):
                     logits[i] = row_logits
     finally:
-        for b in cache_rows:
-            with model.cache_row(b):
-                for cache in model.caches():
-                    cache.end_chunked_prefill()
+        for i, b in enumerate(cache_rows):
+            if i not in ended:
+                with model.cache_row(b):
+                    end_chunked_prefill(model.caches())
     return torch.stack(logits)

@@ -246,3 +246,14 @@ def test_a_chunk_after_the_prompt_matches_our_append_on_every_architecture(arch,
     torch.testing.assert_close(theirs.float(), ours, atol=LOGIT_ATOL, rtol=0)
     for layer, (their_cache, our_cache) in enumerate(zip(cache.kv_caches, model.caches(), strict=True)):
         assert held_positions(their_cache) == held_positions(our_cache), f"layer {layer}"
+
+
+@pytest.mark.parametrize("recovery", ["0.5", "0.178"])
+def test_a_last_one_token_chunk_comes_after_hybrids_cut_as_in_our_loop(recovery, arch_models):
+    """A 49-token prompt in chunks of 16 ends in a one-token chunk, which both sides feed as the first decode step:
+    hybrid cuts the prompt to its heads' policies when the prefill ends, before that step. generate.py's loop once
+    ended the prefill after it while the adapter ended it before, so at recovery fractions below the default (0.95)
+    the two kept other tokens."""
+    hf, model, tokenizer = arch_models["llama"]
+    flags = cache_flags("hybrid") + ["--min_recovery_frac", recovery, "--prefill_chunk", str(CHUNK)]
+    assert_same_run(hf, model, tokenizer, flags, tiny_prompt(49), prefill_chunk_size=CHUNK)
