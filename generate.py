@@ -77,7 +77,8 @@ def prefill_chunk_of(model: Transformer) -> int:
 
 def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Tensor:
     """The prompt [B, T] through the model `chunk` tokens at a time; after each chunk every layer's cache
-    holds at most its budget (KVCache.prefill_chunk_tokens). A last chunk of one token is a decode step.
+    holds at most its budget (KVCache.prefill_chunk_tokens). A last chunk of one token is the first decode step,
+    after the prefill ends.
     Logits of the last position [B, vocab]."""
     T = prompt.shape[1]
     # KVzip's rule scores each chunk by a pass that also reads the chunk's repeat input (strategies/kvzip.py).
@@ -103,7 +104,6 @@ def chunked_prefill(model: Transformer, prompt: Tensor, chunk: int, step) -> Ten
         if reconstruction is not None:
             reconstruction.end()
     return logits
-
 
 
 def last_token_is_a_step(model: Transformer) -> bool:
