@@ -14,9 +14,7 @@ def file_signature(st: os.stat_result) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def file_stamp(path: Path) -> tuple | None:
-    """The file's resolved path and signature, None where there is none: another stamp means other content."""
-    try:
-        return str(path.resolve()), *file_signature(path.stat())
-    except OSError:
-        return None
+def file_stamp(path: Path) -> tuple:
+    """The file's resolved path and signature (OSError where it cannot be read): another stamp means other
+    content."""
+    return str(path.resolve()), *file_signature(path.stat())

@@ -248,6 +248,9 @@ def prepare_gates(model: Transformer, gates_path: str | None) -> None:
         if path is None:
             raise UserError(f"no trained gates for this model ({describe(model_shape(model))}) in {GATES_DIR}; "
                             f"{TRAIN_HINT}")
-    stamp = file_stamp(path)
+    try:
+        stamp = file_stamp(path)
+    except OSError:  # load_gates says why in one line
+        stamp = None
     if stamp is None or attached_gates(model) is None or getattr(model, "gates_file", None) != stamp:
         attach_gates(model, load_gates(path, model), stamp)

@@ -117,8 +117,8 @@ def _needing(flags: argparse.Namespace, need: str) -> list[str]:
     class they are properties, only read on instances)."""
     from strategies import get_strategy
 
-    return [s for s in dict.fromkeys(flags.cache_strategy)
-            if getattr(getattr(get_strategy(s), "shadow_class", get_strategy(s)), need)]
+    classes = {name: get_strategy(name) for name in flags.cache_strategy}
+    return [name for name, cls in classes.items() if getattr(getattr(cls, "shadow_class", cls), need)]
 
 
 # ---- the model: architecture check, attention function, token ids -----------------------------------------

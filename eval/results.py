@@ -56,7 +56,7 @@ from cache_spec import cache_flag_defaults, strategy_settings
 from checkpoint import BUNDLED_GGUF, bundled_checkpoint_path
 from errors import UserError
 from eval.data import input_fingerprint
-from file_stamps import file_signature
+from file_stamps import file_stamp
 from strategies import CACHE_STRATEGIES, get_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,9 +185,9 @@ _FILE_HASHES: dict[tuple, str] = {}
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's content, computed once per process for a given path and file_signature (ctime
+    """sha256 of a file's content, computed once per process for a given file_stamp (ctime
     included: `cp -p` restores the mtime of a replaced file)."""
-    key = (str(path.resolve()), *file_signature(path.stat()))
+    key = file_stamp(path)
     if key not in _FILE_HASHES:
         digest = hashlib.sha256()
         with path.open("rb") as f:
