@@ -28,8 +28,9 @@ attention restricted to them (one distribution per KV head, as `tova`). The firs
 (`--global_tokens`, 0 in the paper's runs: preset `morphkv`) and left out of the renormalisation. At the
 prompt the code's observers are the W queries before the last prompt token; here the last W, the decode rule
 at the first new token (each strategy's prompt rule is its decode rule). A W larger than R − 1 makes some
-observers newer than some distant tokens: they gave those tokens nothing (causal attention), and the score
-is still each observer's attention restricted to the distant tokens.
+observers older than some distant tokens: they gave those tokens nothing (causal attention; the ring's entry
+was zeroed when the token entered), and the score is still each observer's attention restricted to the
+distant tokens.
 """
 
 from __future__ import annotations

@@ -159,6 +159,15 @@ def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tu
         capacity = naive_capacity(q[h * rep : (h + 1) * rep], k[h], v[h], cand[GLOBAL:])
         lev = [capacity(p) for p in cand[GLOBAL:]]
         score = torch.tensor([max(lev) + 1] * GLOBAL + lev)
+    elif rule == "morphkv":  # the last W = RECENT − 1 queries' attention over the distant tokens, renormalised, summed
+        distant = [i for i in range(n) if GLOBAL <= i <= n - RECENT]
+        score = torch.zeros(n, dtype=torch.float64)
+        for i in range(max(0, n - (RECENT - 1)), n):
+            row = attention_from(q, k, cand[i], cand[: i + 1], h).double()
+            mass = sum(float(row[c]) for c in distant if c <= i)
+            for c in distant:
+                if c <= i:
+                    score[c] += float(row[c]) / mass
     elif rule == "heavy_hitter":  # SnapKV: the last W queries' attention summed, max-pooled over K keys
         window, kernel = 4, 1  # no pooling: max-pooled votes tie exactly, and top-k breaks ties its own way
         votes = torch.zeros(n)
@@ -178,7 +187,8 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
     return sorted(cand[i] for i in order[:budget])
 
 
-NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "curdkv", "capkv", "heavy_hitter"]
+NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "curdkv", "capkv", "heavy_hitter",
+               "morphkv"]
 RULE_FLAGS = {"heavy_hitter": ["--snapkv_window", "4", "--snapkv_kernel", "1"]}
 
 

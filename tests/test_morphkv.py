@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generate import decode_one_token
+from generate import decode_one_token, prefill
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
 from tests.test_strategies import layer0_queries, naive_probs, reference_kv
@@ -82,8 +82,8 @@ def our_trace(model, ids, *flags: str) -> list[tuple[list[set[int]], list[dict[i
 @pytest.mark.parametrize(("fusion", "observers"), [("sum", None), ("max", None), ("sum", 7)],
                          ids=["sum", "max", "more_observers_than_the_window"])
 def test_morphkv_keeps_and_scores_as_the_naive_rule(fusion, observers):
-    """W defaults to the recent window's tokens before the entering one (R − 1 = 3); W = 7 > R − 1 lets some
-    observers be newer than some distant tokens, which they gave nothing."""
+    """W defaults to the recent window's tokens before the entering one (R − 1 = 3); W = 7 > R − 1 makes some
+    observers older than some distant tokens, which they gave nothing (the ring's entries zeroed as they entered)."""
     model = make_tiny_model()
     ids = token_ids()
     flags = ["--morphkv_fusion", fusion] + (["--morphkv_window", str(observers)] if observers else [])
@@ -126,8 +126,6 @@ def test_a_prompt_shorter_than_the_window_seeds_fewer_observers():
     model = make_tiny_model()
     ids = token_ids()
     caches = attach(model, cache_args("morphkv", str(BUDGET), "dense", "--morphkv_window", "5"))
-    from generate import prefill
-
     with torch.inference_mode():
         model.reset_caches()
         prefill(model, ids[:, :2])
