@@ -40,7 +40,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, grouped_mean, register_strategy
 from kv_storage import scatter_slots
-from prompt_compression import prompt_attention
+from prompt_compression import ScoredOnce, prompt_attention
 
 FUSIONS = ("sum", "max")
 
@@ -60,7 +60,7 @@ def fused_shares(rows: Tensor, distant: Tensor, fusion: str) -> Tensor:
 
 
 @register_strategy
-class MorphKVCache(KVCache):
+class MorphKVCache(ScoredOnce, KVCache):
     name = "morphkv"
     hyperparameters = ("global_tokens", "recent_window")
     settings = (
@@ -90,13 +90,14 @@ class MorphKVCache(KVCache):
         return fused_shares(self.window_attention, distant, self.fusion)
 
     @classmethod
-    def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
+    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The prompt's scores, and the observers' rows [B, n_kv, W, T] that seed the ring (ScoredOnce: once)."""
         T = k.shape[2]
-        rows = prompt_attention(q, k, min(observer_count(cache), T))  # [B, n_kv, W, T]
+        rows = prompt_attention(q, k, min(observer_count(cache), T))
         index = torch.arange(T, device=k.device)
         # What a decode step at position T may evict: neither sinks nor the R − 1 newest prompt tokens.
         distant = (index >= cache.global_tokens) & (index <= T - cache.recent_window)
-        return fused_shares(rows, distant, str(cache.setting(cls.FUSION)))
+        return fused_shares(rows, distant, str(cache.setting(cls.FUSION))), {"rows": rows}
 
     def update_state(self, probs: Tensor) -> None:
         if not self.evicts_after_prompt:
@@ -111,8 +112,8 @@ class MorphKVCache(KVCache):
             return
         # The last W prompt queries observe the first decode steps (rows 0..w−1; the next step writes row w).
         B, H, W, _ = self.window_attention.shape
-        w, n = min(W, k.shape[2]), keep.shape[-1]
-        rows = prompt_attention(q, k, w)  # [B, n_kv, w, T]
+        rows = self.scored_prompt(k, q)[1]["rows"]  # [B, n_kv, w, T], w = min(W, T)
+        w, n = rows.shape[2], keep.shape[-1]
         self.window_attention.zero_()
         self.window_attention[:, :, :w, :n] = rows.gather(3, keep[:, :, None, :].expand(B, H, w, n))
         self.step.fill_(w % W)
