@@ -96,7 +96,7 @@ def naive_adaptive_chunks(rule: str | None, q, k, v, chunk: int, budget: int, he
 
 
 # The value-weighted rules (critical_kv, curdkv, capkv) get each head's own values (KVCache.observe_prompt_values).
-ADAKV_RULES = ["tova", "l2", "heavy_hitter", "critical_kv", "curdkv", "capkv"]
+ADAKV_RULES = ["tova", "l2", "heavy_hitter", "critical_kv", "curdkv", "capkv", "morphkv"]
 
 
 @pytest.mark.parametrize("chunk", [5, 6, 9])
