@@ -90,14 +90,17 @@ class MorphKVCache(ScoredOnce, KVCache):
         return fused_shares(self.window_attention, distant, self.fusion)
 
     @classmethod
-    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The prompt's scores, and the observers' rows [B, n_kv, W, T] that seed the ring (ScoredOnce: once)."""
+    def scoring(cls, cache: KVCache, k: Tensor, q: Tensor) -> tuple[Tensor, dict[str, Tensor] | None]:
+        """The prompt's scores, and the observers' rows [B, n_kv, W, T] that seed the ring (ScoredOnce: once); no
+        rows where nothing is evicted after the prompt (the kvpress protocols), so none stay stashed with the prompt's
+        keys for a ring that after_prefill leaves empty."""
         T = k.shape[2]
         rows = prompt_attention(q, k, min(observer_count(cache), T))
         index = torch.arange(T, device=k.device)
         # What a decode step at position T may evict: neither sinks nor the R − 1 newest prompt tokens.
         distant = (index >= cache.global_tokens) & (index <= T - cache.recent_window)
-        return fused_shares(rows, distant, str(cache.setting(cls.FUSION))), {"rows": rows}
+        scores = fused_shares(rows, distant, str(cache.setting(cls.FUSION)))
+        return scores, {"rows": rows} if cache.evicts_after_prompt else None
 
     def update_state(self, probs: Tensor) -> None:
         if not self.evicts_after_prompt:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from generate import decode_one_token, prefill
+from prompt_compression import stashed_scoring
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
 from tests.test_strategies import layer0_queries, naive_probs, reference_kv
@@ -134,3 +135,19 @@ def test_a_prompt_shorter_than_the_window_seeds_fewer_observers():
     assert c.window_attention[:, :, 2:].eq(0).all() and c.window_attention[:, :, :2, :2].gt(0).any()
     # the last prompt query's row is its attention over the two prompt tokens: a distribution per KV head
     torch.testing.assert_close(c.window_attention[0, :, 1, :2].sum(-1), torch.ones(c.n_kv_heads))
+
+
+def test_under_the_kvpress_protocols_no_prompt_scoring_stays_on_the_cache():
+    """Where nothing is evicted after the prompt the ring is never read: the compressed prompt's scoring (its keys
+    and the observers' rows) must not stay stashed on the cache while it decodes."""
+    model = make_tiny_model()
+    ids = token_ids()
+    caches = attach(model, cache_args("morphkv", str(BUDGET), "dense"))
+    for evicts in (False, True):
+        for c in caches:
+            c.configure(evicts_after_prompt=evicts, prompt_budget=BUDGET // 2 if not evicts else None)
+        with torch.inference_mode():
+            model.reset_caches()
+            prefill(model, ids[:, :PROMPT])
+        assert all(stashed_scoring(c) is None for c in caches)
+        assert bool(caches[0].window_attention.any()) is evicts  # the ring is seeded only where it is read
