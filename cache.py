@@ -158,6 +158,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     layer_statistics: dict | None = None
     # Buffers without a row dimension: the same for every row (the row context leaves them whole).
     row_shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # Its prompt rule reads what only its own cache holds (lacache's ladder, built from its settings), so it
+    # compresses no other cache's prompt (cache_spec.check_prompt_compression).
+    prompt_rule_needs_own_cache: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -402,6 +405,7 @@ class KVCache(ChunkedPrefill, nn.Module):
 
     # Settings from cache_spec.build_caches (see `configure`).
     layer_idx: int = 0
+    n_layers: int = 1  # the model's depth (a rule that differs by layer, lacache's ladder, reads both)
     # The strategy whose `prompt_scores` chooses the kept prompt tokens (--prompt_compression_strategy).
     prompt_compressor: type[KVCache] | None = None
     # The prompt-rule settings of the layer's --prompt_compression_strategy (Setting.prompt_rule), by name.

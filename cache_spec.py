@@ -485,6 +485,9 @@ def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str,
         raise UserError(f"layer {layer}: prompt compression '{compressor}' reads the prompt's token ids, which only a "
                         f"{compressor} cache receives (got {strategy}); use --cache_strategy {compressor} or another "
                         "compressor")
+    if rule.prompt_rule_needs_own_cache and own is not rule:
+        raise UserError(f"layer {layer}: prompt compression '{compressor}' ranks tokens by what only a {compressor} "
+                        f"cache holds (got {strategy}); use --cache_strategy {compressor} or another compressor")
     if issubclass(rule, PromptValueNorms) and own.name != "full" and not rule.observed_by(own):
         raise UserError(f"layer {layer}: {prompt_values_refusal(compressor, own.name)}")
     if rule.needs_gates and not own.needs_gates:
@@ -517,7 +520,8 @@ def build_caches(
         cls = with_allocation(get_strategy(spec.strategy), spec.budget_allocation)
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
-        settings = dict(layer_idx=spec.layer, prompt_compressor=get_strategy(spec.prompt_compression),
+        settings = dict(layer_idx=spec.layer, n_layers=len(specs),
+                        prompt_compressor=get_strategy(spec.prompt_compression),
                         prompt_settings=dict(spec.prompt_settings), rerotate_positions=spec.rerotate_positions,
                         prefill_chunk=spec.prefill_chunk, sliding_window=spec.sliding_window)
         if getattr(cls, "needs_token_classes", False):

@@ -29,6 +29,7 @@ from strategies import (
     keyformer,
     kvzip,
     l2,
+    lacache,
     lagkv,
     morphkv,
     qfilters,
@@ -47,7 +48,7 @@ from strategies.paper_names import paper_name_hint
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv, curdkv, capkv, cam, keyformer, vatp, sepllm, morphkv)
+                   simlayerkv, curdkv, capkv, cam, keyformer, vatp, sepllm, morphkv, lacache)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

@@ -5,9 +5,9 @@ compresses to its budget after each chunk by its strategy's prompt rule over wha
   every storage: the same kept positions, greedy tokens and logits (float32, atol 1e-5);
 - N = 1 is --feed_long_prompts' path with a prefill of one token (every prompt token a decode step);
 - several chunks against naive references written here from the rules' definitions (recent_global,
-  keep_it_odd, l2, tova, critical_kv, curdkv, capkv, SnapKV for heavy_hitter): the positions layer 0 keeps after every
-  chunk, and for a one-layer model the logits after the prompt (the last chunk attending over the held
-  tokens and itself);
+  keep_it_odd, l2, tova, critical_kv, curdkv, capkv, morphkv, lacache, SnapKV for heavy_hitter): the positions
+  layer 0 keeps after every chunk, and for a one-layer model the logits after the prompt (the last chunk
+  attending over the held tokens and itself);
 - the kvpress protocol (the context chunked, the question appended), compiled decoding afterwards, and bad
   input (one error: line, exit 2). Batched rows prefilled in chunks, every chunkable strategy:
   test_batching.py; re-rotated positions: test_chunked_rerotation.py; head-adaptive budgets:
@@ -47,6 +47,7 @@ from tests.strategy_matrix import (
 )
 from tests.test_capkv import naive_capacity
 from tests.test_curdkv import naive_window_shares, squared_norms
+from tests.test_lacache import naive_levels
 
 ATOL = 1e-5
 # Every chunkable strategy and twin on dense storage; the strategies (a twin's shadow is the same cache) on
@@ -168,6 +169,9 @@ def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tu
             for c in distant:
                 if c <= i:
                     score[c] += float(row[c]) / mass
+    elif rule == "lacache":  # layer 0's ladder (2 layers): blocks of 2 keep their first, then again; low levels go
+        level = naive_levels(2, 1, 0, 0, list(range(GLOBAL, PROMPT)))
+        score = torch.tensor([min(level.get(p, 99), 99) * 1000.0 + p for p in cand])
     elif rule == "heavy_hitter":  # SnapKV: the last W queries' attention summed, max-pooled over K keys
         window, kernel = 4, 1  # no pooling: max-pooled votes tie exactly, and top-k breaks ties its own way
         votes = torch.zeros(n)
@@ -188,7 +192,7 @@ def naive_keep(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> list
 
 
 NAIVE_RULES = ["recent_global", "keep_it_odd", "l2", "tova", "critical_kv", "curdkv", "capkv", "heavy_hitter",
-               "morphkv"]
+               "morphkv", "lacache"]
 RULE_FLAGS = {"heavy_hitter": ["--snapkv_window", "4", "--snapkv_kernel", "1"]}
 
 
