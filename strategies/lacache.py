@@ -3,10 +3,10 @@ Modeling of Large Language Models", arXiv 2507.14204; the rule read from the aut
 
 Every layer keeping the same tokens wastes the depth: LaCache gives each layer a different subset of the old
 tokens, so that together the layers still cover far more of the past than any one holds, and it reads no
-attention (it runs with any attention kernel). The old tokens are cut into blocks of `before` consecutive ones;
-layer i keeps the `after` consecutive tokens of each block that start at offset i mod (before − after + 1), so
-the kept offsets climb with depth and repeat: a ladder. The authors size the ladder by a span S (how many layers
-keep a token) and an overlap O, over the model's n layers:
+attention (it runs with any attention kernel). Old tokens are cut into blocks of `before` consecutive ones, and
+layer i keeps the `after` consecutive tokens of each block that start at offset i mod (before − after + 1), so the
+kept offsets climb with depth and repeat: a ladder. The authors size the ladder by a span S (how many layers keep
+a token) and an overlap O, over the model's n layers:
 
     before = 1 + ⌈(n − S) / (S − O)⌉,    after = min(⌈S / (S − O)⌉, before),
 
@@ -14,26 +14,30 @@ for Llama's 32 layers at S = 16, O = 0: blocks of 2, each layer keeping 1 (the e
 odd layers the odd ones). `--lacache_span` defaults to half the layers (the authors' 16 of 32), `--lacache_overlap`
 to 0.
 
-Iterative compaction, for answers longer than any budget: the tokens a layer keeps are laddered again by the
-same rule (its kept tokens, in order, cut into blocks of `before`), and again, so the older part of the cache
-grows sparser. A token's *level* is the first pass that drops it from this layer; the cache evicts the lowest
-level first and, within a level, the oldest: the first ladder is applied to each token as it leaves the recent
-window, and once that leaves too many, the second ladder thins the oldest of what is left, and so on. The
-sinks (`--global_tokens`) and the recent window are kept, as in every cache; the ladder counts from the first
-token after the sinks. A prompt longer than the budget is compressed by the same order.
+Iterative compaction, as the authors' code runs it: a cursor sweeps the held tokens from the oldest, cutting the
+next block and dropping what this layer does not keep there, only as fast as room is needed, so the newest tokens
+stay whole until the sweep reaches them; when the next block would reach into the recent window (the authors
+leave the newest tokens, as many as the layers, unswept), the sweep starts over from the sinks and ladders what it
+compacted again, so older tokens grow sparser with every sweep. Here one token leaves per step at a fixed size: a
+block's drops go one per step, oldest first, and the sinks (`--global_tokens`) and the recent window are kept as in
+every cache. Since the ladder reads nothing but positions, the whole sequence of evictions is fixed by the
+budget: `ladder_rank` holds, for every position of the run, the step at which the sweep evicts it when tokens are
+fed one at a time (4 bytes a position per row and layer), and a full cache evicts its lowest. So a prompt
+compressed at once, or chunk by chunk, keeps exactly what the token-by-token sweep holds at its end, and decoding
+goes on with it.
 
-The order is a fixed function of the position (no statistics, no per-slot state): `ladder_rank` holds it for
-every position of the run (4 bytes each), one lookup per step. Where this differs from the authors' code: their
-cache grows past its size and is cut back a few blocks at a time, with a cursor that sweeps the old tokens and
-starts over from the sinks once it reaches the newest (re-laddering the whole compacted part at once); this
-cache evicts one token per step at a fixed size, and its later passes thin the oldest tokens first. Both apply
-the same first ladder, tokens leave in the same order within a pass, and older tokens end up sparser. Their
-runs keep the positions within the cache (`--rerotate_positions` here) to stream past the context.
+Where this differs from the authors' code: their cache grows past its size and is cut back a few blocks at a time
+(their size oscillates around the budget; a long prompt cut at once thins the compacted part by a larger ratio in
+one startover), where this cache evicts one token per step; their unswept tail is the layer count, here the recent
+window. Their runs keep the positions within the cache (`--rerotate_positions` here) to stream past the context.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import deque
+from itertools import takewhile
 
 import torch
 from torch import Tensor
@@ -49,24 +53,47 @@ def ladder_shape(n_layers: int, span: int, overlap: int) -> tuple[int, int]:
     return before, min(math.ceil(span / (span - overlap)), before)
 
 
-def ladder_levels(count: int, before: int, after: int, offset: int) -> Tensor:
-    """The level of each of `count` tokens (the ladder's index 0 = the first token after the sinks): the first
-    pass of the ladder that drops it, [count] long. A token no pass drops (it settles at an index below `after`
-    at offset 0) gets one level above every other."""
-    index = torch.arange(count)  # the token's index in the list the current pass cuts
-    level = torch.zeros(count, dtype=torch.long)
-    alive = torch.ones(count, dtype=torch.bool)
-    step = 1
-    # Every pass lowers a surviving index (by at least the offset, or by a block's reduction), so the loop ends
-    # once only the fixed points are left: offset 0 and an index below `after`.
-    while (alive & ((index >= after) | (offset > 0))).any():
-        inner = index % before - offset
-        kept = (inner >= 0) & (inner < after)
-        level[alive & ~kept] = step
-        alive &= kept
-        index = torch.where(alive, index // before * after + inner, index)
-        step += 1
-    return level.masked_fill(alive, step)
+@functools.lru_cache(maxsize=64)
+def eviction_steps(length: int, budget: int, sinks: int, window: int, before: int, after: int, offset: int) -> Tensor:
+    """The step at which the ladder's sweep evicts each of `length` positions fed one at a time into `budget`
+    slots, [length] float32; a position never evicted gets length + p, a sink 2·length + p (kept above all)."""
+    step = [float(length + p) for p in range(length)]
+    step[:sinks] = [float(2 * length + p) for p in range(min(sinks, length))]
+    swept: list[int] = []  # held tokens this sweep has passed, oldest first
+    unswept: deque[int] = deque()  # held tokens ahead of the sweep, oldest first
+    drops: deque[int] = deque()  # the current block's tokens this layer does not keep, leaving one per step
+    held = min(sinks, length)
+    for t in range(min(sinks, length), length):
+        unswept.append(t)
+        held += 1
+        if held <= budget:
+            continue
+        if not drops:
+            drops = next_block_drops(swept, unswept, t - window, before, after, offset)
+        step[drops.popleft()] = float(t)
+        held -= 1
+    return torch.tensor(step, dtype=torch.float32)
+
+
+def next_block_drops(swept: list[int], unswept: deque[int], newest_evictable: int, before: int, after: int,
+                     offset: int) -> deque[int]:
+    """Cut the next block ahead of the sweep (starting over from the oldest when no whole block of evictable
+    tokens is left before the window): its kept tokens join `swept`, its others are returned, oldest first."""
+    def whole_block() -> bool:
+        return len(unswept) >= before and unswept[before - 1] <= newest_evictable
+
+    if not whole_block():  # start over: what was swept is laddered again, from the oldest
+        unswept.extendleft(reversed(swept))
+        swept.clear()
+    # A budget with no room past the sinks and the window (refused for the cache's own budget; a smaller prompt
+    # target may have none) takes the oldest anyway: the cache's protection then keeps it.
+    count = before if whole_block() else max(sum(1 for _ in takewhile(lambda p: p <= newest_evictable, unswept)), 1)
+    block = [unswept.popleft() for _ in range(count)]
+    kept = block[offset : offset + after]
+    if len(kept) == len(block):  # a short last block holding only kept offsets: its oldest goes
+        kept = block[1:]
+    swept.extend(kept)
+    return deque(p for p in block if p not in kept)
 
 
 @register_strategy
@@ -80,8 +107,6 @@ class LaCacheCache(KVCache):
         OVERLAP := Setting("lacache_overlap", 0, low=0,
                            help="the ladder's overlap O between the layer groups (below the span)"),
     )
-    # One rank per position of the run (`ladder_rank`), the same for every row.
-    row_shared_buffers = ("ladder_rank",)
     prompt_rule_needs_own_cache = True
     n_layers: int = 1
 
@@ -89,7 +114,8 @@ class LaCacheCache(KVCache):
         super().__init__(batch_size, *args, **kwargs)
         if self.capacity_needed >= 1 << 40:
             raise ValueError("a lacache cache ranks every position of the run: give it capacity_needed")
-        self.register_buffer("ladder_rank", torch.zeros(self.capacity_needed, device=self.pos.device))
+        # each row's eviction step of every position of the run (rows may have different budgets)
+        self.register_buffer("ladder_rank", torch.zeros(batch_size, self.capacity_needed, device=self.pos.device))
         if self.setting(self.SPAN) is None:
             self.fill_ladder()  # the default span fits any depth; a given one waits for the model's (configure)
 
@@ -110,17 +136,15 @@ class LaCacheCache(KVCache):
         return before, after
 
     def fill_ladder(self) -> None:
-        """`ladder_rank`: each position's place in the eviction order (level, then position), lowest first.
-        Built on the host (the pass loop asks whether anything is left) for the run's whole length, whichever
-        row a row context shows."""
+        """`ladder_rank`: each row's eviction steps under its prompt target (the budget, or the kvpress protocol's
+        prompt budget), built on the host (whichever rows a row context shows)."""
         before, after = self.shape()
-        length = self.ladder_rank.numel()
-        sinks = min(self.global_tokens, length)
+        length = self.ladder_rank.shape[-1]
         offset = self.layer_idx % (before - after + 1)
-        level = torch.cat([torch.full((sinks,), 1 << 20), ladder_levels(length - sinks, before, after, offset)])
-        rank = torch.empty(length)
-        rank[torch.argsort(level * length + torch.arange(length))] = torch.arange(length, dtype=torch.float32)
-        self.ladder_rank.copy_(rank)
+        for r, budget in enumerate(self.row_budgets):
+            target = min(self.prompt_budget, budget) if self.prompt_budget else budget
+            steps = eviction_steps(length, target, self.global_tokens, self.recent_window, before, after, offset)
+            self.ladder_rank[r].copy_(steps)
 
     def configure(self, **settings: object) -> None:
         super().configure(**settings)
@@ -130,9 +154,17 @@ class LaCacheCache(KVCache):
         super().reset()
         self.fill_ladder()
 
+    def set_row_budgets(self, budgets: list[int], capacities: list[int]) -> None:
+        super().set_row_budgets(budgets, capacities)
+        self.fill_ladder()
+
+    def steps_of(self, positions: Tensor) -> Tensor:
+        """Each row's eviction step of `positions` [B, 1, N] (empty slots, −1, read position 0: protected)."""
+        return self.ladder_rank.gather(1, positions.clamp(min=0).flatten(1)).view(positions.shape)
+
     def token_scores(self, input_pos: Tensor) -> Tensor:
-        return self.ladder_rank[self.pos.clamp(min=0)]
+        return self.steps_of(self.pos)
 
     @classmethod
     def prompt_scores(cls, cache: KVCache, k: Tensor, q: Tensor) -> Tensor:
-        return cache.ladder_rank[cache.scored_positions(k)]
+        return cache.steps_of(cache.scored_positions(k))

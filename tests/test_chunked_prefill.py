@@ -47,7 +47,7 @@ from tests.strategy_matrix import (
 )
 from tests.test_capkv import naive_capacity
 from tests.test_curdkv import naive_window_shares, squared_norms
-from tests.test_lacache import naive_levels
+from tests.test_lacache import naive_ladder, naive_sweep
 
 ATOL = 1e-5
 # Every chunkable strategy and twin on dense storage; the strategies (a twin's shadow is the same cache) on
@@ -169,9 +169,9 @@ def naive_scores(rule: str, cand: list[int], budget: int, q, k, v, h: int) -> tu
             for c in distant:
                 if c <= i:
                     score[c] += float(row[c]) / mass
-    elif rule == "lacache":  # layer 0's ladder (2 layers): blocks of 2 keep their first, then again; low levels go
-        level = naive_levels(2, 1, 0, 0, list(range(GLOBAL, PROMPT)))
-        score = torch.tensor([min(level.get(p, 99), 99) * 1000.0 + p for p in cand])
+    elif rule == "lacache":  # layer 0's ladder (2 layers: blocks of 2, the first kept): the later-swept rank higher
+        evicted = naive_sweep(naive_ladder(2, 1, 0, 0), PROMPT, budget)[1]
+        score = torch.tensor([float(evicted.get(p, 1000 + p)) for p in cand])
     elif rule == "heavy_hitter":  # SnapKV: the last W queries' attention summed, max-pooled over K keys
         window, kernel = 4, 1  # no pooling: max-pooled votes tie exactly, and top-k breaks ties its own way
         votes = torch.zeros(n)

@@ -1,10 +1,11 @@
-"""lacache (LaCache's ladder, arXiv 2507.14204) against a naive implementation written from its definition, with
-lists as the authors' code cuts them: the old tokens (after the sinks) in blocks of `before`, each layer keeping
-the `after` of each block from offset layer mod (before − after + 1), the survivors cut again by the same rule;
-a token's level is the pass that drops it, and a full cache evicts the lowest level, the oldest first. Replayed
-over whole runs (prompt compressed, then every decode step) in every layer of 2- and 4-layer models and three
-ladders, and chunk by chunk; the layers must differ (the ladder) and cover more together than one alone; bad
-ladders are refused with one error line."""
+"""lacache (LaCache's ladder, arXiv 2507.14204) against a naive implementation written from its definition: the
+ladder's shape from the authors' arithmetic (blocks of `before` old tokens, each layer keeping the `after` from
+offset layer mod (before − after + 1)), and their iterative compaction as a cursor over the held positions: when
+the cache is over its budget, the next block past the cursor loses what the layer does not keep there, one token a
+step, oldest first; when no whole block of tokens outside the recent window is left past the cursor, the cursor
+starts over from the sinks. Replayed over whole runs (prompt compressed, then every decode step) in every layer
+of 2- and 4-layer models and three ladders, and chunk by chunk; the layers must differ (the ladder) and cover more
+together than one alone; bad ladders are refused with one error line."""
 
 from __future__ import annotations
 
@@ -16,47 +17,45 @@ import torch
 import generate
 from errors import UserError, run_cli
 from generate import chunked_prefill, decode_one_token
+from strategies.lacache import eviction_steps
 from tests.conftest import make_tiny_model
 from tests.strategy_matrix import GLOBAL, PROMPT, RECENT, TOTAL, attach, cache_args, held_positions, run, token_ids
 
 BUDGET = 12
-PERMANENT = 1 << 30
 
 
-def naive_levels(n_layers: int, span: int, overlap: int, layer: int, tokens: list[int]) -> dict[int, int]:
-    """Each token's level in this layer's ladder: the pass that drops it (PERMANENT if none does)."""
+def naive_ladder(n_layers: int, span: int, overlap: int, layer: int) -> tuple[int, int, int]:
+    """(before, after, offset) of this layer's ladder."""
     before = 1 + math.ceil((n_layers - span) / (span - overlap))
     after = min(math.ceil(span / (span - overlap)), before)
-    offset = layer % (before - after + 1)
-    level, current, step = {}, list(tokens), 1
-    while True:
-        blocks = [current[i : i + before] for i in range(0, len(current), before)]
-        kept = [block[j] for block in blocks for j in range(offset, offset + after) if j < len(block)]
-        for p in set(current) - set(kept):
-            level[p] = step
-        if kept == current:
-            return level | dict.fromkeys(current, PERMANENT)
-        current, step = kept, step + 1
+    return before, after, layer % (before - after + 1)
 
 
-def naive_keep(candidates: list[int], level: dict[int, int], budget: int) -> list[int]:
-    """The sinks and the RECENT newest of `candidates`, then the highest levels, the newest first in each."""
-    n = len(candidates)
-    protected = set(candidates[:GLOBAL]) | set(candidates[n - RECENT :])
-    order = sorted(candidates, key=lambda p: (p not in protected, -level.get(p, PERMANENT), -p))
-    return sorted(order[:budget])
-
-
-def naive_run(level: dict[int, int]) -> list[set[int]]:
-    """Held positions after the prefill and after each decode step."""
-    held = naive_keep(list(range(PROMPT)), level, BUDGET)
-    trace = [set(held)]
-    for p in range(PROMPT, TOTAL):
-        if len(held) == BUDGET:
-            held.remove(min((x for x in held if GLOBAL <= x <= p - RECENT), key=lambda x: (level[x], x)))
-        held = sorted([*held, p])
+def naive_sweep(ladder: tuple[int, int, int], total: int, budget: int = BUDGET) -> tuple[list[set[int]], dict, int]:
+    """Tokens fed one at a time: the held positions after each, each position's eviction step, and how many
+    times the cursor started over with compacted tokens behind it."""
+    before, after, offset = ladder
+    held, cursor, drops, evicted, restarts, trace = [], GLOBAL - 1, [], {}, 0, []
+    for t in range(total):
+        held.append(t)
+        if len(held) > budget:
+            if not drops:
+                ahead = [p for p in held if p > cursor and p >= GLOBAL]
+                if not (len(ahead) >= before and ahead[before - 1] <= t - RECENT):
+                    restarts += cursor >= GLOBAL
+                    cursor = GLOBAL - 1
+                    ahead = [p for p in held if p >= GLOBAL]
+                whole = len(ahead) >= before and ahead[before - 1] <= t - RECENT
+                block = ahead[:before] if whole else [p for p in ahead if p <= t - RECENT]
+                kept = block[offset : offset + after]
+                if len(kept) == len(block):
+                    kept = block[1:]
+                drops, cursor = [p for p in block if p not in kept], block[-1]
+            victim = drops.pop(0)
+            held.remove(victim)
+            evicted[victim] = t
         trace.append(set(held))
-    return trace
+    return trace, evicted, restarts
 
 
 LADDERS = [(2, None, None, 1, 0),  # the default span on 2 layers: 1 → blocks of 2, one kept (offsets 0, 1)
@@ -77,31 +76,25 @@ def test_lacache_keeps_what_the_naive_ladder_keeps_over_a_whole_run(n_layer, spa
     ours: list[list[set[int]]] = []
     with torch.inference_mode():
         run(model, token_ids(seed), decode_one_token, lambda p: ours.append([held_positions(c)[0] for c in caches]))
-    levels_seen = set()
     for layer in range(n_layer):
-        level = naive_levels(n_layer, naive_span, naive_overlap, layer, list(range(GLOBAL, TOTAL)))
-        expected = naive_run(level)
-        assert [step[layer] for step in ours] == expected, layer
-        levels_seen |= {level[p] for p in set(range(GLOBAL, TOTAL)) - expected[-1]}
-    assert {1, 2} <= levels_seen  # the run evicted on the first ladder and on a later pass
+        trace, _, restarts = naive_sweep(naive_ladder(n_layer, naive_span, naive_overlap, layer), TOTAL)
+        assert [step[layer] for step in ours] == trace[PROMPT - 1 :], layer
+        assert restarts >= 1  # the sweep laddered compacted tokens again
     assert all(len(set(map(frozenset, held_positions(c)))) == 1 for c in caches)  # every head of a layer alike
 
 
 @pytest.mark.parametrize("chunk", [5, 9])
-def test_a_chunked_prefill_keeps_the_naive_choice_after_every_chunk(chunk):
+def test_a_chunked_prefill_keeps_what_the_token_by_token_sweep_holds_after_every_chunk(chunk):
     model = make_tiny_model()
     caches = attach(model, cache_args("lacache", str(BUDGET), "dense", "--prefill_chunk", str(chunk)))
     ids = token_ids()
-    held = [[], []]
     with torch.inference_mode():
         for n in range(chunk, PROMPT + chunk, chunk):  # the same prompt cut after each chunk
             model.reset_caches()
             chunked_prefill(model, ids[:, : min(n, PROMPT)], chunk, decode_one_token)
             for layer in range(2):
-                level = naive_levels(2, 1, 0, layer, list(range(GLOBAL, TOTAL)))
-                candidates = held[layer] + list(range(n - chunk, min(n, PROMPT)))
-                held[layer] = candidates if len(candidates) <= BUDGET else naive_keep(candidates, level, BUDGET)
-                assert held_positions(caches[layer])[0] == set(held[layer]), (n, layer)
+                trace, _, _ = naive_sweep(naive_ladder(2, 1, 0, layer), min(n, PROMPT))
+                assert held_positions(caches[layer])[0] == trace[-1], (n, layer)
 
 
 def test_the_layers_hold_different_rungs_and_cover_more_together():
@@ -117,7 +110,7 @@ def test_the_layers_hold_different_rungs_and_cover_more_together():
         held[name] = [held_positions(c)[0] for c in caches]
     layers = held["lacache"]
     assert len(set(map(frozenset, layers))) == 4 and layers[0] != held["recent_global"][0]
-    assert len(set().union(*layers)) > BUDGET + 6
+    assert len(set().union(*layers)) > BUDGET
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -137,9 +130,41 @@ def test_bad_ladders_get_one_error_line_and_exit_2(flags, message, tiny_dir, cap
 
 def test_a_one_layer_model_gets_the_smallest_ladder_unless_a_span_is_given():
     model = make_tiny_model(n_layer=1)
-    (cache,) = attach(model, cache_args("lacache", str(BUDGET)))
-    level = naive_levels(2, 1, 0, 0, list(range(GLOBAL, TOTAL)))  # blocks of 2, one kept
-    expected = sorted(range(TOTAL), key=lambda p: (p >= GLOBAL, -level.get(p, PERMANENT), -p), reverse=True)
-    assert cache.ladder_rank.argsort().tolist() == expected
+    caches = attach(model, cache_args("lacache", str(BUDGET)))
+    ours = []
+    with torch.inference_mode():
+        run(model, token_ids(), decode_one_token, lambda p: ours.append(held_positions(caches[0])[0]))
+    assert ours == naive_sweep((2, 1, 0), TOTAL)[0][PROMPT - 1 :]  # blocks of 2, the first kept
     with pytest.raises(UserError, match="keeps every token in every layer"):
         attach(model, cache_args("lacache", str(BUDGET), "dense", "--lacache_span", "1"))
+
+
+LADDER_SHAPES = [(2, 1, 0), (2, 1, 1), (3, 2, 0), (3, 2, 1)] + [(4, 1, offset) for offset in range(4)]
+
+
+@pytest.mark.parametrize("ladder", LADDER_SHAPES)
+def test_the_eviction_steps_are_the_naive_sweeps_at_every_budget(ladder):
+    """The table the cache ranks by, against the naive sweep, down to budgets with no whole block outside the
+    window (a short block at each start-over)."""
+    total = 60
+    for budget in range(GLOBAL + RECENT + 1, 30):
+        steps = eviction_steps(total, budget, GLOBAL, RECENT, *ladder).tolist()
+        _, evicted, _ = naive_sweep(ladder, total, budget)
+        assert {p: int(s) for p, s in enumerate(steps) if s < total} == evicted, budget
+        assert sorted(range(total), key=lambda p: steps[p])[-GLOBAL:] == list(range(GLOBAL))  # the sinks last
+
+
+def test_the_kvpress_protocols_prompt_budget_is_the_sweeps_budget():
+    """A prompt compressed to a smaller prompt budget (the kvpress protocols; nothing evicted after it) keeps what
+    the sweep into that budget holds."""
+    model = make_tiny_model()
+    caches = attach(model, cache_args("lacache", str(8 + TOTAL - PROMPT)))  # slots for the prompt's 8 and the rest
+    for c in caches:
+        c.configure(evicts_after_prompt=False, prompt_budget=8)
+    ours = []
+    with torch.inference_mode():
+        run(model, token_ids(), decode_one_token, lambda p: ours.append([held_positions(c)[0] for c in caches]))
+    for layer in range(2):
+        prompt_kept = naive_sweep(naive_ladder(2, 1, 0, layer), PROMPT, budget=8)[0][-1]
+        assert ours[0][layer] == prompt_kept
+        assert ours[-1][layer] == prompt_kept | set(range(PROMPT, TOTAL))  # the rest appended, nothing evicted
