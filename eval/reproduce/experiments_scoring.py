@@ -1,5 +1,5 @@
 """The scoring rules' claims (TOVA, K-norm, KeyDiff, Q-Filters, CriticalKV, ChunkKV, Ada-KV, Expected Attention,
-R-KV, LagKV):
+R-KV, LagKV, MorphKV, LaCache):
 each against the rule its paper measures itself against, declared as experiments.py declares the others (and
 registered into the same EXPERIMENTS when experiments.py loads).
 
@@ -236,4 +236,51 @@ register(Experiment(
            "~512-token context; partitions of 128 tokens (--lag_size, the default) and 4 sinks.",
            "SnapKV's window is the context's last 32 tokens (the question comes after compression), as in the "
            "compactor experiment, whose arm this one shares."),
+))
+
+# Long answers: a short prompt, then many more decoded positions than the budget holds, so what is kept is decided
+# while decoding (MorphKV's and LaCache's setting), in 224-token windows as the prompt-profiled experiments.
+LONG_DECODE = {"quick": ("--seq_len", "224", "--prefill_tokens", "32", "--limit", "8"),
+               "full": ("--seq_len", "2048", "--prefill_tokens", "128", "--limit", "20")}
+
+register(Experiment(
+    name="morphkv",
+    paper="MorphKV (Ghadia et al., ICML 2025, arXiv 2503.00979)",
+    claim="Ranking the older tokens at every step by the attention of the recent window's queries keeps the "
+          "next-token distribution over a long answer closer to the full cache than H2O's attention accumulated "
+          "since insertion, at the same budget and with the same protected tokens.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=FIFTH,
+    arms=(Arm("recent queries", ("--cache_strategy", "morphkv")),
+          Arm("h2o", ("--cache_strategy", "heavy_hitter"))),
+    comparisons=(Comparison("recent queries", "h2o"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=LONG_DECODE, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper measures long-response benchmarks (LongGenBench, LongWriter) on 7-8B models against SnapKV and "
+           "H2O; here teacher-forced fidelity on pydoc text, 32 tokens prefilled and 192 decoded into a fifth of "
+           "the window. Both arms keep 4 sinks and the default 10-token window, so MorphKV's observers are the "
+           "window's 9 queries before the one entering (its preset's window of 33 would leave a 44-token budget "
+           "almost nothing to rank); sum fusion, the authors' LongBench setting."),
+))
+
+register(Experiment(
+    name="lacache",
+    paper="LaCache (Shi et al., ICML 2025, arXiv 2507.14204)",
+    claim="Giving each layer a different rung of a ladder over the old tokens, laddered again as the cache fills, "
+          "keeps the next-token distribution over a long decode closer to the full cache than the attention sinks "
+          "and a window alone (StreamingLLM), at the same budget.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    common=(*FIFTH, "--global_tokens", "4"),
+    arms=(Arm("ladder", ("--cache_strategy", "lacache")),
+          Arm("streamingllm", ("--cache_strategy", "recent_global"))),
+    comparisons=(Comparison("ladder", "streamingllm"),),
+    varies=frozenset({"cache_strategy"}),
+    profiles=LONG_DECODE, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper's perplexity over long streams and LongBench on 7-8B models; here teacher-forced fidelity on "
+           "pydoc text, 32 tokens prefilled and 192 decoded into a fifth of the window (44 tokens), on the bundled "
+           "model's 30 layers (the default span, 15: blocks of 2, one kept per layer).",
+           "Both arms keep the first 4 tokens and the tokens' own positions (the authors run positions within the "
+           "cache, --rerotate_positions here, to stream past the context, which these windows do not reach); "
+           "lacache's unswept tail is the default 10-token recent window, recent_global's all it holds past the "
+           "sinks."),
 ))
