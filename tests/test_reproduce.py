@@ -18,7 +18,7 @@ import pytest
 from errors import UserError
 from eval import cli as eval_cli
 from eval.reproduce import cli, duo_controls, runner
-from eval.reproduce.experiments import EXPERIMENTS, PROFILES, Arm, Comparison, Experiment
+from eval.reproduce.experiments import EXPERIMENTS, PROFILES, Arm, Comparison, Experiment, register
 from eval.reproduce.report import common_text
 from eval.reproduce.runner import FAIL, INCONCLUSIVE, PASS, combine, verdict
 from eval.tasks import TASKS
@@ -258,6 +258,12 @@ def test_a_matched_arm_needs_a_task_whose_scored_steps_are_known() -> None:
                      profiles=dict.fromkeys(PROFILES, ("--limit", "2")))
     with pytest.raises(UserError, match="arm b: a matched budget needs the fidelity task"):
         runner.check_experiment(exp, "quick", RUNS, [])
+
+
+def test_notes_written_as_one_string_are_refused() -> None:
+    with pytest.raises(TypeError, match="notes must be a tuple"):
+        register(dataclasses.replace(EXPERIMENTS["h2o"], name="x", notes="one sentence"))
+    assert "x" not in EXPERIMENTS
 
 
 def test_an_undeclared_inert_flag_is_refused() -> None:

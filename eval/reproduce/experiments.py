@@ -98,6 +98,8 @@ EXPERIMENTS: dict[str, Experiment] = {}
 
 
 def register(experiment: Experiment) -> Experiment:
+    if not isinstance(experiment.notes, tuple):  # one string (a missing comma) would be listed letter by letter
+        raise TypeError(f"{experiment.name}: notes must be a tuple of sentences")
     EXPERIMENTS[experiment.name] = experiment
     return experiment
 

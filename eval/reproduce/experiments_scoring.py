@@ -260,7 +260,7 @@ register(Experiment(
            "H2O; here teacher-forced fidelity on pydoc text, 32 tokens prefilled and 192 decoded into a fifth of "
            "the window. Both arms keep 4 sinks and the default 10-token window, so MorphKV's observers are the "
            "window's 9 queries before the one entering (its preset's window of 33 would leave a 44-token budget "
-           "almost nothing to rank); sum fusion, the authors' LongBench setting."),
+           "almost nothing to rank); sum fusion, the authors' LongBench setting.",),
 ))
 
 register(Experiment(
