@@ -405,7 +405,10 @@ class KVCache(ChunkedPrefill, nn.Module):
 
     # Settings from cache_spec.build_caches (see `configure`).
     layer_idx: int = 0
-    n_layers: int = 1  # the model's depth (a rule that differs by layer, lacache's ladder, reads both)
+    # The layers holding this layer's strategy (all of a model's but its sliding layers, unless --cache_strategy
+    # gives a pattern): how many, and this one's place among them (lacache's ladder spreads its rungs over them).
+    strategy_layers: int = 1
+    strategy_layer_idx: int = 0
     # The strategy whose `prompt_scores` chooses the kept prompt tokens (--prompt_compression_strategy).
     prompt_compressor: type[KVCache] | None = None
     # The prompt-rule settings of the layer's --prompt_compression_strategy (Setting.prompt_rule), by name.

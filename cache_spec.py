@@ -513,6 +513,7 @@ def build_caches(
     """One cache per layer. `token_classes` (strategies.token_ids.token_classes) is needed by hybrid caches."""
     caches = []
     for spec in specs:
+        peers = [s.layer for s in specs if s.strategy == spec.strategy]
         group = min(spec.storage.q_group_size, head_dim)
         if spec.storage.scheme == "kivi" and spec.storage.bits < 16 and head_dim % group:
             raise UserError(f"--q_group_size {spec.storage.q_group_size}: kivi value groups of {group} channels "
@@ -520,7 +521,7 @@ def build_caches(
         cls = with_allocation(get_strategy(spec.strategy), spec.budget_allocation)
         cache = cls(batch_size, n_kv_heads, head_dim, spec.max_cache_length, dtype, device, spec.storage,
                     capacity_needed=capacity_needed, **spec.hyperparameters)
-        settings = dict(layer_idx=spec.layer, n_layers=len(specs),
+        settings = dict(layer_idx=spec.layer, strategy_layers=len(peers), strategy_layer_idx=peers.index(spec.layer),
                         prompt_compressor=get_strategy(spec.prompt_compression),
                         prompt_settings=dict(spec.prompt_settings), rerotate_positions=spec.rerotate_positions,
                         prefill_chunk=spec.prefill_chunk, sliding_window=spec.sliding_window)

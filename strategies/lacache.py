@@ -12,7 +12,9 @@ a token) and an overlap O, over the model's n layers:
 
 for Llama's 32 layers at S = 16, O = 0: blocks of 2, each layer keeping 1 (the even layers the even tokens, the
 odd layers the odd ones). `--lacache_span` defaults to half the layers (the authors' 16 of 32), `--lacache_overlap`
-to 0.
+to 0. The layers counted, and the rung's index i, are those that hold a lacache cache: every layer of a Llama, but
+only the global layers of a model with sliding layers (Gemma 3's 3 of 18), or a per-layer pattern's lacache layers,
+so the rungs spread over the layers that compress.
 
 Iterative compaction, as the authors' code runs it: a cursor sweeps the held tokens from the oldest, cutting the
 next block and dropping what this layer does not keep there, only as fast as room is needed, so the newest tokens
@@ -108,7 +110,6 @@ class LaCacheCache(KVCache):
                            help="the ladder's overlap O between the layer groups (below the span)"),
     )
     prompt_rule_needs_own_cache = True
-    n_layers: int = 1
 
     def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, *args, **kwargs)
@@ -120,19 +121,21 @@ class LaCacheCache(KVCache):
             self.fill_ladder()  # the default span fits any depth; a given one waits for the model's (configure)
 
     def shape(self) -> tuple[int, int]:
-        """The ladder's (before, after) for this model: the span's default is half the layers; a model too
-        shallow for any ladder (one layer) gets the smallest, 1 of each 2."""
+        """The ladder's (before, after) over the layers holding a lacache cache (the model's layers, but for
+        its sliding layers or a per-layer strategy pattern): the span's default is half of them; a single one
+        has no ladder and gets the smallest, 1 of each 2."""
+        layers = self.strategy_layers
         span, overlap = self.setting(self.SPAN), int(self.setting(self.OVERLAP))
         if span is None:
-            span = max(self.n_layers // 2, 1)
-            if self.n_layers < 2:
+            span = max(layers // 2, 1)
+            if layers < 2:
                 return 2, 1
         if overlap >= span:
             raise UserError(f"--lacache_overlap {overlap} must be below --lacache_span {span}")
-        before, after = ladder_shape(self.n_layers, int(span), overlap)
+        before, after = ladder_shape(layers, int(span), overlap)
         if before <= after:
-            raise UserError(f"--lacache_span {span} (overlap {overlap}) on a {self.n_layers}-layer model keeps every "
-                            f"token in every layer ({after} of each {before}): give a span below the layer count")
+            raise UserError(f"--lacache_span {span} (overlap {overlap}) over {layers} lacache layers keeps every token "
+                            f"in every layer ({after} of each {before}): give a span below the layer count")
         return before, after
 
     def fill_ladder(self) -> None:
@@ -140,7 +143,7 @@ class LaCacheCache(KVCache):
         prompt budget), built on the host (whichever rows a row context shows)."""
         before, after = self.shape()
         length = self.ladder_rank.shape[-1]
-        offset = self.layer_idx % (before - after + 1)
+        offset = self.strategy_layer_idx % (before - after + 1)
         for r, budget in enumerate(self.row_budgets):
             target = min(self.prompt_budget, budget) if self.prompt_budget else budget
             steps = eviction_steps(length, target, self.global_tokens, self.recent_window, before, after, offset)
@@ -148,7 +151,7 @@ class LaCacheCache(KVCache):
 
     def configure(self, **settings: object) -> None:
         super().configure(**settings)
-        self.fill_ladder()  # the layer's rung and the model's depth are known now
+        self.fill_ladder()  # the layer's rung and the number of lacache layers are known now
 
     def reset(self) -> None:
         super().reset()

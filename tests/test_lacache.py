@@ -168,3 +168,17 @@ def test_the_kvpress_protocols_prompt_budget_is_the_sweeps_budget():
         prompt_kept = naive_sweep(naive_ladder(2, 1, 0, layer), PROMPT, budget=8)[0][-1]
         assert ours[0][layer] == prompt_kept
         assert ours[-1][layer] == prompt_kept | set(range(PROMPT, TOTAL))  # the rest appended, nothing evicted
+
+
+def test_the_ladder_spreads_over_the_layers_that_hold_lacache():
+    """With a per-layer pattern (or a model's sliding layers) only some layers are lacache: the rungs and the
+    ladder's shape count those layers, so every other layer of `repeat` (0 and 2 of 4) takes rungs 0 and 1."""
+    model = make_tiny_model(n_layer=4)
+    caches = attach(model, cache_args("lacache", str(BUDGET), "dense", "--cache_strategy", "lacache", "recent_global",
+                                      "--cache_strategy_pattern", "repeat"))
+    assert [type(c).name for c in caches] == ["lacache", "recent_global"] * 2
+    ours = []
+    with torch.inference_mode():
+        run(model, token_ids(), decode_one_token, lambda p: ours.append([held_positions(caches[i])[0] for i in (0, 2)]))
+    for rung, layer in enumerate((0, 2)):
+        assert [step[rung] for step in ours] == naive_sweep((2, 1, rung), TOTAL)[0][PROMPT - 1 :], layer
