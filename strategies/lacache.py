@@ -13,7 +13,8 @@ a token) and an overlap O, over the model's n layers:
 for Llama's 32 layers at S = 16, O = 0: blocks of 2, each layer keeping 1 (the even layers the even tokens, the
 odd layers the odd ones). `--lacache_span` defaults to half the layers (the authors' 16 of 32), `--lacache_overlap`
 to 0. The layers counted, and the rung's index i, are those that hold a lacache cache: every layer of a Llama, but
-only the global layers of a model with sliding layers (Gemma 3's 3 of 18), or a per-layer pattern's lacache layers,
+only the global layers of a model whose sliding layers the sequence outgrows (Gemma 3's 3 of 18 past 512 tokens),
+or a per-layer pattern's lacache layers,
 so the rungs spread over the layers that compress.
 
 Iterative compaction, as the authors' code runs it: a cursor sweeps the held tokens from the oldest, cutting the
