@@ -31,22 +31,23 @@ def naive_ladder(n_layers: int, span: int, overlap: int, layer: int) -> tuple[in
     return before, after, layer % (before - after + 1)
 
 
-def naive_sweep(ladder: tuple[int, int, int], total: int, budget: int = BUDGET) -> tuple[list[set[int]], dict, int]:
+def naive_sweep(ladder: tuple[int, int, int], total: int, budget: int = BUDGET, sinks: int = GLOBAL,
+                window: int = RECENT) -> tuple[list[set[int]], dict, int]:
     """Tokens fed one at a time: the held positions after each, each position's eviction step, and how many
     times the cursor started over with compacted tokens behind it."""
     before, after, offset = ladder
-    held, cursor, drops, evicted, restarts, trace = [], GLOBAL - 1, [], {}, 0, []
+    held, cursor, drops, evicted, restarts, trace = [], sinks - 1, [], {}, 0, []
     for t in range(total):
         held.append(t)
         if len(held) > budget:
             if not drops:
-                ahead = [p for p in held if p > cursor and p >= GLOBAL]
-                if not (len(ahead) >= before and ahead[before - 1] <= t - RECENT):
-                    restarts += cursor >= GLOBAL
-                    cursor = GLOBAL - 1
-                    ahead = [p for p in held if p >= GLOBAL]
-                whole = len(ahead) >= before and ahead[before - 1] <= t - RECENT
-                block = ahead[:before] if whole else [p for p in ahead if p <= t - RECENT]
+                ahead = [p for p in held if p > cursor and p >= sinks]
+                if not (len(ahead) >= before and ahead[before - 1] <= t - window):
+                    restarts += cursor >= sinks
+                    cursor = sinks - 1
+                    ahead = [p for p in held if p >= sinks]
+                whole = len(ahead) >= before and ahead[before - 1] <= t - window
+                block = ahead[:before] if whole else [p for p in ahead if p <= t - window]
                 kept = block[offset : offset + after]
                 if len(kept) == len(block):
                     kept = block[1:]
@@ -142,16 +143,17 @@ def test_a_one_layer_model_gets_the_smallest_ladder_unless_a_span_is_given():
 LADDER_SHAPES = [(2, 1, 0), (2, 1, 1), (3, 2, 0), (3, 2, 1)] + [(4, 1, offset) for offset in range(4)]
 
 
+@pytest.mark.parametrize("sinks,window", [(GLOBAL, RECENT), (0, 1), (4, 10)])
 @pytest.mark.parametrize("ladder", LADDER_SHAPES)
-def test_the_eviction_steps_are_the_naive_sweeps_at_every_budget(ladder):
+def test_the_eviction_steps_are_the_naive_sweeps_at_every_budget(ladder, sinks, window):
     """The table the cache ranks by, against the naive sweep, down to budgets with no whole block outside the
-    window (a short block at each start-over)."""
+    window (a short block at each start-over), with and without sinks."""
     total = 60
-    for budget in range(GLOBAL + RECENT + 1, 30):
-        steps = eviction_steps(total, budget, GLOBAL, RECENT, *ladder).tolist()
-        _, evicted, _ = naive_sweep(ladder, total, budget)
+    for budget in range(sinks + window + 1, 30):
+        steps = eviction_steps(total, budget, sinks, window, *ladder).tolist()
+        _, evicted, _ = naive_sweep(ladder, total, budget, sinks, window)
         assert {p: int(s) for p, s in enumerate(steps) if s < total} == evicted, budget
-        assert sorted(range(total), key=lambda p: steps[p])[-GLOBAL:] == list(range(GLOBAL))  # the sinks last
+        assert sorted(range(total), key=lambda p: steps[p])[total - sinks :] == list(range(sinks))  # sinks last
 
 
 def test_the_kvpress_protocols_prompt_budget_is_the_sweeps_budget():
