@@ -158,6 +158,8 @@ class KVCache(ChunkedPrefill, nn.Module):
     layer_statistics: dict | None = None
     # Buffers without a row dimension: the same for every row (the row context leaves them whole).
     row_shared_buffers: ClassVar[tuple[str, ...]] = ()
+    # Buffers that are settings, not state (set when configured, the row budgets next to them): reset keeps them.
+    setting_buffers: ClassVar[tuple[str, ...]] = ()
     # Its prompt rule reads what only its own cache holds (lacache's ladder, built from its settings), so it
     # compresses no other cache's prompt (cache_spec.check_prompt_compression).
     prompt_rule_needs_own_cache: ClassVar[bool] = False
@@ -355,7 +357,7 @@ class KVCache(ChunkedPrefill, nn.Module):
     def reset(self) -> None:
         self.chunk_queries = self.chunk_keys = self.chunk_values = None
         for name, buf in self.named_buffers(recurse=False):
-            if name != "row_budget":  # a setting, not state
+            if name != "row_budget" and name not in self.setting_buffers:
                 buf.fill_(-1) if name == "pos" else buf.zero_()
         self.storage.reset()
         for child in self.children():

@@ -360,9 +360,10 @@ def attention_since_entry(cache, k: Tensor, q: Tensor, carried: Tensor | None,
 class LayerSeed:
     """Mixed in (before `KVCache`) by a strategy that draws hashed random numbers: the layer's seed (`--seed`,
     `random_seed`) as a buffer rather than a Python int, so the layers share one compiled graph; set when the
-    cache is configured and at every reset (which zeroes buffers)."""
+    cache is configured (a setting: reset keeps it)."""
 
     row_shared_buffers = ("seed",)  # the same for every row
+    setting_buffers = ("seed",)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -370,10 +371,6 @@ class LayerSeed:
 
     def configure(self, **settings: object) -> None:
         super().configure(**settings)
-        self.seed.fill_(random_seed(self))
-
-    def reset(self) -> None:
-        super().reset()
         self.seed.fill_(random_seed(self))
 
 

@@ -111,6 +111,7 @@ class LaCacheCache(KVCache):
                            help="the ladder's overlap O between the layer groups (below the span)"),
     )
     prompt_rule_needs_own_cache = True
+    setting_buffers = ("ladder_rank",)  # rebuilt when the budgets change, kept by reset
 
     def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, *args, **kwargs)
@@ -153,10 +154,6 @@ class LaCacheCache(KVCache):
     def configure(self, **settings: object) -> None:
         super().configure(**settings)
         self.fill_ladder()  # the layer's rung and the number of lacache layers are known now
-
-    def reset(self) -> None:
-        super().reset()
-        self.fill_ladder()
 
     def set_row_budgets(self, budgets: list[int], capacities: list[int]) -> None:
         super().set_row_budgets(budgets, capacities)
