@@ -390,8 +390,8 @@ def check_budget_allocation(args: argparse.Namespace) -> None:
         return
     if not 0 <= floor <= 1:
         raise UserError(f"--adakv_floor is a fraction of the per-head budget in [0, 1], got {floor:g}")
-    pooled = sorted(n for n, c in CACHE_STRATEGIES.items()
-                    if c.head_specific and not c.profiles_prompt and not getattr(c, "variable_occupancy", False))
+    pooled = sorted(n for n, c in CACHE_STRATEGIES.items() if c.head_specific and not c.profiles_prompt
+                    and not getattr(c, "variable_occupancy", False) and not c.merges_keys)
     for name in dict.fromkeys(args.cache_strategy):
         own = getattr(get_strategy(name), "shadow_class", get_strategy(name))
         twin = "debug_" if own is not get_strategy(name) else ""  # a debug_ twin is told the poolable twins
@@ -402,6 +402,9 @@ def check_budget_allocation(args: argparse.Namespace) -> None:
         if getattr(own, "variable_occupancy", False):
             raise UserError(f"--budget_allocation adakv: the {name} cache holds a variable number of tokens per head "
                             f"(a pool never reuses released slots); use one of: {choices}")
+        if own.merges_keys:
+            raise UserError(f"--budget_allocation adakv: the {name} cache merges what it evicts into the tokens it "
+                            f"keeps, which a pool's heads do not do; use one of: {choices}")
         if not own.head_specific:
             raise UserError(f"--budget_allocation adakv shares a layer's budget between KV heads by their own "
                             f"scores, but the {name} cache keeps the same tokens in every head; use one of: {choices}")

@@ -140,9 +140,10 @@ class KVCache(ChunkedPrefill, nn.Module):
     needs_gates: ClassVar[bool] = False
     # Chooses the kept prompt tokens itself (its own `prefill`), so it pairs with no other prompt rule.
     profiles_prompt: ClassVar[bool] = False
-    # Changes held tokens' values while decoding (merging an evicted token into them, `before_write`), so a
-    # held slot's V is no longer its token's.
+    # Changes held tokens' values (merging an evicted token into them: `before_write` while decoding,
+    # `merge_evicted_prompt` at a compressed prefill), so a held slot's V is no longer its token's; and its keys too.
     merges_values: ClassVar[bool] = False
+    merges_keys: ClassVar[bool] = False
     # Per-slot float32 state [B, n_kv, L] (zeros; L: the slots, a pool's under adakv) the base registers
     # under these names: the strategy fills it in after_prefill / after_insert.
     slot_buffers: ClassVar[tuple[str, ...]] = ()
@@ -160,9 +161,9 @@ class KVCache(ChunkedPrefill, nn.Module):
     row_shared_buffers: ClassVar[tuple[str, ...]] = ()
     # Buffers that are settings, not state (set when configured, the row budgets next to them): reset keeps them.
     setting_buffers: ClassVar[tuple[str, ...]] = ()
-    # Its prompt rule reads what only its own cache holds (lacache's ladder, built from its settings), so it
-    # compresses no other cache's prompt (cache_spec.check_prompt_compression).
-    prompt_rule_needs_own_cache: ClassVar[bool] = False
+    # Why its prompt rule needs its own cache (lacache reads its ladder, d2o merges into what it keeps), so that it
+    # compresses no other cache's prompt (cache_spec.check_prompt_compression); None: it may.
+    prompt_rule_needs_own_cache: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -286,7 +287,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         stored = k if k_store is None else k_store
         if compress:  # a prompt that fits is stored as it is (no copy through the identity gather)
             gather = keep.expand(B, H, n)[..., None].expand(B, H, n, k.shape[-1])
-            stored, v = stored.gather(2, gather), v.gather(2, gather)
+            stored, v = self.merge_evicted_prompt(keep, stored, v, stored.gather(2, gather), v.gather(2, gather))
         # Into slots 0..n-1. The prompt's queries go with it: a storage may choose how to store by them
         # (ThinK's key channels).
         self.storage.write_prefix(stored, v, q)
@@ -303,7 +304,7 @@ class KVCache(ChunkedPrefill, nn.Module):
         slot, evicting when the cache is full."""
         self.observe_token_values(v)
         slot = self.choose_slot(input_pos)  # [B, pos_heads]
-        v = self.before_write(slot, input_pos, v)
+        k, v = self.before_write(slot, input_pos, k, v)
         B, H = k.shape[:2]
         head_slot = slot.expand(B, H)
         self.storage.write(head_slot[..., None], k, v)
@@ -397,10 +398,18 @@ class KVCache(ChunkedPrefill, nn.Module):
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         """Hook: initialise per-token state of the kept prompt tokens (slots 0..n-1)."""
 
-    def before_write(self, slot: Tensor, input_pos: Tensor, v: Tensor) -> Tensor:
-        """Hook: the slot [B, pos_heads] chosen for the incoming token, before it is overwritten (the token it
-        evicts still readable there); returns the value to store for the incoming token (`merges_values`)."""
-        return v
+    def before_write(self, slot: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Hook: the slot [B, pos_heads] chosen for the incoming token (k, v [B, n_kv, 1, D], as stored), before it
+        is overwritten (the token it evicts still readable there); returns the key and value to store for the
+        incoming token (`merges_values`, `merges_keys`)."""
+        return k, v
+
+    def merge_evicted_prompt(self, keep: Tensor, k: Tensor, v: Tensor, kept_k: Tensor,
+                             kept_v: Tensor) -> tuple[Tensor, Tensor]:
+        """Hook: a compressed prompt's K/V to store, kept_k / kept_v [B, n_kv, n, D] (the tokens `keep` [B,
+        pos_heads, n] chooses out of the whole prompt's k, v [B, n_kv, T, D], as stored), before they are
+        written: a strategy that merges what it evicts into what it keeps returns them changed."""
+        return kept_k, kept_v
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         """Hook: initialise per-token state of the slot [B, pos_heads] that just received a token."""

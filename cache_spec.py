@@ -486,8 +486,8 @@ def check_prompt_compression(strategy: str, cls: type[KVCache], compressor: str,
                         f"{compressor} cache receives (got {strategy}); use --cache_strategy {compressor} or another "
                         "compressor")
     if rule.prompt_rule_needs_own_cache and own is not rule:
-        raise UserError(f"layer {layer}: prompt compression '{compressor}' ranks tokens by what only a {compressor} "
-                        f"cache holds (got {strategy}); use --cache_strategy {compressor} or another compressor")
+        raise UserError(f"layer {layer}: prompt compression '{compressor}' {rule.prompt_rule_needs_own_cache} (got "
+                        f"{strategy}); use --cache_strategy {compressor} or another compressor")
     if issubclass(rule, PromptValueNorms) and own.name != "full" and not rule.observed_by(own):
         raise UserError(f"layer {layer}: {prompt_values_refusal(compressor, own.name)}")
     if rule.needs_gates and not own.needs_gates:

@@ -125,12 +125,26 @@ class Storage(nn.Module):
     def write_values(self, slots: Tensor, v: Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rewrite held values")
 
+    def write_keys(self, slots: Tensor, k: Tensor) -> None:
+        """The keys of held `slots` [B, H, m] (distinct) become k [B, H, m, D], their slots otherwise untouched (a
+        merge into held tokens: strategies/d2o.py); stored as this storage stores a key."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rewrite held keys")
+
     def dense_equivalent(self, held: Tensor) -> Tensor:
         """The dense tokens the held slots [B, H, L] are worth, [B, H] (float64): a held token costs
         bits/16 of a dense one, one kept whole (a KIVI residual token) a whole one. Scales, zero points
         and indices are left out (cache_kv_bytes counts them)."""
         exact = (held & self.full_precision_slots()).sum(-1).double()
         return exact + (held.sum(-1).double() - exact) * (self.bits / 16.0)
+
+
+def rows_over_entries(rows: Tensor, entry_slot: Tensor, slots: Tensor, src: Tensor) -> Tensor:
+    """rows [B, H, R, D] of a side store whose entry r holds slot entry_slot[b, h, r] (−1: none), with the entries
+    holding one of `slots` [B, H, m] (distinct) replaced by the matching src [B, H, m, D] rows (KIVI's residual,
+    ThinK's ring of whole keys)."""
+    match = entry_slot[..., :, None] == slots[..., None, :]  # [B, H, R, m]
+    new = torch.einsum("bhrm,bhmd->bhrd", match.to(src.dtype), src)
+    return torch.where(match.any(-1)[..., None], new.to(rows.dtype), rows)
 
 
 def scatter_slots(buf: Tensor, dim: int, index: Tensor, src: Tensor | float | bool) -> None:
@@ -185,6 +199,9 @@ class DenseStorage(Storage):
     def write_values(self, slots: Tensor, v: Tensor) -> None:
         scatter_rows(self.v_cache, slots, v)
 
+    def write_keys(self, slots: Tensor, k: Tensor) -> None:
+        scatter_rows(self.k_cache, slots, k)
+
     def write_prefix(self, k: Tensor, v: Tensor, queries: Tensor | None = None) -> None:
         # A slice copy: the scatter over an index costs a 1k-token prompt's prefill ~1% on the CPU.
         n = k.shape[2]
@@ -224,6 +241,9 @@ class PerTokenQuantizedStorage(Storage):
 
     def write_values(self, slots: Tensor, v: Tensor) -> None:
         self._write_rows("v", slots, v)
+
+    def write_keys(self, slots: Tensor, k: Tensor) -> None:
+        self._write_rows("k", slots, k)
 
     def _write_rows(self, name: str, slots: Tensor, x: Tensor) -> None:
         for suffix, src in zip(("codes", "scale", "zero"), quantize(x, self.bits), strict=True):
@@ -422,6 +442,19 @@ class ResidualQuantizedStorage(Storage):
         scatter_rows(self.v_codes, slots, pack_codes(codes, self.bits))
         scatter_rows(self.v_scale, slots, scale)
         scatter_rows(self.v_zero, slots, zero)
+
+    def write_keys(self, slots: Tensor, k: Tensor) -> None:
+        """A slot in the residual takes the key there, exact (its codes are written at the next flush); a
+        quantized slot's key is encoded with its group's per-channel scale and zero point, clamped to the group's
+        range: re-quantizing the group would move the other keys of the group."""
+        B, H, m = slots.shape
+        group = self.k_group.gather(2, slots).long()
+        b = torch.arange(B, device=slots.device).view(B, 1, 1)
+        h = torch.arange(H, device=slots.device).view(1, H, 1)
+        scale, zero = self.k_scale[b, h, group].float(), self.k_zero[b, h, group].float()
+        codes = ((k.float() - zero) / scale).round().clamp(0, (1 << self.bits) - 1).to(torch.uint8)
+        scatter_rows(self.k_codes, slots, pack_codes(codes, self.bits))
+        self.k_res.copy_(rows_over_entries(self.k_res, self.res_slot, slots, k))
 
     # ---- reading ---------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kv_storage import Storage, StorageSpec, scatter_rows
+from kv_storage import Storage, StorageSpec, rows_over_entries, scatter_rows
 
 
 def think_kept_channels(head_dim: int, ratio: float) -> int:
@@ -116,6 +116,13 @@ class ChannelPrunedKeyStorage(Storage):
 
     def write_values(self, slots: Tensor, v: Tensor) -> None:
         scatter_rows(self.v_cache, slots, v)
+
+    def write_keys(self, slots: Tensor, k: Tensor) -> None:
+        """The kept channels of each new key, and the whole key where the slot is in the ring."""
+        index = self.channels.long()[:, :, None, :].expand(*k.shape[:3], self.kept)
+        scatter_rows(self.k_kept, slots, k.gather(3, index))
+        if self.recent:
+            self.k_recent.copy_(rows_over_entries(self.k_recent, self.recent_slot, slots, k))
 
     def full_precision_slots(self) -> Tensor:
         B, H, L, _ = self.k_kept.shape

@@ -19,6 +19,7 @@ from strategies import (
     compactor,
     critical_kv,
     curdkv,
+    d2o,
     duo_attention,
     expected_attention,
     gated,
@@ -48,7 +49,7 @@ from strategies.paper_names import paper_name_hint
 STRATEGY_FILES = (cache, recent_global, random, keep_it_odd, l2, heavy_hitter, gated, hybrid, tova, keydiff,
                   expected_attention)
 STRATEGY_FILES += (threshold, duo_attention, chunkkv, critical_kv, rkv, kvzip, lagkv, qfilters, compactor,
-                   simlayerkv, curdkv, capkv, cam, keyformer, vatp, sepllm, morphkv, lacache)
+                   simlayerkv, curdkv, capkv, cam, keyformer, vatp, sepllm, morphkv, lacache, d2o)
 
 CACHE_STRATEGIES: dict[str, type[KVCache]] = {
     cls.name: cls

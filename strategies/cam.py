@@ -102,11 +102,11 @@ class CamCache(LayerSeed, ScoredOnce, KVCache):
         for state in (self.attn_sum, self.attn_steps, self.decode_attn):
             scatter_slots(state, 2, index, 0.0)
 
-    def before_write(self, slot: Tensor, input_pos: Tensor, v: Tensor) -> Tensor:
+    def before_write(self, slot: Tensor, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Merge the token leaving `slot` [B, 1] (rows whose cache is full) into its window; the incoming token's
-        value (its own share when it is in the window) is returned."""
+        key and value (its own share when it is in the window) are returned."""
         if self.never_full or not self.evicts_after_prompt or not self.merging:
-            return v
+            return k, v
         B, H, _, D = v.shape
         evicted_pos = self.pos.gather(2, slot[..., None])  # [B, 1, 1]
         # The window: held tokens after the evicted one, then the incoming token (column L), by position.
@@ -133,4 +133,4 @@ class CamCache(LayerSeed, ScoredOnce, KVCache):
         self.storage.add_to_values(torch.where(held_target, targets, evicted_slot),
                                    share * held_target[..., None], values)
         gets_share = (in_window & (targets == self.max_cache_length)).any(-1, keepdim=True)  # [B, H, 1]
-        return v + share.to(v.dtype) * gets_share[..., None]
+        return k, v + share.to(v.dtype) * gets_share[..., None]

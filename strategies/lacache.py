@@ -110,7 +110,7 @@ class LaCacheCache(KVCache):
         OVERLAP := Setting("lacache_overlap", 0, low=0,
                            help="the ladder's overlap O between the layer groups (below the span)"),
     )
-    prompt_rule_needs_own_cache = True
+    prompt_rule_needs_own_cache = "ranks tokens by what only a lacache cache holds"
     setting_buffers = ("ladder_rank",)  # rebuilt when the budgets change, kept by reset
 
     def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:

@@ -85,8 +85,9 @@ COMPILED_CASES = ([(s, *COMPILED_STORAGE_BUDGETS[0], "inductor") for s in STRATE
 # heads really receive different quotas.
 # Caches that hold a variable number of tokens per head (threshold, duo_attention): released slots stay empty.
 VARIABLE = {s for s, c in CACHE_STRATEGIES.items() if getattr(c, "variable_occupancy", False)}
+# The strategies adakv pools (budget_allocation.check_budget_allocation refuses the others, a merging cache too).
 ADAKV_STRATEGIES = [s for s, c in sorted(CACHE_STRATEGIES.items())
-                    if c.head_specific and not c.profiles_prompt and s not in VARIABLE]
+                    if c.head_specific and not c.profiles_prompt and s not in VARIABLE and not c.merges_keys]
 ADAKV = ADAKV_STRATEGIES + [f"debug_{s}" for s in ADAKV_STRATEGIES]
 ADAKV_STORAGES = ["dense", "4bit"]
 # Compiled: every strategy on dense and per-token-quantized storage, and on dense storage the twins of one

@@ -98,22 +98,23 @@ def attended_positions(cache) -> list[list[int]]:
     return [sorted(pos[h][held[h] & (pos[h] >= 0)].tolist()) for h in range(cache.n_kv_heads)]
 
 
-def attended_values(cache) -> list[dict[int, torch.Tensor]] | None:
-    """The values the attended cache holds, by position per KV head, where they are not their tokens' own (a
-    cache that merges evicted values into held ones: its values as it holds them); None otherwise."""
-    if not cache.merges_values:
+def attended_values(cache, keys: bool = False) -> list[dict[int, torch.Tensor]] | None:
+    """The values (or `keys`, as stored: before RoPE) the attended cache holds, by position per KV head, where they
+    are not their tokens' own (a cache that merges evicted tokens into held ones: as it holds them); else None."""
+    if not (cache.merges_keys if keys else cache.merges_values):
         return None
-    pos, values = cache.pos[0].expand(cache.n_kv_heads, -1), cache.values()[0].double()
-    return [{int(p): values[h, slot] for slot, p in enumerate(pos[h].tolist()) if p >= 0}
+    pos, stored = cache.pos[0].expand(cache.n_kv_heads, -1), (cache.keys() if keys else cache.values())[0].double()
+    return [{int(p): stored[h, slot] for slot, p in enumerate(pos[h].tolist()) if p >= 0}
             for h in range(cache.n_kv_heads)]
 
 
 def naive_layer0_output(model, ids: torch.Tensor, held: list[list[int]], query: int,
-                        held_values: list[dict[int, torch.Tensor]] | None = None) -> torch.Tensor:
+                        held_values: list[dict[int, torch.Tensor]] | None = None,
+                        held_keys: list[dict[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """Layer 0's attention output [dim] for the token at `query`: per KV head, its held keys (those at or
     before the query) at their ranks 0..n−1 among the held keys, the query at its own rank (the number of
-    held keys before it). Layer 0's inputs depend on the token ids only; the values are the tokens' own, or
-    `held_values` (attended_values)."""
+    held keys before it). Layer 0's inputs depend on the token ids only; the keys before RoPE and the values are
+    the tokens' own, or `held_keys` / `held_values` (attended_values)."""
     a, att = model.args, model.layers[0].attention
     with torch.inference_mode():
         h = model.layers[0].attention_norm(model.tok_embeddings(ids))[0]
@@ -127,7 +128,8 @@ def naive_layer0_output(model, ids: torch.Tensor, held: list[list[int]], query: 
             visible = [p for p in held[g] if p <= query]
             rank = {p: i for i, p in enumerate(held[g])}
             qr = naive_rope(q[query, head], sum(p < query for p in held[g]), a.rope_base)
-            keys = torch.stack([naive_rope(k[p, g], rank[p], a.rope_base) for p in visible])
+            keys = torch.stack([naive_rope(k[p, g] if held_keys is None else held_keys[g][p], rank[p], a.rope_base)
+                                for p in visible])
             weights = torch.softmax(keys @ qr / math.sqrt(a.head_dim), dim=0)
             held_v = v[visible, g] if held_values is None else torch.stack([held_values[g][p] for p in visible])
             heads.append(weights @ held_v)
@@ -151,7 +153,8 @@ def run_checked(model, ids, step, strategy: str) -> list:
                 held = attended_positions(cache)
                 budget = cache.max_cache_length
                 assert all(len(x) <= budget and x[-1] <= p for x in held), f"{strategy} step {p}"
-                expected = naive_layer0_output(model, ids, held, p, attended_values(cache))
+                expected = naive_layer0_output(model, ids, held, p, attended_values(cache),
+                                               attended_values(cache, keys=True))
                 torch.testing.assert_close(captured["y"], expected, atol=2e-5, rtol=1e-5)
                 trace.append((logits.clone(), held))
     finally:
