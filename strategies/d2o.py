@@ -39,15 +39,19 @@ def cosine(a: Tensor, b: Tensor) -> Tensor:
     return (a / a.norm(dim=-1, keepdim=True).clamp(min=1e-6)) @ (b / b.norm(dim=-1, keepdim=True).clamp(min=1e-6)).mT
 
 
-def nearest(evicted: Tensor, kept: Tensor, allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Each evicted key's [B, H, m, D] most similar kept key [B, H, n, D] (`allowed` [B, H, n]: the candidates):
-    (similarity, index) [B, H, m], in blocks of evicted keys."""
-    best = []
-    for start in range(0, evicted.shape[2], SIMILARITY_BLOCK):
-        sim = cosine(evicted[:, :, start : start + SIMILARITY_BLOCK], kept)
-        if allowed is not None:
-            sim = sim.masked_fill(~allowed[:, :, None, :], float("-inf"))
-        best.append(sim.max(dim=-1))
+def cosine_to_rows(key: Tensor, rows: Tensor) -> Tensor:
+    """Cosine similarity of one key [B, H, 1, D] with every row of rows [B, H, n, D]: [B, H, n], float32, as dot
+    products over norms (the rows are read, not normalised into a copy)."""
+    key, rows = key.float(), rows.float()
+    dots = (rows @ key.mT)[..., 0]
+    return dots / (rows.norm(dim=-1).clamp(min=1e-6) * key.norm(dim=-1).clamp(min=1e-6))
+
+
+def nearest(evicted: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
+    """Each evicted key's [B, H, m, D] most similar kept key [B, H, n, D]: (similarity, index) [B, H, m], in blocks
+    of evicted keys."""
+    best = [cosine(evicted[:, :, start : start + SIMILARITY_BLOCK], kept).max(dim=-1)
+            for start in range(0, evicted.shape[2], SIMILARITY_BLOCK)]
     return torch.cat([b.values for b in best], -1), torch.cat([b.indices for b in best], -1)
 
 
@@ -167,8 +171,11 @@ class D2OCache(ScoredOnce, KVCache):
         index = slot[..., None]  # [B, H, 1]
         evicted_k, evicted_v = gather_rows(keys, index), gather_rows(values, index)
         others = self.mask[:, :, 0] & (torch.arange(L, device=slot.device) != index)
-        allowed = torch.cat([others, others.new_ones(B, H, 1)], -1)  # the incoming token, column L
-        similarity, target = nearest(evicted_k, torch.cat([keys, k.to(keys.dtype)], 2), allowed)
+        # The held keys' similarities and the incoming key's (column L), without copying the keys into one tensor
+        # (a copy of every held key a step cost more than the rest of the merge).
+        to_held = cosine_to_rows(evicted_k, keys).masked_fill(~others, float("-inf"))
+        similarity, target = torch.cat([to_held, cosine_to_rows(evicted_k, k)], -1).max(dim=-1)  # [B, H]
+        similarity, target = similarity[..., None], target[..., None]
         evicting = (self.filled >= self.row_budget).all(dim=1)  # [B]: the slot holds a token to evict
         merged = self.merge_gate(similarity, evicting)  # [B, 1]
         weight = (similarity * merged[:, None, :])[..., None]  # [B, H, 1, 1]

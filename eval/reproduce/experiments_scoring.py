@@ -1,5 +1,5 @@
 """The scoring rules' claims (TOVA, K-norm, KeyDiff, Q-Filters, CriticalKV, ChunkKV, Ada-KV, Expected Attention,
-R-KV, LagKV, MorphKV, LaCache):
+R-KV, LagKV, MorphKV, LaCache, D2O):
 each against the rule its paper measures itself against, declared as experiments.py declares the others (and
 registered into the same EXPERIMENTS when experiments.py loads).
 
@@ -283,4 +283,26 @@ register(Experiment(
            "cache, --rerotate_positions here, to stream past the context, which these windows do not reach); "
            "lacache's unswept tail is the default 10-token recent window, recent_global's all it holds past the "
            "sinks."),
+))
+
+register(Experiment(
+    name="d2o",
+    paper="D2O, Dynamic Discriminative Operations (Wan et al., ICLR 2025, arXiv 2406.13035)",
+    claim="Merging an evicted token's key and value into the kept token its key is nearest to, when the similarity "
+          "reaches a moving threshold, keeps the next-token distribution closer to the full cache than dropping it, "
+          "with the same eviction rule and budget.",
+    task="fidelity", metric="kl_mean", higher_is_better=False,
+    # The preset's split, H2O's: half the budget for the recent tokens, 4 sinks (the authors' hard-coded start).
+    common=("--cache_strategy", "d2o", "--max_cache_length", "0.2", "--global_tokens", "4", "--recent_window", "0.5"),
+    arms=(Arm("merging", ()),
+          Arm("dropping", ("--d2o_no_merge",))),
+    comparisons=(Comparison("merging", "dropping"),),
+    varies=frozenset({"d2o_no_merge"}),
+    profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
+    notes=("The paper compares D2O with eviction methods (H2O among them) on 7-8B models and long-context "
+           "benchmarks; here teacher-forced fidelity on pydoc text, the prompt compressed (with merging) and then "
+           "one eviction, merged or dropped, per decoded token.",
+           "Both arms evict by d2o's own rule (the attention received in all, per KV head), so the comparison "
+           "isolates the merge; after a merge the attention, and so what is evicted next, differs. D2O's layer "
+           "level (budgets by attention variance) is not built (strategies/d2o.py)."),
 ))
