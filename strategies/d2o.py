@@ -166,13 +166,12 @@ class D2OCache(ScoredOnce, KVCache):
         incoming one; the incoming token's key and value are returned (merged into where it is the nearest)."""
         if self.never_full or not self.evicts_after_prompt or not self.merging:
             return k, v
-        B, H, L = self.mask.shape[0], self.mask.shape[1], self.mask.shape[-1]
+        L = self.mask.shape[-1]
         keys, values = self.storage.keys(), self.storage.values()
         index = slot[..., None]  # [B, H, 1]
         evicted_k, evicted_v = gather_rows(keys, index), gather_rows(values, index)
         others = self.mask[:, :, 0] & (torch.arange(L, device=slot.device) != index)
-        # The held keys' similarities and the incoming key's (column L), without copying the keys into one tensor
-        # (a copy of every held key a step cost more than the rest of the merge).
+        # The held keys' similarities and the incoming key's (column L), without copying the keys into one tensor.
         to_held = cosine_to_rows(evicted_k, keys).masked_fill(~others, float("-inf"))
         similarity, target = torch.cat([to_held, cosine_to_rows(evicted_k, k)], -1).max(dim=-1)  # [B, H]
         similarity, target = similarity[..., None], target[..., None]
