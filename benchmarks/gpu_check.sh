@@ -14,7 +14,7 @@
 #   2. eval.bench on random weights with Llama-3.1-8B's shapes in bf16: ours eager and compiled, the full
 #      cache at 4k and 32k and recent_global at 10% at 32k, then the strategies whose prefill needs the
 #      prompt's attention or whose step was the slowest (heavy_hitter, hybrid, duo_attention, qfilters,
-#      kvzip, lagkv, rkv; compactor, simlayerkv, curdkv, capkv, cam, keyformer, vatp, sepllm, morphkv and lacache,
+#      kvzip, lagkv, rkv; compactor, simlayerkv, curdkv, capkv, cam, keyformer, vatp, sepllm, morphkv, lacache and d2o,
 #      never run on a GPU, last) at 10% at 4k;
 #      decode tok/s, ms/step, compile seconds, peak GPU memory, fraction of the bandwidth bound (measured in the
 #      same run), and torch.profiler's kernel time by kind for the full cache and the 10% rows (--profile_steps).
@@ -122,7 +122,7 @@ $(( $(date +%s) - start )) s)"
 start=$(date +%s)
 timeout 225 $PY -m eval.bench --device cuda --random_weights llama-3.1-8b --dtype bfloat16 \
   --contexts 4096 --no_hf --strategy_contexts 4096 --budgets 0.1 --speedup_budget 0.1 \
-  --strategies recent_global heavy_hitter hybrid duo_attention qfilters kvzip lagkv rkv compactor simlayerkv curdkv capkv cam keyformer vatp sepllm morphkv lacache \
+  --strategies recent_global heavy_hitter hybrid duo_attention qfilters kvzip lagkv rkv compactor simlayerkv curdkv capkv cam keyformer vatp sepllm morphkv lacache d2o \
   --speedup_contexts 32768 --bound_contexts --new_tokens 128 --recompile_steps 256 --profile_steps 16 \
   --out_dir "$OUT_DIR/bench" --overwrite > "$OUT_DIR/bench_log.txt" 2>&1
 bench_rc=$?

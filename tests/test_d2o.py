@@ -176,13 +176,15 @@ def test_without_merging_every_held_token_keeps_its_own_key_and_value():
     assert naive.merges == 0
 
 
-@pytest.mark.parametrize("storage", ["dense", "4bit", "8bit", "kivi4", "think"])
+@pytest.mark.parametrize("storage", ["dense", "4bit", "8bit", "kivi4", "think", "think_ring"])
 def test_every_storage_rewrites_held_keys(storage):
     """Storage.write_keys: the targeted slots' keys become the new ones (KIVI: a slot in its residual exactly, a
     quantized slot within one step of its group's per-channel range; ThinK: the kept channels, the pruned ones
-    staying zero), every other slot untouched."""
+    staying zero, and with a ring of whole keys (the last 4 tokens: slot 14 among them) the whole key there), every
+    other slot untouched."""
     model = make_tiny_model(n_layer=1)
-    caches = attach(model, cache_args("d2o", "16", storage))
+    ring = ["--think_recent", "4"] if storage == "think_ring" else []
+    caches = attach(model, cache_args("d2o", "16", storage.removesuffix("_ring"), *ring))
     with torch.inference_mode():
         model.reset_caches()
         model(token_ids()[:, :PROMPT], torch.arange(PROMPT))
@@ -197,8 +199,11 @@ def test_every_storage_rewrites_held_keys(storage):
         after = store.keys()
     expected = before.clone()
     expected[:, :, [1, 9, 14]] = new
-    if storage == "think":  # only the kept channels are stored
-        expected = expected * (before.abs().sum(2, keepdim=True) > 0)
+    if storage.startswith("think"):  # only the kept channels are stored, but in the ring's slots (12-15)
+        kept = (before[:, :, :12].abs().sum(2, keepdim=True) > 0)
+        whole = torch.zeros(16, dtype=torch.bool).view(1, 1, 16, 1)
+        whole[:, :, 12:] = storage == "think_ring"
+        expected = torch.where(whole, expected, expected * kept)
     bits = {"4bit": 4, "8bit": 8, "kivi4": 4}.get(storage)
     step = 0.0 if bits is None else float((before.amax(2) - before.amin(2)).max()) / (2**bits - 1)
     per_token = storage in ("4bit", "8bit")
