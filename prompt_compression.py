@@ -357,6 +357,21 @@ def attention_since_entry(cache, k: Tensor, q: Tensor, carried: Tensor | None,
     return received, steps
 
 
+class CarriedAttentionSums:
+    """Mixed in (before `KVCache`) by a strategy whose `attn_sum` accumulates the attention of every query (H2O's
+    sums: heavy_hitter, cam, d2o): a chunked prefill hands the held tokens' sums to the next chunk's re-prefill
+    (`carried_attn_sum`, which its prompt rule passes to `attention_since_entry`), rather than re-scoring them by the
+    held tokens' own queries over what survived."""
+
+    carried_attn_sum: Tensor | None = None
+
+    def carry_over(self, n: int) -> object:
+        return self.attn_sum[:, :, :n].clone()
+
+    def take_over(self, carried: object) -> None:
+        self.carried_attn_sum = carried
+
+
 class LayerSeed:
     """Mixed in (before `KVCache`) by a strategy that draws hashed random numbers: the layer's seed (`--seed`,
     `random_seed`) as a buffer rather than a Python int, so the layers share one compiled graph; set when the

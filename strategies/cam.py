@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, grouped_mean, register_strategy, row_positions
 from kv_storage import scatter_slots
-from prompt_compression import LayerSeed, ScoredOnce, attention_since_entry, hashed_scores
+from prompt_compression import CarriedAttentionSums, LayerSeed, ScoredOnce, attention_since_entry, hashed_scores
 
 
 def merge_probability(evicted: Tensor, window_mean: Tensor) -> Tensor:
@@ -34,7 +34,7 @@ def merge_probability(evicted: Tensor, window_mean: Tensor) -> Tensor:
 
 
 @register_strategy
-class CamCache(LayerSeed, ScoredOnce, KVCache):
+class CamCache(LayerSeed, CarriedAttentionSums, ScoredOnce, KVCache):
     """CaM: evict the lowest average attention received (H2O's, averaged over heads) and merge its value, per head with
     probability min(1, D_e / mean D of its window; D: since decoding began), into the `cam_merge_window` tokens
     after it."""
@@ -54,8 +54,6 @@ class CamCache(LayerSeed, ScoredOnce, KVCache):
     # and from how many queries (the eviction score is their ratio), and since decoding began (the press's
     # running sum, which its merge reads).
     slot_buffers = ("attn_sum", "attn_steps", "decode_attn")
-    # A chunked prefill's held tokens' sums from the earlier chunks (carry_over), added to the chunk's.
-    carried_attn_sum: Tensor | None = None
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -83,12 +81,6 @@ class CamCache(LayerSeed, ScoredOnce, KVCache):
         index = keep.expand(*stats["received"].shape[:2], n)
         self.attn_sum[:, :, :n] = stats["received"].gather(2, index)
         self.attn_steps[:, :, :n] = stats["steps"].gather(2, index)
-
-    def carry_over(self, n: int) -> object:
-        return self.attn_sum[:, :, :n].clone()
-
-    def take_over(self, carried: object) -> None:
-        self.carried_attn_sum = carried
 
     def update_state(self, probs: Tensor) -> None:
         if self.evicts_after_prompt:

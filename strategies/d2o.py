@@ -26,7 +26,7 @@ from torch import Tensor
 
 from cache import KVCache, Setting, finite_float, grouped_mean, register_strategy
 from kv_storage import gather_rows, scatter_slots
-from prompt_compression import ScoredOnce, attention_since_entry
+from prompt_compression import CarriedAttentionSums, ScoredOnce, attention_since_entry
 
 # Evicted prompt tokens compared with the kept ones at a time: bounds the similarity block (a 32k prompt's
 # evicted tokens against its kept ones would be gigabytes at the 8B shape).
@@ -66,7 +66,7 @@ def scatter_mean(kept: Tensor, targets: Tensor, weights: Tensor, evicted: Tensor
 
 
 @register_strategy
-class D2OCache(ScoredOnce, KVCache):
+class D2OCache(CarriedAttentionSums, ScoredOnce, KVCache):
     """D2O: evict the lowest attention received in all (per KV head), and merge the evicted token's key and value
     into its nearest kept token where their similarity reaches a moving threshold."""
 
@@ -86,7 +86,6 @@ class D2OCache(ScoredOnce, KVCache):
     prompt_rule_needs_own_cache = "merges what it evicts into the tokens only a d2o cache keeps"
     # The attention each held token has received in all, per KV head.
     slot_buffers = ("attn_sum",)
-    carried_attn_sum: Tensor | None = None
 
     def __init__(self, batch_size: int, *args: object, **kwargs: object) -> None:
         super().__init__(batch_size, *args, **kwargs)
@@ -110,12 +109,6 @@ class D2OCache(ScoredOnce, KVCache):
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         _, stats = self.scored_prompt(k, q)
         self.attn_sum[:, :, : keep.shape[-1]] = stats["received"].gather(2, keep)
-
-    def carry_over(self, n: int) -> object:
-        return self.attn_sum[:, :, :n].clone()
-
-    def take_over(self, carried: object) -> None:
-        self.carried_attn_sum = carried
 
     def update_state(self, probs: Tensor) -> None:
         if self.evicts_after_prompt:

@@ -10,6 +10,7 @@ from cache import KVCache, Setting, grouped_mean, register_strategy
 from kv_storage import scatter_slots
 from prompt_compression import (
     SNAPKV_POOLINGS,
+    CarriedAttentionSums,
     ScoredOnce,
     above_uniform,
     attention_since_entry,
@@ -23,7 +24,7 @@ SNAPKV_RULE = ("heavy_hitter_prompt_rule", "snapkv")
 
 
 @register_strategy
-class HeavyHitterCache(ScoredOnce, KVCache):
+class HeavyHitterCache(CarriedAttentionSums, ScoredOnce, KVCache):
     """H2O (arXiv 2306.14048) / ScissorHands: evict the token with the lowest average attention received
     since it entered the cache. `history_window_size` W > 1 averages over the last W steps only;
     `attn_thresholding` counts the steps where a token got at least uniform attention instead of summing.
@@ -133,9 +134,6 @@ class HeavyHitterCache(ScoredOnce, KVCache):
         else:
             self.attn_sum += attn
 
-    # A chunked prefill's held tokens' sums from the earlier chunks (carry_over), added to the chunk's.
-    carried_attn_sum: Tensor | None = None
-
     def after_prefill(self, keep: Tensor, input_pos: Tensor, k: Tensor, q: Tensor) -> None:
         h2o_rule = self.setting(self.PROMPT_RULE) == "h2o"
         # The h2o prompt rule reads the sums in a chunked prefill's next chunk, even where nothing is evicted
@@ -167,12 +165,6 @@ class HeavyHitterCache(ScoredOnce, KVCache):
             self.attn_history[:, :, :n, :w] = attn.gather(3, keep[:, :, None, :].expand(-1, -1, w, -1)).transpose(2, 3)
             self.attn_steps[:, :, :n] = self.attn_steps[:, :, :n].clamp(max=self.window)
             self.step.fill_(w % self.window)
-
-    def carry_over(self, n: int) -> object:
-        return self.attn_sum[:, :, :n].clone()
-
-    def take_over(self, carried: object) -> None:
-        self.carried_attn_sum = carried
 
     def after_insert(self, slot: Tensor, input_pos: Tensor, k: Tensor) -> None:
         index = slot[..., None]
