@@ -3,8 +3,8 @@ code runs it (`D2O_LayerKVCache`): H2O's eviction, and a compensation that merge
 token its key is closest to, when it is close enough.
 
 Eviction: the held token, per KV head, that has received the least attention in all (the plain sum over every
-query that saw it, the prompt's included: the authors' `hh_score`, not H2O's average), the sinks and the recent
-window kept. The prompt is compressed by the same sums over its own causal attention.
+query that saw it, the prompt's included: the authors' `hh_score`, not heavy_hitter's average), the sinks and the
+recent window kept. The prompt is compressed by the same sums over its own causal attention.
 
 Merge, per KV head: an evicted token's nearest kept token by the cosine similarity s of their keys (as stored:
 after RoPE, before it under --rerotate_positions). Where s averaged over the KV heads reaches the threshold τ, the
@@ -34,17 +34,11 @@ SIMILARITY_BLOCK = 1024
 
 
 def cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Cosine similarity of every row of a [..., m, D] with every row of b [..., n, D]: [..., m, n], float32."""
+    """Cosine similarity of every row of a [..., m, D] with every row of b [..., n, D]: [..., m, n], float32, as dot
+    products over norms (the rows are read, not normalised into copies)."""
     a, b = a.float(), b.float()
-    return (a / a.norm(dim=-1, keepdim=True).clamp(min=1e-6)) @ (b / b.norm(dim=-1, keepdim=True).clamp(min=1e-6)).mT
-
-
-def cosine_to_rows(key: Tensor, rows: Tensor) -> Tensor:
-    """Cosine similarity of one key [B, H, 1, D] with every row of rows [B, H, n, D]: [B, H, n], float32, as dot
-    products over norms (the rows are read, not normalised into a copy)."""
-    key, rows = key.float(), rows.float()
-    dots = (rows @ key.mT)[..., 0]
-    return dots / (rows.norm(dim=-1).clamp(min=1e-6) * key.norm(dim=-1).clamp(min=1e-6))
+    norms = a.norm(dim=-1).clamp(min=1e-6)[..., :, None] * b.norm(dim=-1).clamp(min=1e-6)[..., None, :]
+    return (a @ b.mT) / norms
 
 
 def nearest(evicted: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
@@ -165,9 +159,8 @@ class D2OCache(CarriedAttentionSums, ScoredOnce, KVCache):
         evicted_k, evicted_v = gather_rows(keys, index), gather_rows(values, index)
         others = self.mask[:, :, 0] & (torch.arange(L, device=slot.device) != index)
         # The held keys' similarities and the incoming key's (column L), without copying the keys into one tensor.
-        to_held = cosine_to_rows(evicted_k, keys).masked_fill(~others, float("-inf"))
-        similarity, target = torch.cat([to_held, cosine_to_rows(evicted_k, k)], -1).max(dim=-1)  # [B, H]
-        similarity, target = similarity[..., None], target[..., None]
+        to_held = cosine(evicted_k, keys).masked_fill(~others[:, :, None], float("-inf"))
+        similarity, target = torch.cat([to_held, cosine(evicted_k, k)], -1).max(dim=-1)  # [B, H, 1]
         evicting = (self.filled >= self.row_budget).all(dim=1)  # [B]: the slot holds a token to evict
         merged = self.merge_gate(similarity, evicting)  # [B, 1]
         weight = (similarity * merged[:, None, :])[..., None]  # [B, H, 1, 1]
