@@ -2,14 +2,17 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.streaming_past_context --out results/streaming.json
     python -m benchmarks.streaming_past_context --tokens 4096 --budget 512 --global_tokens 4 0
+    python -m benchmarks.streaming_past_context --strategies recent_global lacache --global_tokens 4 --recent_window 32
 
 Teacher-forces `--tokens` of CPython's pydoc text (default 2× the bundled SmolLM2's 8192-token context)
-through a `recent_global` cache of `--budget` tokens with `--rerotate_positions`, once per value of
-`--global_tokens` (4 attention sinks, and 0: a plain sliding window). The first `--budget` tokens are
-one prefill (nothing evicted yet; its logits score them), every later token goes one at a time through
-the decode path. Reported: perplexity per `--segment` tokens. Where the sequence fits the context, the
-full-attention perplexity of the same tokens (one cache-less forward over the first context-length
-tokens) is the reference; past the context there is none, which is the point.
+through a cache of `--budget` tokens with `--rerotate_positions`, once per strategy of `--strategies` (default
+`recent_global`, StreamingLLM) and value of `--global_tokens` (4 attention sinks, and 0: a plain sliding window).
+The first `--budget` tokens are one prefill (nothing evicted yet; its logits score them), every later token goes
+one at a time through the decode path. Reported: perplexity per `--segment` tokens, and each run's mean NLL
+against the first run's over the same tokens, past the context and within it, with a paired bootstrap interval over
+blocks of `--block` tokens (neighbouring tokens' losses are not independent). Where the sequence fits the context,
+the full-attention perplexity of the same tokens (one cache-less forward over the first context-length tokens) is
+the reference; past the context there is none, which is the point.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolv
 from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
 from eval.data import pydoc_corpus
+from eval.uncertainty import bootstrap_mean
 from flag_types import count, explicit_dests
 from generate import check_lengths, decode_one_token
 from ignored_flags import check_compile_scope_read
@@ -38,9 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="streaming_past_context.py", description=__doc__)
     p.add_argument("--tokens", type=count(3), default=None, help="tokens teacher-forced (default: 2× the context)")
     p.add_argument("--text_offset", type=count(0), default=0, help="first token of the pydoc text used")
-    p.add_argument("--budget", type=count(2), default=1024, help="recent_global budget in tokens (≤ the context)")
+    p.add_argument("--budget", type=count(2), default=1024, help="the cache's budget in tokens (≤ the context)")
+    p.add_argument("--strategies", nargs="+", default=["recent_global"],
+                   help="one run per strategy (and per --global_tokens value), each at its defaults")
     p.add_argument("--global_tokens", type=count(0), nargs="+", default=[4, 0], help="one run per value (sinks)")
+    p.add_argument("--recent_window", type=count(0), default=10,
+                   help="the recent window of the strategies that read one (recent_global holds all it can)")
     p.add_argument("--segment", type=count(), default=1024, help="tokens per reported perplexity")
+    p.add_argument("--block", type=count(), default=256,
+                   help="tokens per block of the paired bootstrap against the first run")
     p.add_argument("--no_reference", action="store_true", help="skip the full-attention reference")
     p.add_argument("--out", default=None, help="write the results as JSON")
     p.add_argument("--overwrite", action="store_true")
@@ -53,11 +63,16 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
-def streaming_nll(model, ids: torch.Tensor, budget: int, global_tokens: int, step, desc: str) -> torch.Tensor:
-    """NLL of tokens 1..N−1 [N−1] under a re-rotating recent_global cache of `budget` tokens."""
+def streaming_config(strategy: str, budget: int, global_tokens: int, recent_window: int) -> argparse.Namespace:
+    """The cache flags of one run: `strategy` at its defaults, re-rotating, `budget` tokens (a UserError for an
+    unknown strategy)."""
+    return cache_config(cache_strategy=[strategy], max_cache_length=[float(budget)], global_tokens=global_tokens,
+                        recent_window=float(recent_window), rerotate_positions=True)
+
+
+def streaming_nll(model, ids: torch.Tensor, config: argparse.Namespace, budget: int, step, desc: str) -> torch.Tensor:
+    """NLL of tokens 1..N−1 [N−1] under a re-rotating cache of `budget` tokens (`config`: streaming_config)."""
     n = ids.shape[1]
-    config = cache_config(cache_strategy=["recent_global"], max_cache_length=[float(budget)],
-                          global_tokens=global_tokens, rerotate_positions=True)
     check_lengths(budget, n - budget, model.args.context_length, rerotate_positions=True)
     attach_caches(model, config, budget, n - budget, quiet=False)
     model.reset_caches()
@@ -96,6 +111,28 @@ def per_segment(nll: torch.Tensor, segment: int) -> list[dict]:
     return rows
 
 
+def run_name(strategy: str, global_tokens: int, args: argparse.Namespace) -> str:
+    """A run's name: its global_tokens value, with the strategy where --strategies names another than the default."""
+    return f"global_tokens={global_tokens}" if args.strategies == ["recent_global"] else \
+        f"{strategy}, global_tokens={global_tokens}"
+
+
+def paired_against(nll: torch.Tensor, reference: torch.Tensor, context: int, block: int) -> dict:
+    """Mean NLL of a run minus the first run's over the same tokens, within the context and past it: the paired
+    bootstrap interval (eval.uncertainty) over blocks of `block` consecutive tokens' mean NLLs (whole blocks only)."""
+    out = {}
+    diff = (nll - reference).double()
+    # nll[t − 1] is token t's: tokens 1..context−1 are within the context, context.. past it.
+    for part, values in (("within_context", diff[: context - 1]), ("past_context", diff[context - 1 :])):
+        blocks = values[: values.shape[0] // block * block].view(-1, block).mean(-1)
+        if blocks.numel() < 2:
+            continue
+        interval = bootstrap_mean(blocks.numpy())
+        out[part] = {"delta_mean_nll": round(interval.estimate, 4), "ci_low": round(interval.low, 4),
+                     "ci_high": round(interval.high, 4), "blocks": blocks.numel()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -105,6 +142,12 @@ def main(argv: list[str] | None = None) -> dict:
     for g in args.global_tokens:
         if g >= args.budget:
             raise UserError(f"--global_tokens {g} leaves no slot of the --budget {args.budget} for recent tokens")
+    configs = {run_name(s, g, args): streaming_config(s, args.budget, g, args.recent_window)
+               for s in dict.fromkeys(args.strategies) for g in args.global_tokens}
+    for config in configs.values():
+        if config.cache_strategy[0] == "full" or config.cache_strategy[0].startswith("debug_"):
+            raise UserError(f"--strategies {config.cache_strategy[0]}: it holds the whole sequence, which cannot "
+                            "stream past the context")
     device = resolve_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device),
                                        allow_non_finite=args.allow_non_finite_weights)
@@ -115,13 +158,16 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError(f"need {tokens} tokens after --text_offset (> --budget), the text has {len(ids)}")
     ids = torch.tensor([ids], device=device)
     step = compile_decode_step(scope=args.compile_scope) if args.compile else decode_one_token
-    runs, started = {}, time.perf_counter()
-    for g in args.global_tokens:
+    runs, losses, started = {}, {}, time.perf_counter()
+    for name, config in configs.items():
         t0 = time.perf_counter()
-        nll = streaming_nll(model, ids, args.budget, g, step, f"global_tokens={g}")
-        runs[f"global_tokens={g}"] = {"segments": per_segment(nll, args.segment),
-                                      "perplexity": round(math.exp(float(nll.double().mean())), 3),
-                                      "seconds": round(time.perf_counter() - t0, 1)}
+        losses[name] = streaming_nll(model, ids, config, args.budget, step, name)
+        runs[name] = {"segments": per_segment(losses[name], args.segment),
+                      "perplexity": round(math.exp(float(losses[name].double().mean())), 3),
+                      "seconds": round(time.perf_counter() - t0, 1)}
+    first = next(iter(losses))
+    for name in list(losses)[1:]:
+        runs[name]["against_first"] = paired_against(losses[name], losses[first], context, args.block)
     reference = None
     if not args.no_reference:
         ref = reference_nll(model, ids[:, : min(tokens, context)])
@@ -146,6 +192,10 @@ def format_table(result: dict, segment: int) -> str:
         if ref:
             cells.append(f"{ref['segments'][i]['perplexity']:.2f}" if i < len(ref["segments"]) else "—")
         lines.append("| " + " | ".join(cells) + " |")
+    for name in names[1:]:
+        for part, d in result["runs"][name].get("against_first", {}).items():
+            lines.append(f"{name} − {names[0]}, {part.replace('_', ' ')}: mean NLL {d['delta_mean_nll']:+.4f} "
+                         f"[{d['ci_low']:+.4f}, {d['ci_high']:+.4f}] ({d['blocks']} blocks)")
     return "\n".join(lines)
 
 
