@@ -41,6 +41,15 @@ def cosine(a: Tensor, b: Tensor) -> Tensor:
     return (a @ b.mT) / norms
 
 
+def cosine_to_one(rows: Tensor, key: Tensor) -> Tensor:
+    """Cosine similarity of every row of rows [B, H, n, D] with one key [B, H, 1, D]: [B, H, n], float32. Products
+    summed over D rather than a matrix product: one fused reduction with the norms when compiled (a decode step's
+    merge has a key a head, and the held keys)."""
+    rows, key = rows.float(), key.float()
+    norms = (rows * rows).sum(-1).sqrt().clamp(min=1e-6) * key.norm(dim=-1).clamp(min=1e-6)
+    return (rows * key).sum(-1) / norms
+
+
 def nearest(evicted: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
     """Each evicted key's [B, H, m, D] most similar kept key [B, H, n, D]: (similarity, index) [B, H, m], in blocks
     of evicted keys."""
@@ -159,8 +168,8 @@ class D2OCache(CarriedAttentionSums, ScoredOnce, KVCache):
         evicted_k, evicted_v = gather_rows(keys, index), gather_rows(values, index)
         others = self.mask[:, :, 0] & (torch.arange(L, device=slot.device) != index)
         # The held keys' similarities and the incoming key's (column L), without copying the keys into one tensor.
-        to_held = cosine(evicted_k, keys).masked_fill(~others[:, :, None], float("-inf"))
-        similarity, target = torch.cat([to_held, cosine(evicted_k, k)], -1).max(dim=-1)  # [B, H, 1]
+        to_held = cosine_to_one(keys, evicted_k).masked_fill(~others, float("-inf"))
+        similarity, target = torch.cat([to_held, cosine_to_one(k, evicted_k)], -1).max(dim=-1, keepdim=True)
         evicting = (self.filled >= self.row_budget).all(dim=1)  # [B]: the slot holds a token to evict
         merged = self.merge_gate(similarity, evicting)  # [B, 1]
         weight = (similarity * merged[:, None, :])[..., None]  # [B, H, 1, 1]
