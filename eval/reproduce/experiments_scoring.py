@@ -300,8 +300,8 @@ register(Experiment(
     varies=frozenset({"d2o_no_merge"}),
     profiles=SHORT_WINDOWS, extra_metrics=FIDELITY_EXTRAS,
     notes=("The paper compares D2O with eviction methods (H2O among them) on 7-8B models and long-context "
-           "benchmarks; here teacher-forced fidelity on pydoc text, the prompt compressed (with merging) and then "
-           "one eviction, merged or dropped, per decoded token.",
+           "benchmarks; here teacher-forced fidelity on pydoc text: the 32-token prompt fills the fifth of the "
+           "window, then one eviction, merged or dropped, per decoded token.",
            "Both arms evict by d2o's own rule (the attention received in all, per KV head), so the comparison "
            "isolates the merge; after a merge the attention, and so what is evicted next, differs. D2O's layer "
            "level (budgets by attention variance) is not built (strategies/d2o.py)."),
