@@ -7,6 +7,7 @@
 Teacher-forces `--tokens` of CPython's pydoc text (default 2× the bundled SmolLM2's 8192-token context)
 through a cache of `--budget` tokens with `--rerotate_positions`, once per strategy of `--strategies` (default
 `recent_global`, StreamingLLM) and value of `--global_tokens` (4 attention sinks, and 0: a plain sliding window).
+A strategy whose cache holds the whole sequence (`full`, a `debug_` twin) runs within the context only.
 The first `--budget` tokens are one prefill (nothing evicted yet; its logits score them), every later token goes
 one at a time through the decode path. Reported: perplexity per `--segment` tokens, and each run's mean NLL
 against the first run's over the same tokens, past the context and within it, with a paired bootstrap interval over
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from atomic_files import write_json_atomic
-from cache_setup import attach_caches, cache_config
+from cache_setup import attach_caches, cache_config, cache_specs
 from checkpoint import add_model_arguments, load_checkpoint, parse_dtype, resolve_device
 from compiled_step import compile_decode_step
 from errors import CliParser, UserError, run_cli
@@ -144,10 +145,6 @@ def main(argv: list[str] | None = None) -> dict:
             raise UserError(f"--global_tokens {g} leaves no slot of the --budget {args.budget} for recent tokens")
     configs = {run_name(s, g, args): streaming_config(s, args.budget, g, args.recent_window)
                for s in dict.fromkeys(args.strategies) for g in args.global_tokens}
-    for config in configs.values():
-        if config.cache_strategy[0] == "full" or config.cache_strategy[0].startswith("debug_"):
-            raise UserError(f"--strategies {config.cache_strategy[0]}: it holds the whole sequence, which cannot "
-                            "stream past the context")
     device = resolve_device(args.device)
     model, tokenizer = load_checkpoint(args.checkpoint_path, device, parse_dtype(args.dtype, device),
                                        allow_non_finite=args.allow_non_finite_weights)
@@ -157,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     if len(ids) < tokens or tokens <= args.budget:
         raise UserError(f"need {tokens} tokens after --text_offset (> --budget), the text has {len(ids)}")
     ids = torch.tensor([ids], device=device)
+    for config in configs.values():  # every run's caches checked before the first runs (a full cache past the context)
+        cache_specs(config, model.args, args.budget, tokens - args.budget)
     step = compile_decode_step(scope=args.compile_scope) if args.compile else decode_one_token
     runs, losses, started = {}, {}, time.perf_counter()
     for name, config in configs.items():

@@ -58,12 +58,13 @@ def nearest(evicted: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([b.values for b in best], -1), torch.cat([b.indices for b in best], -1)
 
 
-def scatter_mean(kept: Tensor, targets: Tensor, weights: Tensor, evicted: Tensor) -> Tensor:
-    """The authors' merge (torch.scatter_reduce 'mean', include_self): kept [B, H, n, D] rows gain the weighted
-    evicted rows [B, H, m, D] aimed at them (targets [B, H, m]; weight 0: not merged), divided by 1 + their number."""
-    merged = (weights != 0).float()
+def scatter_mean(kept: Tensor, targets: Tensor, similarity: Tensor, merged: Tensor, evicted: Tensor) -> Tensor:
+    """The authors' merge (torch.scatter_reduce 'mean', include_self): kept [B, H, n, D] rows gain the evicted rows
+    [B, H, m, D] aimed at them (targets [B, H, m]) that merge (`merged` [B, m]), weighted by their similarity [B, H,
+    m], divided by 1 + their number."""
+    merged = merged[:, None, :].expand_as(similarity).float()
     sums = torch.zeros_like(kept, dtype=torch.float32).scatter_add_(
-        2, targets[..., None].expand_as(evicted), weights[..., None] * evicted.float())
+        2, targets[..., None].expand_as(evicted), (similarity * merged)[..., None] * evicted.float())
     count = torch.zeros(kept.shape[:3], device=kept.device).scatter_add_(2, targets, merged)
     return ((kept.float() + sums) / (1 + count[..., None])).to(kept.dtype)
 
@@ -143,9 +144,8 @@ class D2OCache(CarriedAttentionSums, ScoredOnce, KVCache):
         evicted_k, evicted_v = gather_rows(k, evicted), gather_rows(v, evicted)
         similarity, target = nearest(evicted_k, kept_k)
         merged = self.merge_gate(similarity, torch.ones(B, dtype=torch.bool, device=k.device))
-        weights = similarity * merged[:, None, :]
-        kept_k = scatter_mean(kept_k, target, weights, evicted_k)
-        kept_v = scatter_mean(kept_v, target, weights, evicted_v)
+        kept_k = scatter_mean(kept_k, target, similarity, merged, evicted_k)
+        kept_v = scatter_mean(kept_v, target, similarity, merged, evicted_v)
         if self.prefill_chunk and self.storage.exact_in_chunks:  # the next chunk re-prefills from the merged copies
             self.__dict__["merged_prompt"] = (kept_k, kept_v)
         return kept_k, kept_v

@@ -91,8 +91,6 @@ CONFLICTS: list[tuple[str, list[str], str]] = [
     (BENCH, ["--bound_contexts", "16", "--contexts", "--strategy_contexts", "--speedup_contexts", "--profile_steps",
              "16"], "--profile_steps 16 needs prompts longer than 18 tokens; context 16 is not"),
     (STREAMING, ["--budget", "64", "--global_tokens", "4", "64"], "--global_tokens 64 leaves no slot"),
-    (STREAMING, ["--strategies", "recent_global", "full"], "cannot stream past the context"),
-    (STREAMING, ["--strategies", "debug_l2"], "cannot stream past the context"),
     (STREAMING, ["--strategies", "no_such_rule"], "no_such_rule"),
 ]
 GRID = "tasks: [fidelity, qa]\nargs: {haystack: noise}\n"

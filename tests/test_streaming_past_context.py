@@ -11,6 +11,7 @@ import torch
 
 from benchmarks import streaming_past_context as streaming
 from checkpoint import load_checkpoint
+from errors import run_cli
 from eval.data import pydoc_corpus
 from generate import decode_one_token
 
@@ -52,3 +53,20 @@ def test_a_run_past_the_context_compares_each_strategy_with_the_first(tiny_dir, 
     against = result["runs"][names[1]]["against_first"]
     assert set(against) == {"within_context", "past_context"}
     assert against["past_context"]["blocks"] == 2  # 176 tokens past the context
+
+
+@pytest.mark.parametrize("strategy", ["full", "debug_l2"])
+def test_a_cache_of_the_whole_sequence_is_refused_past_the_context_before_any_run(strategy, tiny_dir, tmp_path,
+                                                                                   capsys):
+    """The tiny checkpoint's context is 1024 tokens: a full cache of 1100 cannot be re-rotated. Refused with one
+    line before the first strategy runs; within the context it runs."""
+    out = tmp_path / "streaming.json"
+    flags = ["--checkpoint_path", str(tiny_dir), "--budget", "32", "--global_tokens", "4", "--no_reference"]
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(streaming.main, [*flags, "--tokens", "1100", "--strategies", "recent_global", strategy,
+                                 "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert "holds the whole sequence" in err[0] and not out.exists()
+    result = streaming.main([*flags, "--tokens", "96", "--strategies", "recent_global", strategy])
+    assert len(result["runs"]) == 2
